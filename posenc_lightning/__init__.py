@@ -1,0 +1,16 @@
+"""posenc-lightning: inject any transformer positional encoding into a LightningModule."""
+
+from posenc_lightning.attention import KVCache, LayerKVCache, PosEncAttentionMixin, PosEncEmbeddingMixin
+from posenc_lightning.callbacks import PosEncCallback
+from posenc_lightning.encodings import (
+    Bias, BiasSum, DecayBias, DenseBias, Encoding, LinearBias, RelativeBias, available_encodings, build_encoding,
+)
+from posenc_lightning.inject import inject, injected_spec, restore_from_checkpoint
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Bias", "BiasSum", "DecayBias", "DenseBias", "Encoding", "KVCache", "LayerKVCache", "LinearBias",
+    "PosEncAttentionMixin", "PosEncCallback", "PosEncEmbeddingMixin", "RelativeBias", "available_encodings",
+    "build_encoding", "inject", "injected_spec", "restore_from_checkpoint",
+]

@@ -1,0 +1,5 @@
+from posenc_lightning.attention.kv_cache import KVCache, LayerKVCache
+from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.attention.mixin import PosEncAttentionMixin, PosEncEmbeddingMixin
+
+__all__ = ["AttentionMask", "KVCache", "LayerKVCache", "PosEncAttentionMixin", "PosEncEmbeddingMixin"]

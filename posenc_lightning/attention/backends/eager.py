@@ -1,0 +1,49 @@
+"""Eager attention: everything in plain PyTorch, in float32. The reference for every other path."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
+
+NAME = "eager"
+
+
+def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:
+    return None
+
+
+def repeat_kv(x: Tensor, n_heads: int) -> Tensor:
+    """Grouped-query attention: repeat each kv head for the query heads of its group."""
+    if x.shape[1] == n_heads:
+        return x
+    if n_heads % x.shape[1]:
+        raise ValueError(f"n_heads={n_heads} is not a multiple of n_kv_heads={x.shape[1]}")
+    return x.repeat_interleave(n_heads // x.shape[1], dim=1)
+
+
+def attention_weights(q: Tensor, k: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
+                      normalize: Callable | None = None, ctx: AttentionContext | None = None) -> Tensor:
+    """The attention matrix ``[B, H, Nq, Nk]`` in float32 (used by the visualizer too)."""
+    k = repeat_kv(k, q.shape[1])
+    logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if bias is not None:
+        logits = logits + bias.materialize()
+    m = mask.materialize(q.device)
+    if normalize is not None:
+        return normalize(logits, m, ctx)
+    if m is not None:
+        logits = logits.masked_fill(~m, float("-inf"))
+        return torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
+    return torch.softmax(logits, dim=-1)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
+           normalize: Callable | None = None, ctx: AttentionContext | None = None) -> Tensor:
+    w = attention_weights(q, k, bias=bias, mask=mask, scale=scale, normalize=normalize, ctx=ctx)
+    out = torch.matmul(w, repeat_kv(v, q.shape[1]).float())
+    return out.to(q.dtype)

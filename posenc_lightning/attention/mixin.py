@@ -1,0 +1,114 @@
+"""The two mixins a user's modules inherit to receive an injected encoding."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from posenc_lightning.attention.backends import resolve_backend
+from posenc_lightning.attention.kv_cache import LayerKVCache
+from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings.base import AttentionContext, Encoding
+
+
+def _nope() -> Encoding:
+    from posenc_lightning.encodings.absolute import NoPE
+
+    return NoPE()
+
+
+def default_positions(batch: int, n: int, offset: int, device: torch.device) -> Tensor:
+    return torch.arange(offset, offset + n, device=device).expand(batch, n)
+
+
+class PosEncAttentionMixin:
+    """Inherit it in your attention module, declare ``n_heads`` and ``head_dim``, and call
+    `attend` instead of your softmax(QK^T)V. With nothing injected it is plain SDPA attention.
+    """
+
+    n_heads: int
+    head_dim: int
+    posenc_backend: str = "auto"
+
+    @property
+    def encoding(self) -> Encoding | None:
+        return getattr(self, "posenc", None)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None = None, causal: bool = True,
+               hidden: Tensor | None = None, cache: LayerKVCache | None = None,
+               segment_ids: Tensor | None = None, key_padding_mask: Tensor | None = None) -> Tensor:
+        """Attention with the injected encoding's stages 2-4.
+
+        Args:
+            q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nq, D]`` (the new tokens only when caching).
+            positions: ``[B, Nq]`` integer (or float) positions of the new tokens, ``[B, Nq, 2]``
+                for 2-D encodings; default ``arange`` after what the cache holds.
+            causal: causal mask by order in the sequence (cached keys come first).
+            hidden: the layer input ``[B, Nq, d_model]``, for content-dependent encodings (fox).
+            cache: this layer's `LayerKVCache` for incremental decoding.
+            segment_ids: ``[B, Nq]`` document ids of a packed batch; attention stays inside a document.
+            key_padding_mask: ``[B, Nk]`` bool, False for padding keys.
+        """
+        enc = self.encoding or _nope()
+        b, _, n, _ = q.shape
+        offset = cache.length if cache is not None else 0
+        if positions is None:
+            if enc.position_dims != 1:
+                raise ValueError(f"{enc.name} needs explicit positions of shape [B, N, {enc.position_dims}]")
+            positions = default_positions(b, n, offset, q.device)
+        elif positions.dim() == 1:
+            positions = positions.expand(b, -1)
+        want = 2 if enc.position_dims == 1 else 3
+        if positions.dim() != want:
+            raise ValueError(f"{enc.name}: positions must be [B, N]{'' if want == 2 else ', 2'} "
+                             f"(got shape {tuple(positions.shape)})")
+        if enc.requires_hidden and hidden is None:
+            raise ValueError(f"{enc.name} is content-dependent: pass hidden=<layer input> to attend()")
+        enc.check_positions(positions)
+        stages = enc.stages
+
+        if cache is None:
+            ctx = AttentionContext(positions, positions, causal, hidden, None, self)
+            if "rotate" in stages:
+                q, k = enc.rotate(q, k, ctx)
+            q_seg = k_seg = segment_ids
+        elif enc.dynamic:
+            k, v, k_pos, k_seg = cache.update(k, v, positions, rotated=False, segments=segment_ids)
+            ctx = AttentionContext(positions, k_pos, causal, hidden, cache, self)
+            if "rotate" in stages:
+                q, k = enc.rotate(q, k, ctx)
+            q_seg = segment_ids
+        else:
+            if "rotate" in stages:
+                q, k = enc.rotate(q, k, AttentionContext(positions, positions, causal, hidden, cache, self))
+            k, v, k_pos, k_seg = cache.update(k, v, positions, rotated=True, segments=segment_ids)
+            ctx = AttentionContext(positions, k_pos, causal, hidden, cache, self)
+            q_seg = segment_ids
+
+        bias = enc.bias(q, k, ctx) if "bias" in stages else None
+        mask = AttentionMask(causal, offset if cache is not None else 0, q.shape[-2], k.shape[-2],
+                             q_seg, k_seg if q_seg is not None else None, key_padding_mask)
+        requires_grad = torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in enc.parameters()))
+        backend = resolve_backend(getattr(self, "posenc_backend", "auto"), enc, q.device, requires_grad)
+        normalize = enc.normalize if "normalize" in stages else None
+        return backend.attend(q, k, v, bias=bias, mask=mask, scale=enc.softmax_scale(q.shape[-1]),
+                              normalize=normalize, ctx=ctx)
+
+
+class PosEncEmbeddingMixin:
+    """Inherit it in the module that makes token embeddings and call `embed_positions` on its
+    output: it applies the injected encoding's stage 1 (sinusoidal, learned), or nothing."""
+
+    d_model: int
+
+    @property
+    def encoding(self) -> Encoding | None:
+        return getattr(self, "posenc", None)
+
+    def embed_positions(self, h: Tensor, positions: Tensor | None = None, offset: int = 0) -> Tensor:
+        enc = self.encoding
+        if enc is None or "embed" not in enc.stages:
+            return h
+        if positions is None:
+            positions = default_positions(h.shape[0], h.shape[1], offset, h.device)
+        return enc.embed(h, positions)

@@ -1,0 +1,3 @@
+from posenc_lightning.callbacks.posenc import PosEncCallback
+
+__all__ = ["PosEncCallback"]

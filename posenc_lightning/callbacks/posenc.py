@@ -1,0 +1,94 @@
+"""`PosEncCallback`: inject an encoding into a LightningModule at ``setup``."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from posenc_lightning.encodings.base import Encoding
+from posenc_lightning.inject import CHECKPOINT_KEY, inject, injected_spec
+
+
+class PosEncCallback(pl.Callback):
+    """Builds the encoding and injects it into every mixin module of the LightningModule.
+
+    Runs at ``setup`` (before the DDP wrap, the optimizer and checkpoint restore) and again right
+    after ``configure_model`` for modules that build their layers there. Idempotent: a second
+    ``setup`` (fit then test) keeps the same encoding and its trained parameters. The encoding's
+    name and config go into the checkpoint (``checkpoint["posenc_lightning"]``) so
+    `posenc_lightning.restore_from_checkpoint` / ``TinyGPT.load_from_checkpoint`` rebuild it.
+
+    Args:
+        encoding: a registered name (``posenc list``) or an `Encoding` instance.
+        backend: ``auto``, ``eager``, ``sdpa``, ``flex`` or ``triton``.
+        share_across_layers: one encoding for all layers (default) or one per layer.
+        log_hparams: log the encoding's hyperparameters to the trainer's loggers.
+        **cfg: the encoding's arguments, when ``encoding`` is a name.
+    """
+
+    def __init__(self, encoding: str | Encoding, backend: str = "auto", share_across_layers: bool = True,
+                 log_hparams: bool = True, **cfg: Any) -> None:
+        self.encoding = encoding
+        self.backend = backend
+        self.share_across_layers = share_across_layers
+        self.log_hparams = log_hparams
+        self.cfg = cfg
+        self.injected: Encoding | None = None
+        self._marker: dict[str, Any] | None = None
+
+    @property
+    def encoding_name(self) -> str:
+        return self.encoding if isinstance(self.encoding, str) else self.encoding.name
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(encoding=self.encoding_name)
+
+    def _inject(self, pl_module: pl.LightningModule) -> None:
+        if self._marker is not None and injected_spec(pl_module) is self._marker:
+            return  # already ours: keep the same (possibly trained) encoding
+        self.injected = inject(pl_module, self.encoding, backend=self.backend,
+                               share_across_layers=self.share_across_layers, **self.cfg)
+        self._marker = injected_spec(pl_module)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._wrap_configure_model(pl_module)
+        try:
+            self._inject(pl_module)
+        except ValueError:
+            if not is_overridden("configure_model", pl_module):
+                raise  # no layers yet and none coming: the error stands
+        if self.log_hparams and self.injected is not None:
+            for logger in trainer.loggers:
+                logger.log_hyperparams(self.injected.hparams_for_logging())
+
+    def _wrap_configure_model(self, pl_module: pl.LightningModule) -> None:
+        if not is_overridden("configure_model", pl_module) or getattr(pl_module, "_posenc_wrapped", False):
+            return
+        original = pl_module.configure_model
+
+        @functools.wraps(original)
+        def configure_model() -> None:
+            original()
+            self._inject(pl_module)
+
+        pl_module.configure_model = configure_model  # type: ignore[method-assign]
+        pl_module._posenc_wrapped = True
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        spec = injected_spec(pl_module)
+        if spec is not None:
+            checkpoint[CHECKPOINT_KEY] = dict(spec)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"encoding": self.encoding_name, "backend": self.backend,
+                "share_across_layers": self.share_across_layers}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("encoding") not in (None, self.encoding_name):
+            raise ValueError(f"this checkpoint was trained with encoding {state_dict['encoding']!r} but the "
+                             f"PosEncCallback injects {self.encoding_name!r}; use the same encoding to resume")

@@ -1,0 +1,67 @@
+"""A plain name -> class table. It imports no encoding; families register themselves."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from typing import Any, Callable, TypeVar
+
+_REGISTRY: dict[str, type] = {}
+T = TypeVar("T", bound=type)
+
+
+def register(name: str, family: str, description: str) -> Callable[[T], T]:
+    """Class decorator: ``@register("rope", "rotate", "Rotary position embedding (Su et al.)")``."""
+
+    def deco(cls: T) -> T:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"encoding name {name!r} is registered twice "
+                             f"({_REGISTRY[name].__qualname__} and {cls.__qualname__})")
+        cls.name = name  # type: ignore[attr-defined]
+        cls.family = family  # type: ignore[attr-defined]
+        cls.description = description  # type: ignore[attr-defined]
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def _load_families() -> None:
+    importlib.import_module("posenc_lightning.encodings")
+
+
+def available_encodings() -> list[str]:
+    """Every registered encoding name, sorted."""
+    _load_families()
+    return sorted(_REGISTRY)
+
+
+def encoding_class(name: str) -> type:
+    _load_families()
+    key = name.lower().replace("-", "_")
+    if key not in _REGISTRY:
+        close = difflib.get_close_matches(key, list(_REGISTRY), n=3)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ValueError(f"Unknown encoding {name!r}.{hint} Known encodings: "
+                         f"{', '.join(sorted(_REGISTRY))}.")
+    return _REGISTRY[key]
+
+
+def build_encoding(name: str, **cfg: Any):
+    """Build a registered encoding by name with its ``__init__`` arguments."""
+    cls = encoding_class(name)
+    sig = inspect.signature(cls.__init__)
+    params = sig.parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(cfg) - set(params) - {"self"})
+        if unknown:
+            valid = [p for p in params if p != "self"]
+            raise TypeError(f"{name}: unknown argument(s) {unknown}; it takes {valid}")
+    return cls(**cfg)
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """``(name, family, description)`` for every encoding (``posenc list``)."""
+    _load_families()
+    return [(n, c.family, c.description) for n, c in sorted(_REGISTRY.items())]

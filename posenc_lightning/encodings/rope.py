@@ -1,0 +1,109 @@
+"""RoPE (Su et al., 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding").
+
+`RotaryEncoding` is the shared path of the whole rotary family: a frequency law
+``frequencies(seq_len) -> (inv_freq, attention_scaling)`` and the rotation of q and k at any
+``[B, N]`` positions. cos/sin tables are cached in non-persistent buffers keyed on device,
+length and `frequencies_key` (so a change of scale never reuses a stale table).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from posenc_lightning.encodings.base import AttentionContext, Encoding
+from posenc_lightning.encodings.registry import register
+from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin, rope_inv_freq
+
+
+class RotaryEncoding(Encoding):
+    """Base of every rotary encoding.
+
+    Args:
+        theta: the frequency base (10000 in RoFormer; 500000 in Llama 3).
+        layout: ``"half"`` (GPT-NeoX/HF ``rotate_half``) or ``"interleaved"`` (RoFormer, Meta).
+        partial_rotary_factor: fraction of each head's channels that rotate (GPT-NeoX: 0.25).
+    """
+
+    needs_even_head_dim = True
+
+    def __init__(self, theta: float = 10000.0, layout: Literal["half", "interleaved"] = "half",
+                 partial_rotary_factor: float = 1.0) -> None:
+        super().__init__()
+        if layout not in ("half", "interleaved"):
+            raise ValueError(f"{self.name}: layout must be 'half' or 'interleaved', got {layout!r}")
+        if not 0.0 < partial_rotary_factor <= 1.0:
+            raise ValueError(f"{self.name}: partial_rotary_factor must be in (0, 1], got {partial_rotary_factor}")
+        self.theta = float(theta)
+        self.layout = layout
+        self.partial_rotary_factor = float(partial_rotary_factor)
+        self.register_buffer("_cos", torch.empty(0), persistent=False)
+        self.register_buffer("_sin", torch.empty(0), persistent=False)
+        self._table_key: Any = None
+
+    @property
+    def rotary_dim(self) -> int:
+        if self.head_dim is None:
+            raise RuntimeError(f"{self.name}: head_dim unknown; call bind(head_dim=...) or inject() first")
+        dim = int(self.head_dim * self.partial_rotary_factor)
+        if dim % 2:
+            raise ValueError(f"{self.name}: rotary dim {dim} (head_dim={self.head_dim} x "
+                             f"partial_rotary_factor={self.partial_rotary_factor}) must be even")
+        return dim
+
+    # ---------------------------------------------------------------- the frequency law
+    def base_inv_freq(self, device: torch.device | None = None) -> Tensor:
+        return rope_inv_freq(self.rotary_dim, self.theta, device=device)
+
+    def frequencies(self, seq_len: int | None = None, device: torch.device | None = None
+                    ) -> tuple[Tensor, float]:
+        """``(inv_freq [rotary_dim/2] float32, attention_scaling)`` for the current length."""
+        return self.base_inv_freq(device), 1.0
+
+    def frequencies_key(self, seq_len: int | None) -> Any:
+        """Identifies the frequencies; None means they must not be cached (learned ones)."""
+        return "static"
+
+    def positions_for_angles(self, positions: Tensor) -> Tensor:
+        """Positions as the angles see them (identity; interpolation variants may override)."""
+        return positions
+
+    # ---------------------------------------------------------------- cos / sin
+    def cos_sin(self, positions: Tensor, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
+        """cos/sin ``[B, N, R/2]`` (or per head ``[B, H, N, R/2]``), float32."""
+        device = positions.device
+        key = self.frequencies_key(seq_len)
+        if key is None or positions.dtype.is_floating_point or not positions.numel():
+            inv_freq, scaling = self.frequencies(seq_len, device)
+            return rope_cos_sin(self.positions_for_angles(positions), inv_freq, scaling)
+        need = int(positions.max()) + 1
+        have = self._cos.shape[-2] if self._cos.dim() >= 2 else 0
+        full_key = (key, device)
+        if full_key != self._table_key or need > have:
+            size = max(need, 2 * have if full_key == self._table_key else need, 256)
+            inv_freq, scaling = self.frequencies(seq_len, device)
+            pos = torch.arange(size, device=device)
+            self._cos, self._sin = rope_cos_sin(self.positions_for_angles(pos), inv_freq, scaling)
+            self._table_key = full_key
+        if self._cos.dim() == 3:  # per-head table [H, L, R/2]
+            return self._cos[:, positions].transpose(0, 1), self._sin[:, positions].transpose(0, 1)
+        return self._cos[positions], self._sin[positions]
+
+    def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
+        seq_len = ctx.seq_len if self.frequencies_key(None) != "static" else None
+        cq, sq = self.cos_sin(ctx.q_pos, seq_len)
+        ck, sk = (cq, sq) if ctx.k_pos is ctx.q_pos else self.cos_sin(ctx.k_pos, seq_len)
+        if ck.dim() == 4 and k.shape[1] != ck.shape[1]:  # per-head freqs with grouped kv heads
+            raise ValueError(f"{self.name}: per-head frequencies need n_kv_heads == n_heads")
+        return apply_rotary(q, cq, sq, self.layout), apply_rotary(k, ck, sk, self.layout)
+
+
+@register("rope", "rotate", "Rotary position embedding: q, k rotated by m*theta_i (Su et al., 2021)")
+class RoPE(RotaryEncoding):
+    """Plain RoPE with base ``theta`` (RoFormer eq. 15); see `RotaryEncoding` for the args."""
+
+    def __init__(self, theta: float = 10000.0, layout: Literal["half", "interleaved"] = "half",
+                 partial_rotary_factor: float = 1.0) -> None:
+        super().__init__(theta=theta, layout=layout, partial_rotary_factor=partial_rotary_factor)

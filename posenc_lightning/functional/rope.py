@@ -1,0 +1,73 @@
+"""Rotary position embedding math (Su et al., 2021, "RoFormer", eq. 13-15).
+
+Frequencies ``theta_i = base^(-2i/d)``; a pair of channels at position m is rotated by the
+angle ``m * theta_i``. Two channel layouts are in use:
+
+* ``"half"`` (GPT-NeoX / Hugging Face ``rotate_half``): pair (x_i, x_{i+d/2});
+* ``"interleaved"`` (the paper, Meta's original LLaMA): pair (x_{2i}, x_{2i+1}).
+
+Angles are always computed in float32 (or float64) from the positions, whatever the dtype of
+q and k, so that large positions stay distinct in bf16 models.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["rope_inv_freq", "rope_angles", "rope_cos_sin", "apply_rotary", "rotate_half"]
+
+
+def rope_inv_freq(dim: int, base: float = 10000.0, device: torch.device | None = None,
+                  dtype: torch.dtype = torch.float32) -> Tensor:
+    """``inv_freq_i = base^(-2i/dim)`` for i in [0, dim/2), as Hugging Face computes it."""
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(dtype) / dim
+    return 1.0 / (base ** exponent)
+
+
+def rope_angles(positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """``m * theta_i`` in float32: positions ``[..., N]`` x inv_freq ``[D/2]`` -> ``[..., N, D/2]``.
+
+    ``inv_freq`` may also be per head ``[H, D/2]``; then positions ``[B, N]`` give
+    ``[B, H, N, D/2]``.
+    """
+    dtype = torch.float64 if inv_freq.dtype == torch.float64 else torch.float32
+    pos = positions.to(dtype)
+    f = inv_freq.to(dtype)
+    if f.dim() == 2:  # per head
+        return pos[..., None, :, None] * f[:, None, :]
+    return pos[..., None] * f
+
+
+def rope_cos_sin(positions: Tensor, inv_freq: Tensor, attention_scaling: float = 1.0
+                 ) -> tuple[Tensor, Tensor]:
+    """cos and sin of the angles (times the attention scaling, as HF folds mscale in)."""
+    ang = rope_angles(positions, inv_freq)
+    return ang.cos() * attention_scaling, ang.sin() * attention_scaling
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "half") -> Tensor:
+    """Rotate the first ``2 * cos.shape[-1]`` channels of ``x`` (partial rotary keeps the rest).
+
+    ``x``: ``[B, H, N, D]``; ``cos``/``sin``: ``[B, N, R/2]`` or ``[B, H, N, R/2]`` (float32).
+    The rotation is done in float32 and cast back to ``x.dtype``.
+    """
+    r = cos.shape[-1] * 2
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    xr, rest = x[..., :r].float(), x[..., r:]
+    if layout == "half":
+        x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    elif layout == "interleaved":
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    else:
+        raise ValueError(f"unknown rotary layout {layout!r}; use 'half' or 'interleaved'")
+    out = out.to(x.dtype)
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out

@@ -1,0 +1,143 @@
+"""``inject(model, encoding)``: build an encoding and hand it to every mixin module."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from posenc_lightning.attention.mixin import PosEncAttentionMixin, PosEncEmbeddingMixin
+from posenc_lightning.attention.backends import BACKENDS, resolve_backend
+from posenc_lightning.encodings.base import Encoding
+from posenc_lightning.encodings.registry import build_encoding, encoding_class
+
+SPEC_ATTR = "_posenc_spec"
+CHECKPOINT_KEY = "posenc_lightning"
+#: model attributes that fill an encoding argument of the same name when the user gave none
+_FROM_MODEL = ("max_seq_len",)
+
+
+def _module_device(m: nn.Module) -> torch.device:
+    for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+        return t.device
+    for t in m.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def _defaults_from_model(model: nn.Module, name: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    params = inspect.signature(encoding_class(name).__init__).parameters
+    out = dict(cfg)
+    for key in _FROM_MODEL:
+        if key in params and key not in out and isinstance(getattr(model, key, None), int):
+            out[key] = getattr(model, key)
+    return out
+
+
+def find_mixin_modules(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    attn = [m for m in model.modules() if isinstance(m, PosEncAttentionMixin)]
+    emb = [m for m in model.modules() if isinstance(m, PosEncEmbeddingMixin)]
+    return attn, emb
+
+
+def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
+           share_across_layers: bool = True, **cfg: Any) -> Encoding:
+    """Put ``encoding`` into every `PosEncAttentionMixin` / `PosEncEmbeddingMixin` of ``model``.
+
+    Replaces whatever was injected before (all four stages together: no table of an earlier
+    encoding stays behind). Returns the encoding (the first layer's when not shared).
+
+    Args:
+        model: any ``nn.Module`` whose attention (and optionally embedding) modules use the mixins.
+        encoding: a registered name (``posenc list``) or an `Encoding` instance.
+        backend: ``auto``, ``eager``, ``sdpa``, ``flex`` or ``triton``.
+        share_across_layers: one encoding (and its parameters) for every layer, or one per layer.
+        **cfg: the encoding's ``__init__`` arguments when ``encoding`` is a name.
+    """
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + BACKENDS}")
+    if isinstance(encoding, Encoding):
+        if cfg:
+            raise TypeError(f"got an Encoding instance and extra arguments {sorted(cfg)}: "
+                            f"configure the instance itself, or pass its name")
+        proto = encoding
+    elif isinstance(encoding, str):
+        proto = build_encoding(encoding, **_defaults_from_model(model, encoding, cfg))
+    else:
+        raise TypeError(f"encoding must be a name or an Encoding, got {type(encoding).__name__}")
+
+    attn, emb = find_mixin_modules(model)
+    if not attn and not emb:
+        raise ValueError(f"{type(model).__name__} has no module that inherits PosEncAttentionMixin or "
+                         f"PosEncEmbeddingMixin: inherit them in your attention / embedding modules")
+    for m in attn + emb:  # replace entirely
+        if getattr(m, "posenc", None) is not None:
+            del m.posenc
+        m.posenc = None
+
+    stages = proto.stages
+    d_model = next((int(m.d_model) for m in emb if getattr(m, "d_model", None)), None)
+    if d_model is None:
+        d_model = next((int(m.d_model) for m in attn if getattr(m, "d_model", None)), None)
+
+    encs: list[Encoding] = []
+    use_attn = bool(stages & {"rotate", "bias", "normalize"})
+    for i, m in enumerate(attn if use_attn else []):
+        for attr in ("n_heads", "head_dim"):
+            if not isinstance(getattr(m, attr, None), int):
+                raise ValueError(f"{type(m).__name__} inherits PosEncAttentionMixin but does not declare "
+                                 f"an integer `{attr}` attribute; set self.{attr} in its __init__")
+        enc = proto if (share_across_layers or i == 0) else _fresh_copy(proto)
+        enc.bind(n_heads=m.n_heads, head_dim=m.head_dim, d_model=d_model)
+        enc.to(_module_device(m))
+        resolve_backend(backend, enc, _module_device(m), requires_grad=False)
+        m.posenc = enc
+        m.posenc_backend = backend
+        encs.append(enc)
+    if "embed" in stages:
+        if not emb:
+            raise ValueError(f"{proto.name} adds positions to the embeddings (stage 1) but no module of "
+                             f"{type(model).__name__} inherits PosEncEmbeddingMixin")
+        for m in emb:
+            enc = encs[0] if encs else proto
+            enc.bind(d_model=int(getattr(m, "d_model", d_model) or d_model))
+            enc.to(_module_device(m))
+            m.posenc = enc
+            encs.append(enc)
+    if not encs:
+        encs.append(proto)
+    setattr(model, SPEC_ATTR, {
+        "encoding": proto.name, "config": proto.config(), "backend": backend,
+        "share_across_layers": share_across_layers,
+    })
+    return encs[0]
+
+
+def _fresh_copy(proto: Encoding) -> Encoding:
+    """A new instance with the same arguments (own parameters, own initialisation)."""
+    if hasattr(proto, "_init_args"):
+        fresh = type(proto)(**proto._init_args)
+        for attr in ("n_heads", "head_dim", "d_model"):
+            if getattr(fresh, attr) is None and getattr(proto, attr) is not None:
+                setattr(fresh, attr, getattr(proto, attr))
+        return fresh
+    return proto.replicate()
+
+
+def injected_spec(model: nn.Module) -> dict[str, Any] | None:
+    """What `inject` last put into ``model`` (name, config, backend, sharing), or None."""
+    return getattr(model, SPEC_ATTR, None)
+
+
+def restore_from_checkpoint(model: nn.Module, checkpoint: dict[str, Any]) -> Encoding | None:
+    """Re-inject the encoding a checkpoint was saved with (call it in ``on_load_checkpoint``:
+    Lightning runs that hook before loading the state dict)."""
+    spec = checkpoint.get(CHECKPOINT_KEY)
+    if not spec:
+        return None
+    if injected_spec(model) == spec:
+        return None
+    return inject(model, spec["encoding"], backend=spec.get("backend", "auto"),
+                  share_across_layers=spec.get("share_across_layers", True), **spec.get("config", {}))

@@ -1,0 +1,186 @@
+"""TinyGPT: a small decoder-only LightningModule built on the mixins (the reference model)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from posenc_lightning.attention.kv_cache import KVCache
+from posenc_lightning.attention.mixin import PosEncAttentionMixin, PosEncEmbeddingMixin
+from posenc_lightning.inject import CHECKPOINT_KEY, inject, injected_spec, restore_from_checkpoint
+
+
+class TokenEmbedding(nn.Module, PosEncEmbeddingMixin):
+    def __init__(self, vocab_size: int, d_model: int) -> None:
+        super().__init__()
+        self.d_model = d_model
+        self.tok = nn.Embedding(vocab_size, d_model)
+
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None, offset: int = 0) -> Tensor:
+        return self.embed_positions(self.tok(input_ids), positions, offset)
+
+
+class CausalSelfAttention(nn.Module, PosEncAttentionMixin):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, dropout: float = 0.0) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads or n_heads
+        self.head_dim = d_model // n_heads
+        self.qkv = nn.Linear(d_model, (n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, positions: Tensor | None = None, cache: Any = None,
+                segment_ids: Tensor | None = None) -> Tensor:
+        b, n, _ = x.shape
+        hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([hq * d, hk * d, hk * d], dim=-1)
+        q = q.view(b, n, hq, d).transpose(1, 2)
+        k = k.view(b, n, hk, d).transpose(1, 2)
+        v = v.view(b, n, hk, d).transpose(1, 2)
+        y = self.attend(q, k, v, positions=positions, causal=True, hidden=x, cache=cache, segment_ids=segment_ids)
+        return self.dropout(self.proj(y.transpose(1, 2).reshape(b, n, hq * d)))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None, mlp_ratio: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, n_kv_heads, dropout)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, mlp_ratio * d_model), nn.GELU(),
+                                 nn.Linear(mlp_ratio * d_model, d_model), nn.Dropout(dropout))
+
+    def forward(self, x: Tensor, positions: Tensor | None, cache: Any, segment_ids: Tensor | None) -> Tensor:
+        x = x + self.attn(self.ln1(x), positions, cache, segment_ids)
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(pl.LightningModule):
+    """A pre-LayerNorm decoder-only transformer over bytes.
+
+    Batches are ``(input_ids, targets)`` pairs of ``[B, seq_len]`` LongTensors. The encoding
+    named here is injected at construction; a `PosEncCallback` replaces it at ``setup``.
+
+    Args:
+        vocab_size: 256 for the byte-level corpus.
+        d_model, n_layers, n_heads, n_kv_heads: the sizes (``n_kv_heads`` < ``n_heads`` is GQA).
+        max_seq_len: the training length (also the learned table size when ``encoding="learned"``).
+        encoding, encoding_cfg, backend: what `posenc_lightning.inject` puts in; None for nothing.
+        lr, weight_decay, warmup_steps, min_lr_ratio: AdamW with linear warmup and cosine decay
+            over ``trainer.max_steps``.
+    """
+
+    def __init__(self, vocab_size: int = 256, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
+                 n_kv_heads: int | None = None, max_seq_len: int = 1024, mlp_ratio: int = 4,
+                 dropout: float = 0.0, encoding: str | None = "rope", encoding_cfg: dict[str, Any] | None = None,
+                 backend: str = "auto", lr: float = 3e-3, weight_decay: float = 0.1, warmup_steps: int = 30,
+                 min_lr_ratio: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.max_seq_len = max_seq_len
+        self.embed = TokenEmbedding(vocab_size, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, n_kv_heads, mlp_ratio, dropout) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self.lm_head.weight = self.embed.tok.weight
+        self.apply(self._init_weights)
+        if encoding is not None:
+            inject(self, encoding, backend=backend, **(encoding_cfg or {}))
+        from torchmetrics import MeanMetric
+
+        self.val_nll = MeanMetric()
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    # ---------------------------------------------------------------- model
+    def new_cache(self) -> KVCache:
+        return KVCache(len(self.blocks))
+
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None, cache: KVCache | None = None,
+                segment_ids: Tensor | None = None) -> Tensor:
+        offset = cache.length if cache is not None else 0
+        x = self.embed(input_ids, positions, offset)
+        for i, block in enumerate(self.blocks):
+            x = block(x, positions, cache[i] if cache is not None else None, segment_ids)
+        return self.lm_head(self.ln_f(x))
+
+    def token_nll(self, input_ids: Tensor, targets: Tensor, **kw: Any) -> Tensor:
+        """Per-token negative log-likelihood ``[B, N]`` (float32)."""
+        logits = self(input_ids, **kw)
+        return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, max_new_tokens: int, use_cache: bool = True) -> Tensor:
+        """Greedy decoding; with ``use_cache`` only the new token runs through the model."""
+        out = input_ids
+        cache = self.new_cache() if use_cache else None
+        step_in = input_ids
+        for _ in range(max_new_tokens):
+            logits = self(step_in, cache=cache) if use_cache else self(out)
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            out = torch.cat((out, nxt), dim=1)
+            step_in = nxt
+        return out
+
+    # ---------------------------------------------------------------- Lightning
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = self.token_nll(x, y).mean()
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        nll = self.token_nll(x, y)
+        self.val_nll.update(nll)
+
+    def on_validation_epoch_end(self) -> None:
+        mean = self.val_nll.compute()
+        self.val_nll.reset()
+        self.log("val/loss", mean, prog_bar=True)
+        self.log("val/ppl", torch.exp(mean), prog_bar=True)
+
+    def configure_optimizers(self) -> Any:
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            (decay if p.dim() >= 2 and "posenc" not in name else no_decay).append(p)
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}],
+                                lr=self.hparams.lr, betas=(0.9, 0.95))
+        total = self.trainer.max_steps if self.trainer and self.trainer.max_steps > 0 else None
+        if total is None:
+            return opt
+        warm, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
+
+        def lr_lambda(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            t = min(1.0, (step - warm) / max(1, total - warm))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        spec = injected_spec(self)
+        if spec is not None:
+            checkpoint[CHECKPOINT_KEY] = dict(spec)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        restore_from_checkpoint(self, checkpoint)
