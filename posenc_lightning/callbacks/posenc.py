@@ -84,6 +84,14 @@ class PosEncCallback(pl.Callback):
         if spec is not None:
             checkpoint[CHECKPOINT_KEY] = dict(spec)
 
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        saved = (checkpoint.get(CHECKPOINT_KEY) or {}).get("encoding")
+        if saved is not None and saved != self.encoding_name:
+            raise ValueError(f"this checkpoint was trained with encoding {saved!r} but the PosEncCallback "
+                             f"injects {self.encoding_name!r}; resume with PosEncCallback({saved!r}) (or start "
+                             f"a new run from the weights with load_from_checkpoint to switch encodings)")
+
     def state_dict(self) -> dict[str, Any]:
         return {"encoding": self.encoding_name, "backend": self.backend,
                 "share_across_layers": self.share_across_layers}
