@@ -1,0 +1,61 @@
+"""CoPE (Golovneva et al., 2024, "Contextual Position Encoding: Learning to Count What's
+Important"): positions counted by content gates, added to the logits as ``z_i[p_ij]``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding
+from posenc_lightning.encodings.registry import register
+from posenc_lightning.functional.cope import cope_interpolate, cope_positions
+
+
+@register("cope", "bias", "Contextual position encoding: gated counts of keys, interpolated position embeddings (Golovneva et al., 2024)")
+class CoPE(Encoding):
+    """``logits_ij += z_i[p_ij]`` with ``g_ij = sigmoid(q_i.k_j / sqrt(d))`` (the scaled logits, as
+    the paper's code), ``p_ij = sum_{t=j..i} g_it`` clamped to ``max_position - 1``, and
+    ``z_i[p] = q_i . e[p]`` interpolated at fractional ``p`` (eqs. 3-5).
+
+    Args:
+        max_position: number of position embeddings ``e[0..max_position-1]`` (the clamp).
+        per_head: one embedding table per head instead of one shared by the heads.
+        init_std: embeddings start at ``N(0, init_std)`` (0 = zeros, the paper's init).
+    """
+
+    def __init__(self, max_position: int = 64, per_head: bool = False, init_std: float = 0.0) -> None:
+        super().__init__()
+        if max_position < 2:
+            raise ValueError(f"cope: max_position must be >= 2, got {max_position}")
+        self.max_position = max_position
+        self.per_head = per_head
+        self.init_std = init_std
+        self.pos_emb: nn.Parameter | None = None
+
+    def _ready(self) -> bool:
+        return self.head_dim is not None and (self.n_heads is not None or not self.per_head)
+
+    def build(self) -> None:
+        heads = self.n_heads if self.per_head else 1
+        w = torch.zeros(heads, self.head_dim, self.max_position)
+        if self.init_std > 0:
+            nn.init.normal_(w, std=self.init_std)
+        self.pos_emb = nn.Parameter(w)
+
+    def gates(self, q: Tensor, k: Tensor) -> Tensor:
+        """``sigmoid(q_i . k_j / sqrt(d))`` ``[B, H, Nq, Nk]`` float32 (GQA keys repeated)."""
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.softmax_scale(q.shape[-1])
+        return torch.sigmoid(logits)
+
+    def positions(self, q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
+        """Contextual positions ``[B, H, Nq, Nk]`` (unclamped)."""
+        return cope_positions(self.gates(q, k), causal, q_offset=k.shape[-2] - q.shape[-2])
+
+    def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
+        if self.pos_emb is None:
+            raise RuntimeError("cope: head_dim unknown; call bind(head_dim=...) or inject() first")
+        pos = self.positions(q, k, ctx.causal).clamp(max=self.max_position - 1)
+        z = torch.matmul(q.float(), self.pos_emb.float())  # [B, H, Nq, P]
+        return DenseBias(cope_interpolate(z, pos))
