@@ -1,0 +1,219 @@
+"""Rotary context extension: pi, ntk, dynamic_ntk, yarn, llama3, long_rope.
+
+Each is a `RotaryEncoding` with its own frequency law (`posenc_lightning.functional.rope_scaling`)
+and the Hugging Face ``rope_parameters`` semantics. All have ``factor`` and ``set_scale(factor)``
+(the context curriculum calls it every step); the cos/sin cache is keyed on `frequencies_key`,
+which includes the factor, so a new scale never reuses a stale table.
+
+``dynamic_ntk`` and ``long_rope`` depend on the current length (largest key position + 1), so
+they are ``dynamic``: the KV cache keeps their keys un-rotated and all keys are rotated with the
+current frequencies at attend time. Unlike HF's stateful ``dynamic_rope_update`` (which keeps
+the largest length seen), the frequencies here are a pure function of the current length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from posenc_lightning.encodings.registry import register
+from posenc_lightning.encodings.rope import RotaryEncoding
+from posenc_lightning.functional.rope_scaling import (
+    dynamic_ntk_inv_freq, llama3_inv_freq, longrope_attention_factor, longrope_inv_freq, ntk_inv_freq,
+    pi_inv_freq, yarn_attention_factor, yarn_inv_freq,
+)
+
+Layout = Literal["half", "interleaved"]
+
+
+class ScaledRotary(RotaryEncoding):
+    """A rotary encoding with a run-time scale ``factor`` over ``original_max_position_embeddings``."""
+
+    def __init__(self, factor: float = 4.0, original_max_position_embeddings: int = 512, theta: float = 10000.0,
+                 layout: Layout = "half", partial_rotary_factor: float = 1.0) -> None:
+        super().__init__(theta=theta, layout=layout, partial_rotary_factor=partial_rotary_factor)
+        if int(original_max_position_embeddings) < 1:
+            raise ValueError(f"{self.name}: original_max_position_embeddings must be >= 1, "
+                             f"got {original_max_position_embeddings}")
+        self.original_max_position_embeddings = int(original_max_position_embeddings)
+        self.factor = 1.0
+        self.set_scale(factor)
+
+    def set_scale(self, factor: float) -> None:
+        """Change the scale at run time; the cos/sin table is rebuilt on next use."""
+        factor = float(factor)
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"{self.name}: factor must be a positive number (1 = no scaling), got {factor}")
+        self.factor = factor
+
+    def _law_key(self) -> tuple:
+        return ()
+
+    def frequencies_key(self, seq_len: int | None) -> Any:
+        return (self.name, self.factor, self.theta, self.original_max_position_embeddings) + self._law_key()
+
+
+@register("pi", "rotate", "Position interpolation: rope at positions m/s (Chen et al., 2023)")
+class PositionInterpolation(ScaledRotary):
+    """PI (Chen et al., 2023, eq. 2): ``f'(x, m) = f(x, m L / L')``; implemented as ``theta_i / s``
+    like HF's ``linear`` rope_type."""
+
+    def __init__(self, factor: float = 4.0, original_max_position_embeddings: int = 512, theta: float = 10000.0,
+                 layout: Layout = "half", partial_rotary_factor: float = 1.0) -> None:
+        super().__init__(factor, original_max_position_embeddings, theta, layout, partial_rotary_factor)
+
+    def frequencies(self, seq_len: int | None = None, device: torch.device | None = None) -> tuple[Tensor, float]:
+        return pi_inv_freq(self.rotary_dim, self.theta, self.factor, device), 1.0
+
+
+@register("ntk", "rotate", "NTK-aware scaled rope: base b*s^(d/(d-2)) (bloc97, 2023)")
+class NTKAware(ScaledRotary):
+    """NTK-aware interpolation: rope with base ``theta * factor^(d/(d-2))`` at every length."""
+
+    def __init__(self, factor: float = 4.0, original_max_position_embeddings: int = 512, theta: float = 10000.0,
+                 layout: Layout = "half", partial_rotary_factor: float = 1.0) -> None:
+        super().__init__(factor, original_max_position_embeddings, theta, layout, partial_rotary_factor)
+
+    def frequencies(self, seq_len: int | None = None, device: torch.device | None = None) -> tuple[Tensor, float]:
+        return ntk_inv_freq(self.rotary_dim, self.theta, self.factor, device), 1.0
+
+
+@register("dynamic_ntk", "rotate", "Dynamic NTK: base grows with the current length (HF 'dynamic')")
+class DynamicNTK(ScaledRotary):
+    """Dynamic NTK scaling (HF ``dynamic``): base ``theta * (s L / L_orig - (s - 1))^(d/(d-2))``
+    with L the current length (largest key position + 1); plain rope for ``L <= L_orig``.
+    HF's ``max_position_embeddings`` is ``original_max_position_embeddings`` here."""
+
+    dynamic = True
+
+    def __init__(self, factor: float = 4.0, original_max_position_embeddings: int = 512, theta: float = 10000.0,
+                 layout: Layout = "half", partial_rotary_factor: float = 1.0) -> None:
+        super().__init__(factor, original_max_position_embeddings, theta, layout, partial_rotary_factor)
+
+    def _effective_len(self, seq_len: int | None) -> int:
+        return max(int(seq_len or 0), self.original_max_position_embeddings)
+
+    def frequencies(self, seq_len: int | None = None, device: torch.device | None = None) -> tuple[Tensor, float]:
+        return dynamic_ntk_inv_freq(self.rotary_dim, self.theta, self.factor, self._effective_len(seq_len),
+                                    self.original_max_position_embeddings, device), 1.0
+
+    def frequencies_key(self, seq_len: int | None) -> Any:
+        return super().frequencies_key(seq_len) + (self._effective_len(seq_len),)
+
+
+@register("yarn", "rotate", "YaRN: NTK-by-parts ramp + attention temperature (Peng et al., 2023)")
+class YaRN(ScaledRotary):
+    """YaRN (Peng et al., 2023, eq. 17-22), HF ``yarn`` semantics.
+
+    Args:
+        beta_fast, beta_slow: rotation counts bounding the ramp (32 and 1 in the paper).
+        mscale, mscale_all_dim: DeepSeek's attention factor ``get_mscale(s, mscale)/get_mscale(s, mscale_all_dim)``.
+        attention_factor: explicit cos/sin scale (default ``0.1 ln s + 1``).
+        truncate: floor/ceil the ramp bounds (HF default True; gpt-oss uses False).
+    """
+
+    def __init__(self, factor: float = 4.0, original_max_position_embeddings: int = 512, theta: float = 10000.0,
+                 beta_fast: float = 32.0, beta_slow: float = 1.0, mscale: float | None = None,
+                 mscale_all_dim: float | None = None, attention_factor: float | None = None, truncate: bool = True,
+                 layout: Layout = "half", partial_rotary_factor: float = 1.0) -> None:
+        self.beta_fast, self.beta_slow = float(beta_fast), float(beta_slow)
+        self.mscale, self.mscale_all_dim = mscale, mscale_all_dim
+        self.attention_factor, self.truncate = attention_factor, bool(truncate)
+        super().__init__(factor, original_max_position_embeddings, theta, layout, partial_rotary_factor)
+
+    def _law_key(self) -> tuple:
+        return (self.beta_fast, self.beta_slow, self.mscale, self.mscale_all_dim, self.attention_factor,
+                self.truncate)
+
+    def attention_scaling(self) -> float:
+        return yarn_attention_factor(self.factor, self.mscale, self.mscale_all_dim, self.attention_factor)
+
+    def frequencies(self, seq_len: int | None = None, device: torch.device | None = None) -> tuple[Tensor, float]:
+        inv = yarn_inv_freq(self.rotary_dim, self.theta, self.factor, self.original_max_position_embeddings,
+                            self.beta_fast, self.beta_slow, self.truncate, device)
+        return inv, self.attention_scaling()
+
+
+@register("llama3", "rotate", "Llama 3.1 rope scaling: wavelength bands, smooth in between")
+class Llama3(ScaledRotary):
+    """Llama 3.1 frequency scaling (HF ``llama3``); defaults: factor 8, bands 1 and 4 in Llama 3.1."""
+
+    def __init__(self, factor: float = 4.0, original_max_position_embeddings: int = 512, theta: float = 10000.0,
+                 low_freq_factor: float = 1.0, high_freq_factor: float = 4.0, layout: Layout = "half",
+                 partial_rotary_factor: float = 1.0) -> None:
+        if not high_freq_factor > low_freq_factor:
+            raise ValueError(f"llama3: high_freq_factor ({high_freq_factor}) must exceed low_freq_factor "
+                             f"({low_freq_factor})")
+        self.low_freq_factor, self.high_freq_factor = float(low_freq_factor), float(high_freq_factor)
+        super().__init__(factor, original_max_position_embeddings, theta, layout, partial_rotary_factor)
+
+    def _law_key(self) -> tuple:
+        return (self.low_freq_factor, self.high_freq_factor)
+
+    def frequencies(self, seq_len: int | None = None, device: torch.device | None = None) -> tuple[Tensor, float]:
+        return llama3_inv_freq(self.rotary_dim, self.theta, self.factor, self.original_max_position_embeddings,
+                               self.low_freq_factor, self.high_freq_factor, device), 1.0
+
+
+@register("long_rope", "rotate", "LongRoPE: per-dimension rescale factors, short/long sets (Ding et al., 2024)")
+class LongRoPE(ScaledRotary):
+    """LongRoPE (Ding et al., 2024, eq. 4), HF ``longrope`` semantics (Phi-3).
+
+    ``theta_i / lambda_i`` with ``short_factor`` while the length is ``<= L_orig`` and
+    ``long_factor`` beyond; cos/sin scaled by ``sqrt(1 + ln s / ln L_orig)``.
+
+    Args:
+        factor: the extension ratio s; None -> ``max_position_embeddings / original_max_position_embeddings``.
+        short_factor, long_factor: ``rotary_dim/2`` rescale factors each; None -> all 1 (short) and
+            all ``factor`` (long, i.e. position interpolation, following later `set_scale` calls).
+        attention_factor: explicit cos/sin scale.
+    """
+
+    dynamic = True
+
+    def __init__(self, factor: float | None = None, short_factor: list[float] | None = None,
+                 long_factor: list[float] | None = None, original_max_position_embeddings: int = 512,
+                 max_position_embeddings: int = 2048, theta: float = 10000.0, attention_factor: float | None = None,
+                 layout: Layout = "half", partial_rotary_factor: float = 1.0) -> None:
+        self.max_position_embeddings = int(max_position_embeddings)
+        self.attention_factor = attention_factor
+        self.short_factor: list[float] | None = None
+        self.long_factor: list[float] | None = None
+        if factor is None:
+            factor = self.max_position_embeddings / int(original_max_position_embeddings)
+        super().__init__(factor, original_max_position_embeddings, theta, layout, partial_rotary_factor)
+        self.set_factors(short_factor, long_factor)
+
+    def set_factors(self, short_factor: Sequence[float] | Tensor | None = None,
+                    long_factor: Sequence[float] | Tensor | None = None) -> None:
+        """Replace the short and/or long rescale factors (None keeps the current set)."""
+        for attr, val in (("short_factor", short_factor), ("long_factor", long_factor)):
+            if val is None:
+                continue
+            vals = [float(x) for x in (val.tolist() if isinstance(val, Tensor) else val)]
+            if any(not math.isfinite(x) or x <= 0 for x in vals):
+                raise ValueError(f"long_rope: {attr} must be positive finite numbers, got {vals}")
+            if self.head_dim is not None and len(vals) != self.rotary_dim // 2:
+                raise ValueError(f"long_rope: {attr} needs rotary_dim/2 = {self.rotary_dim // 2} values, got {len(vals)}")
+            setattr(self, attr, vals)
+
+    def attention_scaling(self) -> float:
+        return longrope_attention_factor(self.factor, self.original_max_position_embeddings, self.attention_factor)
+
+    def factors(self, seq_len: int | None) -> list[float]:
+        """The rescale factors in use at this length (``long`` iff ``seq_len > L_orig``)."""
+        n = self.rotary_dim // 2
+        if seq_len and seq_len > self.original_max_position_embeddings:
+            return self.long_factor if self.long_factor is not None else [self.factor] * n
+        return self.short_factor if self.short_factor is not None else [1.0] * n
+
+    def frequencies(self, seq_len: int | None = None, device: torch.device | None = None) -> tuple[Tensor, float]:
+        return longrope_inv_freq(self.rotary_dim, self.theta, self.factors(seq_len), device), self.attention_scaling()
+
+    def frequencies_key(self, seq_len: int | None) -> Any:
+        long = bool(seq_len and seq_len > self.original_max_position_embeddings)
+        return super().frequencies_key(seq_len) + (long, tuple(self.factors(seq_len)), self.attention_factor)
