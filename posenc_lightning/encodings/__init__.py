@@ -18,3 +18,4 @@ for _m in pkgutil.iter_modules(__path__):
 
 __all__ = ["AttentionContext", "Bias", "BiasSum", "DecayBias", "DenseBias", "Encoding", "LinearBias",
            "RelativeBias", "available_encodings", "build_encoding", "register"]
+from posenc_lightning.encodings.hf import from_hf  # noqa: E402  (rotary: HF rope_parameters -> encoding)
