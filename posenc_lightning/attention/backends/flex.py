@@ -1,0 +1,141 @@
+"""``torch.nn.attention.flex_attention``: rotary is applied before; every bias kind becomes a
+term of one ``score_mod`` (positions looked up per (b, q_idx, kv_idx), so KV-cache offsets and
+packed documents need no special case); causality, packed documents (segment ids) and padding
+become a ``mask_mod`` and a block mask, so fully masked blocks are skipped.
+
+Compiled on GPU. On CPU flex runs eagerly (the unfused reference path) and has no backward:
+`supports` refuses a CPU call that needs gradients, so ``auto`` never picks flex for CPU training.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings.base import (AttentionContext, Bias, DecayBias, DenseBias, Encoding, LinearBias,
+                                             RelativeBias)
+
+NAME = "flex"
+
+ScoreTerm = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def _flex_module():
+    from torch.nn.attention import flex_attention as fa
+
+    return fa
+
+
+def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:
+    try:
+        _flex_module()
+    except ImportError as e:  # pragma: no cover - torch < 2.5
+        return f"torch.nn.attention.flex_attention is unavailable ({e})"
+    if "normalize" in encoding.stages:
+        return f"{encoding.name} replaces softmax (stage 4), which flex attention cannot do"
+    if device.type == "cpu" and requires_grad:
+        return "flex attention has no backward on CPU (it runs eagerly, forward only); use 'sdpa' or 'eager' to train"
+    if device.type not in ("cpu", "cuda", "xpu"):
+        return f"flex attention does not run on {device.type}"
+    return None
+
+
+# ------------------------------------------------------------------------------- score_mod
+def _term(bias: Bias, b_size: int, n_heads: int) -> ScoreTerm:
+    """``f(b, h, q_idx, kv_idx)`` giving one bias kind's value (float32)."""
+    if isinstance(bias, LinearBias):
+        slopes = bias.slopes.to(torch.float32)
+        qp, kp = bias.q_pos.to(torch.float32), bias.k_pos.to(torch.float32)
+        return lambda b, h, qi, ki: -slopes[h] * (qp[b, qi] - kp[b, ki]).abs()
+    if isinstance(bias, RelativeBias):
+        r = bias.max_distance
+        table = bias.table.to(torch.float32)
+        qp, kp = bias.q_pos.long(), bias.k_pos.long()
+        return lambda b, h, qi, ki: table[h, (qp[b, qi] - kp[b, ki]).clamp(-r, r) + r]
+    if isinstance(bias, DecayBias):
+        cq, ck = bias.c_q.to(torch.float32), bias.c_k.to(torch.float32)
+        return lambda b, h, qi, ki: cq[b, h, qi] - ck[b, h, ki]
+    if isinstance(bias, DenseBias):
+        t = bias.tensor.to(torch.float32)
+        t = t.expand(b_size, n_heads, *t.shape[-2:])
+        return lambda b, h, qi, ki: t[b, h, qi, ki]
+    t = bias.materialize().expand(b_size, n_heads, -1, -1)  # an unknown kind: dense fallback
+    return lambda b, h, qi, ki: t[b, h, qi, ki]
+
+
+def score_mod_for(bias: Bias | None, b_size: int, n_heads: int) -> Callable | None:
+    """One ``score_mod(score, b, h, q_idx, kv_idx)`` adding every term of ``bias``."""
+    if bias is None:
+        return None
+    terms = [_term(t, b_size, n_heads) for t in bias.terms]
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+        out = score.to(torch.float32)
+        for f in terms:
+            out = out + f(b, h, qi, ki)
+        return out.to(score.dtype)
+
+    return score_mod
+
+
+# ------------------------------------------------------------------------------- masks
+def mask_mod_for(mask: AttentionMask) -> tuple[Callable | None, bool]:
+    """``(mask_mod, depends_on_batch)`` for an `AttentionMask` (None when all is allowed)."""
+    if mask.is_trivial:
+        return None, False
+    fa = _flex_module()
+    mods = []
+    per_batch = False
+    if mask.causal:
+        off = mask.q_offset
+        mods.append(lambda b, h, qi, ki: ki <= qi + off)
+    if mask.q_segments is not None:
+        qs = mask.q_segments
+        ks = mask.k_segments if mask.k_segments is not None else mask.q_segments
+        mods.append(lambda b, h, qi, ki: qs[b, qi] == ks[b, ki])
+        per_batch = True
+    if mask.k_valid is not None:
+        kv = mask.k_valid
+        mods.append(lambda b, h, qi, ki: kv[b, ki])
+        per_batch = True
+    return (mods[0] if len(mods) == 1 else fa.and_masks(*mods)), per_batch
+
+
+def block_mask_for(mask: AttentionMask, batch: int, device: torch.device):
+    mod, per_batch = mask_mod_for(mask)
+    if mod is None:
+        return None
+    fa = _flex_module()
+    return fa.create_block_mask(mod, batch if per_batch else None, None, mask.n_q, mask.n_k, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    return torch.compile(_flex_module().flex_attention, dynamic=None)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
+           normalize: Callable | None = None, ctx: AttentionContext | None = None) -> Tensor:
+    if normalize is not None:
+        raise ValueError("the flex backend cannot replace softmax; use backend='eager'")
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("flex attention has no backward on CPU; use backend='sdpa' or 'eager' to train, "
+                         "or run under torch.no_grad()")
+    fa = _flex_module()
+    b, h = q.shape[0], q.shape[1]
+    score_mod = score_mod_for(bias, b, h)
+    block_mask = block_mask_for(mask, b, q.device)
+    gqa = k.shape[1] != h
+    dtype = q.dtype
+    k, v = k.to(dtype), v.to(dtype)
+    if q.device.type == "cpu":
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            return fa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                     enable_gqa=gqa)
+    return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
