@@ -59,7 +59,8 @@ class PosEncAttentionMixin:
         elif positions.dim() == 1:
             positions = positions.expand(b, -1)
         want = 2 if enc.position_dims == 1 else 3
-        if positions.dim() != want:
+        # encodings with ``accepts_nd_positions`` (rope_2d, liere, comrope) take [B, N] or [B, N, k]
+        if positions.dim() != want and not (positions.dim() == 3 and getattr(enc, "accepts_nd_positions", False)):
             raise ValueError(f"{enc.name}: positions must be [B, N]{'' if want == 2 else ', 2'} "
                              f"(got shape {tuple(positions.shape)})")
         if enc.requires_hidden and hidden is None:
