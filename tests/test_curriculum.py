@@ -82,8 +82,8 @@ class StopAt(pl.Callback):
 
 
 def _run(tmp_path, max_steps, ckpt_every=None, resume=None, stop_at=None):
-    cur = ContextCurriculum([Stage(0, 16), Stage(3, 32, batch_size=2, lr_warmup_steps=2), Stage(7, 48)],
-                            seed=3)
+    cur = ContextCurriculum([Stage(0, 16, scale=1.0), Stage(3, 32, batch_size=2, scale=2.0, lr_warmup_steps=2),
+                             Stage(7, 48, scale=3.0)], seed=3)
     rec = Recorder()
     cbs = [cur, rec]
     kw = {}
@@ -92,7 +92,8 @@ def _run(tmp_path, max_steps, ckpt_every=None, resume=None, stop_at=None):
     if ckpt_every:
         cbs.append(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=ckpt_every, save_top_k=-1))
         kw["enable_checkpointing"] = True
-    trainer(max_steps, cbs, **kw).fit(tiny_model(), tiny_data(samples_per_epoch=16), ckpt_path=resume)
+    pi = {"factor": 1.0, "original_max_position_embeddings": 16}
+    trainer(max_steps, cbs, **kw).fit(tiny_model("pi", encoding_cfg=pi), tiny_data(samples_per_epoch=16), ckpt_path=resume)
     return cur, rec.rows
 
 
@@ -103,6 +104,7 @@ def test_resume_mid_stage_reproduces_stage_length_scale_and_loss(tmp_path):
     cur, rest = _run(tmp_path / "c", 8, resume=str(ckpt))
     assert [r["step"] for r in rest] == [5, 6, 7]
     assert cur.stage_at(5).seq_len == 32 and rest[0]["seq_len"] == 32 and rest[0]["batch"] == 2
+    assert [r["scale"] for r in rest] == [2.0, 2.0, 3.0]  # the encoding's factor, set by the curriculum
     for a, b in zip(full[5:], rest):
         assert (a["step"], a["seq_len"], a["batch"], a["scale"]) == (b["step"], b["seq_len"], b["batch"], b["scale"])
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
