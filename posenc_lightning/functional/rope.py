@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["rope_inv_freq", "rope_angles", "rope_cos_sin", "apply_rotary", "rotate_half"]
+__all__ = ["rope_inv_freq", "rope_angles", "rope_cos_sin", "apply_rotary", "apply_rotary_reference", "rotate_half"]
 
 
 def rope_inv_freq(dim: int, base: float = 10000.0, device: torch.device | None = None,
@@ -51,16 +51,81 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _compute_dtype(x: Tensor, cos: Tensor) -> torch.dtype:
+    """float32 math (float64 when given float64), whatever the activation dtype."""
+    return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), torch.float32)
+
+
+def _rotate_half_into(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Half layout written into one preallocated buffer: no chunk/cat temporaries (on CPU each
+    temporary is a fresh allocation, which costs more than the arithmetic)."""
+    h = cos.shape[-1]
+    r = 2 * h
+    wdt = _compute_dtype(x, cos)
+    cos, sin = cos.to(wdt), sin.to(wdt)
+    out = torch.empty(x.shape, dtype=wdt, device=x.device)
+    x1, x2, o1, o2 = x[..., :h], x[..., h:r], out[..., :h], out[..., h:r]
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1.0)  # x1 cos - x2 sin
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)  # x2 cos + x1 sin
+    if x.shape[-1] > r:
+        out[..., r:].copy_(x[..., r:])
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+class _RotaryHalf(torch.autograd.Function):
+    """The half-layout rotation with a hand-written backward: a rotation's adjoint is the
+    rotation by the opposite angle (``sin -> -sin``), so nothing but cos/sin is saved."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(cos, sin)
+        return _rotate_half_into(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        cos, sin = ctx.saved_tensors
+        return _RotaryHalf.apply(grad, cos, -sin), None, None
+
+
+def _complex_viewable(x: Tensor) -> bool:
+    return x.stride(-1) == 1 and x.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in x.stride()[:-1])
+
+
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "half") -> Tensor:
     """Rotate the first ``2 * cos.shape[-1]`` channels of ``x`` (partial rotary keeps the rest).
 
     ``x``: ``[B, H, N, D]``; ``cos``/``sin``: ``[B, N, R/2]`` or ``[B, H, N, R/2]`` (float32).
-    The rotation is done in float32 and cast back to ``x.dtype``.
+    The rotation is done in float32 and cast back to ``x.dtype``. Fast paths (same numbers):
+    ``"interleaved"`` is one complex multiply ``(x_2i + i x_2i+1) * (cos + i sin)`` on a view;
+    ``"half"`` writes both halves into one buffer with a hand-written backward (when cos/sin
+    need no gradient). `apply_rotary_reference` is the plain formula they are tested against.
     """
+    if layout not in ("half", "interleaved"):
+        raise ValueError(f"unknown rotary layout {layout!r}; use 'half' or 'interleaved'")
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    if layout == "half":
+        if cos.requires_grad or sin.requires_grad:  # learned frequencies: plain autograd
+            return apply_rotary_reference(x, cos, sin, layout)
+        return _RotaryHalf.apply(x, cos, sin)
+    r = cos.shape[-1] * 2
+    wdt = _compute_dtype(x, cos)
+    xr = x[..., :r].to(wdt)
+    if not _complex_viewable(xr):
+        xr = xr.clone(memory_format=torch.contiguous_format)  # a fresh, aligned buffer
+    rot = torch.view_as_complex(xr.unflatten(-1, (-1, 2))) * torch.complex(cos.to(wdt), sin.to(wdt))
+    out = torch.view_as_real(rot).flatten(-2).to(x.dtype)
+    return torch.cat((out, x[..., r:]), dim=-1) if x.shape[-1] > r else out
+
+
+def apply_rotary_reference(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "half") -> Tensor:
+    """`apply_rotary` straight from RoFormer eq. 34: ``(x1 cos - x2 sin, x2 cos + x1 sin)``."""
     r = cos.shape[-1] * 2
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
-    xr, rest = x[..., :r].float(), x[..., r:]
+    xr, rest = x[..., :r].to(_compute_dtype(x, cos)), x[..., r:]
     if layout == "half":
         x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
