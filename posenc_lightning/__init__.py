@@ -1,7 +1,7 @@
 """posenc-lightning: inject any transformer positional encoding into a LightningModule."""
 
 from posenc_lightning.attention import KVCache, LayerKVCache, PosEncAttentionMixin, PosEncEmbeddingMixin
-from posenc_lightning.callbacks import PosEncCallback
+from posenc_lightning.callbacks import ContextCurriculum, PosEncCallback, Stage
 from posenc_lightning.encodings import (
     Bias, BiasSum, DecayBias, DenseBias, Encoding, LinearBias, RelativeBias, available_encodings, build_encoding,
 )
@@ -10,7 +10,7 @@ from posenc_lightning.inject import inject, injected_spec, restore_from_checkpoi
 __version__ = "0.1.0"
 
 __all__ = [
-    "Bias", "BiasSum", "DecayBias", "DenseBias", "Encoding", "KVCache", "LayerKVCache", "LinearBias",
+    "Bias", "BiasSum", "ContextCurriculum", "Stage", "DecayBias", "DenseBias", "Encoding", "KVCache", "LayerKVCache", "LinearBias",
     "PosEncAttentionMixin", "PosEncCallback", "PosEncEmbeddingMixin", "RelativeBias", "available_encodings",
     "build_encoding", "inject", "injected_spec", "restore_from_checkpoint",
 ]
