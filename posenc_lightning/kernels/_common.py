@@ -1,0 +1,167 @@
+"""Triton building blocks shared by the fused attention kernels.
+
+* `load_rotated`: load a ``[BLOCK, D]`` tile of q or k and rotate it in registers (RoFormer
+  eq. 34: ``x * cos + rotate(x) * sin``) with cos/sin gathered per token from a table at
+  arbitrary per-token indices; ``SIGN=-1`` applies the transpose (used to rotate gradients back).
+* `visible`: which (query, key) pairs may attend (causal by index, packed documents, padding).
+* `bias_tile` / `bias_grads`: the structured biases of ``encodings/base.py`` read in-kernel
+  (``LinearBias``, ``RelativeBias``, ``DecayBias``, ``DenseBias``) and their gradients.
+
+Everything is loaded and accumulated in float32 (the interpreter mishandles bf16); q, k and the
+probabilities are cast to the input dtype only for the matrix products (``DT``: 0 fp32, 1 fp16,
+2 bf16, 3 fp64 for gradcheck), which accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def to_dot(x, DT: tl.constexpr):
+    """Cast a float32 tile to the dtype the tensor cores read (the input dtype)."""
+    if DT == 1:
+        return x.to(tl.float16)
+    elif DT == 2:
+        return x.to(tl.bfloat16)
+    else:
+        return x
+
+
+@triton.jit
+def dot(a, b, DT: tl.constexpr):
+    """``a @ b`` accumulated in float32 (true fp32 products for fp32 inputs, not tf32)."""
+    if DT == 0:
+        return tl.dot(a, b, input_precision="ieee")
+    elif DT == 3:  # float64 (the interpreter's gradcheck)
+        return tl.dot(a, b, input_precision="ieee", out_dtype=tl.float64)
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def load_rotated(base, stride_n, offs_n, n_mask, offs_d, D,
+                 COS, SIN, stride_cp, IDX, R,
+                 ROT: tl.constexpr, SIGN: tl.constexpr, ACC: tl.constexpr):
+    """A ``[BLOCK_N, BLOCK_D]`` float32 tile rows ``offs_n`` of ``base`` (row stride ``stride_n``),
+    rotated by the angles of table row ``IDX[n]`` when ``ROT`` is 1 (half) or 2 (interleaved).
+
+    ``COS``/``SIN`` point at this (batch, head)'s table ``[L, R/2]`` (row stride ``stride_cp``),
+    ``IDX`` at this batch's ``[N]`` int32 table rows; channels ``>= R`` are left as they are.
+    """
+    d_mask = offs_d < D
+    x = tl.load(base + offs_n[:, None] * stride_n + offs_d[None, :],
+                mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(ACC)
+    if ROT != 0:
+        half = R // 2
+        if ROT == 1:  # (x_i, x_{i + R/2}) pairs, HF rotate_half
+            lo = offs_d < half
+            partner = tl.where(lo, offs_d + half, offs_d - half)
+            sgn = tl.where(lo, -1.0, 1.0)
+            fidx = tl.where(lo, offs_d, offs_d - half)
+        else:  # (x_{2i}, x_{2i+1}) pairs, RoFormer
+            partner = offs_d ^ 1
+            sgn = tl.where((offs_d % 2) == 0, -1.0, 1.0)
+            fidx = offs_d // 2
+        rmask = n_mask[:, None] & (offs_d < R)[None, :]
+        xp = tl.load(base + offs_n[:, None] * stride_n + partner[None, :], mask=rmask, other=0.0).to(ACC)
+        row = tl.load(IDX + offs_n, mask=n_mask, other=0).to(tl.int64)
+        c = tl.load(COS + row[:, None] * stride_cp + fidx[None, :], mask=rmask, other=1.0).to(ACC)
+        s = tl.load(SIN + row[:, None] * stride_cp + fidx[None, :], mask=rmask, other=0.0).to(ACC)
+        x = x * c + (SIGN * sgn)[None, :] * xp * s
+    return x
+
+
+@triton.jit
+def visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG, KSEG, KVALID,
+            CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr):
+    """bool ``[BM, BN]``: CAUSAL 1 = key index <= query index + q_offset, 2 = strictly before."""
+    ok = m_mask[:, None] & n_mask[None, :]
+    if CAUSAL == 1:
+        ok = ok & (offs_n[None, :] <= offs_m[:, None] + q_offset)
+    elif CAUSAL == 2:
+        ok = ok & (offs_n[None, :] < offs_m[:, None] + q_offset)
+    if HAS_SEG:
+        qs = tl.load(QSEG + offs_m, mask=m_mask, other=-1)
+        ks = tl.load(KSEG + offs_n, mask=n_mask, other=-2)
+        ok = ok & (qs[:, None] == ks[None, :])
+    if HAS_KVALID:
+        kv = tl.load(KVALID + offs_n, mask=n_mask, other=0)
+        ok = ok & (kv != 0)[None, :]
+    return ok
+
+
+@triton.jit
+def bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP, KP, SLOPES, TABLE, RMAX, stride_th,
+              CQ, CK, DENSE, stride_dm,
+              HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr,
+              HAS_DENSE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr):
+    """The additive bias ``[BM, BN]`` in float32. ``QP``/``KP`` (float32 positions), ``CQ``/``CK``
+    and ``DENSE`` already point at this (batch, head)."""
+    bias = tl.zeros((BM, BN), dtype=ACC)
+    if HAS_LIN or HAS_REL:
+        qp = tl.load(QP + offs_m, mask=m_mask, other=0.0)
+        kp = tl.load(KP + offs_n, mask=n_mask, other=0.0)
+        dist = qp[:, None] - kp[None, :]
+        if HAS_LIN:  # ALiBi, Press et al. 2022 eq. 1
+            bias += -tl.load(SLOPES + h).to(ACC) * tl.abs(dist)
+        if HAS_REL:  # table[h, clamp(i - j, -R, R) + R]
+            idx = tl.minimum(tl.maximum(dist.to(tl.int32), -RMAX), RMAX) + RMAX
+            ok = m_mask[:, None] & n_mask[None, :]
+            bias += tl.load(TABLE + h * stride_th + idx, mask=ok, other=0.0).to(ACC)
+    if HAS_DEC:  # FoX: c_i - c_j
+        cq = tl.load(CQ + offs_m, mask=m_mask, other=0.0).to(ACC)
+        ck = tl.load(CK + offs_n, mask=n_mask, other=0.0).to(ACC)
+        bias += cq[:, None] - ck[None, :]
+    if HAS_DENSE:
+        ok = m_mask[:, None] & n_mask[None, :]
+        bias += tl.load(DENSE + offs_m[:, None] * stride_dm + offs_n[None, :], mask=ok, other=0.0).to(ACC)
+    return bias
+
+
+@triton.jit
+def bias_grads(ds, h, offs_m, offs_n, m_mask, n_mask, QP, KP, DTABLE, RMAX, stride_th,
+               DDENSE, stride_ddm,
+               HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DENSE: tl.constexpr,
+               ATOMIC_DENSE: tl.constexpr):
+    """Scatter ``dL/dlogits`` (zero where masked) into the table / dense-bias gradients and
+    return this tile's contribution to ``dL/dslope[h]`` (``sum ds * -|i - j|``)."""
+    dslope = 0.0
+    ok = m_mask[:, None] & n_mask[None, :]
+    if HAS_LIN or HAS_REL:
+        qp = tl.load(QP + offs_m, mask=m_mask, other=0.0)
+        kp = tl.load(KP + offs_n, mask=n_mask, other=0.0)
+        dist = qp[:, None] - kp[None, :]
+        if HAS_LIN:
+            dslope = tl.sum(tl.sum(-ds * tl.abs(dist), axis=1), axis=0)
+        if HAS_REL:
+            idx = tl.minimum(tl.maximum(dist.to(tl.int32), -RMAX), RMAX) + RMAX
+            tl.atomic_add(DTABLE + h * stride_th + idx, ds, mask=ok)
+    if HAS_DENSE:
+        ptrs = DDENSE + offs_m[:, None] * stride_ddm + offs_n[None, :]
+        if ATOMIC_DENSE:
+            tl.atomic_add(ptrs, ds, mask=ok)
+        else:
+            tl.store(ptrs, ds, mask=ok)
+    return dslope
+
+
+@triton.jit
+def _rotate_kernel(X, Y, sxb, sxh, sxn, syb, syh, syn, H, N, D,
+                   COS, SIN, s_cb, s_ch, s_cp, IDX, R,
+                   ROT: tl.constexpr, SIGN: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                   ACC: tl.constexpr):
+    """Elementwise rotation of ``X [B, H, N, D]`` into ``Y`` (``SIGN=-1``: the transpose, which
+    takes a gradient w.r.t. rotated q/k back to the un-rotated input)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    m_mask = offs_m < N
+    x = load_rotated(X + b * sxb + h * sxh, sxn, offs_m, m_mask, offs_d, D,
+                     COS + b * s_cb + h * s_ch, SIN + b * s_cb + h * s_ch, s_cp, IDX + b * N, R, ROT, SIGN, ACC)
+    tl.store(Y + b * syb + h * syh + offs_m[:, None] * syn + offs_d[None, :], x.to(Y.dtype.element_ty),
+             mask=m_mask[:, None] & (offs_d < D)[None, :])

@@ -1,0 +1,304 @@
+"""`fused_attention`: the autograd Function around the Triton kernels, and the launch plans that
+the tests and `benchmarks/triton_compile_report.py` compile for real GPU targets.
+
+Inputs: q ``[B, H, Nq, D]``; k, v ``[B, Hkv, Nk, D]`` (grouped-query allowed); fp16/bf16/fp32,
+accumulated in float32. Rotary (`RotaryTables`): cos/sin tables ``[L, R/2]`` (or per batch/head
+``[Bt, Ht, L, R/2]``) gathered in-kernel at per-token rows, so any positions work (offsets,
+packed documents, non-monotone). Biases read in-kernel: ALiBi slopes ``[H]``, a relative table
+``[H, 2R+1]``, FoX decay ``c_q [B, H, Nq]``, ``c_k [B, H, Nk]``, a dense ``[B|1, H, Nq, Nk]``.
+Every tensor the kernels allocate is O(N) or O(N D): never N x N (except the gradient of a
+dense bias, which is N x N itself).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import triton
+from torch import Tensor
+
+from posenc_lightning.kernels import _common, softmax, stick_breaking
+
+_DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 accumulation, float64 for float64 inputs (gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def acc_tl(dtype: torch.dtype):
+    import triton.language as tl
+
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(eq=False)
+class RotaryTables:
+    """cos/sin tables and the table row of every token (``idx_q [B, Nq]``, ``idx_k [B, Nk]``)."""
+
+    cos_q: Tensor
+    sin_q: Tensor
+    idx_q: Tensor
+    cos_k: Tensor
+    sin_k: Tensor
+    idx_k: Tensor
+    layout: str = "half"
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * self.cos_q.shape[-1]
+
+
+def block_config(kind: str, head_dim: int, dtype: torch.dtype) -> dict:
+    """Tile sizes per kernel ``kind`` (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, rotate)."""
+    if interpreting():
+        return {"BM": 16, "BN": 16, "num_warps": 1, "num_stages": 1}
+    big = head_dim > 64 or dtype == torch.float32
+    if kind == "rotate":
+        return {"BM": 32, "BN": 32, "num_warps": 4, "num_stages": 1}
+    if kind in ("fwd", "sb_fwd"):
+        return {"BM": 64, "BN": 32 if big else 64, "num_warps": 4, "num_stages": 2 if big else 3}
+    return {"BM": 32 if big else 64, "BN": 32 if big else 64, "num_warps": 4, "num_stages": 1 if big else 2}
+
+
+def head_block(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+@dataclass(eq=False)
+class Plan:
+    """Everything about one call except q, k, v and the differentiable bias tensors."""
+
+    scale: float
+    causal: int  # 0 none, 1 key <= query, 2 key < query (stick-breaking without the diagonal)
+    q_offset: int = 0
+    rotary: RotaryTables | None = None
+    q_segments: Tensor | None = None
+    k_segments: Tensor | None = None
+    k_valid: Tensor | None = None
+    bias_q_pos: Tensor | None = None
+    bias_k_pos: Tensor | None = None
+    stick_breaking: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def _table4(t: Tensor) -> tuple[Tensor, int, int, int]:
+    """A cos/sin table as ``[Bt, Ht, L, R/2]`` (from ``[L, R/2]``, ``[Bt, L, R/2]`` or 4-D) with
+    zero strides on the broadcast dims."""
+    t = t.float()
+    if t.dim() == 2:
+        t = t[None, None]
+    elif t.dim() == 3:
+        t = t[:, None]
+    t = t.contiguous()
+    sb = 0 if t.shape[0] == 1 else t.stride(0)
+    sh = 0 if t.shape[1] == 1 else t.stride(1)
+    return t, sb, sh, t.stride(2)
+
+
+def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense) -> tuple[dict, dict]:
+    """The keyword arguments shared by every attention kernel, and their constexpr flags."""
+    b, h, nq, d = q.shape
+    nk = k.shape[2]
+    dummy = q.new_zeros(1, dtype=torch.float32)
+    idummy = torch.zeros(1, dtype=torch.int32, device=q.device)
+    rot = plan.rotary
+    a: dict = {"H": h, "GROUP": h // k.shape[1], "Nq": nq, "Nk": nk, "D": d, "scale": float(plan.scale),
+               "q_offset": int(plan.q_offset)}
+    if rot is not None:
+        for side, cos, sin, idx in (("q", rot.cos_q, rot.sin_q, rot.idx_q), ("k", rot.cos_k, rot.sin_k, rot.idx_k)):
+            c, sb, sh, sp = _table4(cos)
+            s, *_ = _table4(sin)
+            a.update({f"{side.upper()}COS": c, f"{side.upper()}SIN": s, f"s_{side}cb": sb, f"s_{side}ch": sh,
+                      f"s_{side}cp": sp, f"{side.upper()}IDX": idx.to(torch.int32).contiguous()})
+        a["R"] = rot.rotary_dim
+    else:
+        for side in "qk":
+            a.update({f"{side.upper()}COS": dummy, f"{side.upper()}SIN": dummy, f"s_{side}cb": 0, f"s_{side}ch": 0,
+                      f"s_{side}cp": 0, f"{side.upper()}IDX": idummy})
+        a["R"] = 0
+    seg = plan.q_segments is not None
+    a["QSEG"] = plan.q_segments.to(torch.int32).contiguous() if seg else idummy
+    a["KSEG"] = (plan.k_segments if plan.k_segments is not None else plan.q_segments).to(torch.int32).contiguous() \
+        if seg else idummy
+    a["KVALID"] = plan.k_valid.to(torch.int32).contiguous() if plan.k_valid is not None else idummy
+    has_pos = slopes is not None or table is not None
+    a["QP"] = plan.bias_q_pos.float().contiguous() if has_pos else dummy
+    a["KP"] = plan.bias_k_pos.float().contiguous() if has_pos else dummy
+    a["SLOPES"] = slopes if slopes is not None else dummy
+    a["TABLE"] = table if table is not None else dummy
+    a["RMAX"] = (table.shape[-1] - 1) // 2 if table is not None else 0
+    a["s_th"] = table.stride(0) if table is not None else 0
+    a["CQ"] = c_q if c_q is not None else dummy
+    a["CK"] = c_k if c_k is not None else dummy
+    a["s_cqb"], a["s_cqh"] = (c_q.stride(0), c_q.stride(1)) if c_q is not None else (0, 0)
+    a["s_ckb"], a["s_ckh"] = (c_k.stride(0), c_k.stride(1)) if c_k is not None else (0, 0)
+    a["DENSE"] = dense if dense is not None else dummy
+    a["s_db"] = (0 if dense.shape[0] == 1 else dense.stride(0)) if dense is not None else 0
+    a["s_dh"], a["s_dm"] = (dense.stride(1), dense.stride(2)) if dense is not None else (0, 0)
+    dt = _DT[q.dtype]
+    if interpreting() and dt == 2:
+        dt = 0  # the interpreter has no bf16 arithmetic: stay in float32
+    flags = {"ROT": 0 if rot is None else (1 if rot.layout == "half" else 2), "CAUSAL": plan.causal,
+             "HAS_SEG": seg, "HAS_KVALID": plan.k_valid is not None, "HAS_LIN": slopes is not None,
+             "HAS_REL": table is not None, "HAS_DEC": c_q is not None, "HAS_DENSE": dense is not None,
+             "DT": dt, "BD": head_block(d), "ACC": acc_tl(q.dtype)}
+    return a, flags
+
+
+def _strides(prefix: str, x: Tensor) -> dict:
+    return {f"s{prefix}b": x.stride(0), f"s{prefix}h": x.stride(1), f"s{prefix}n": x.stride(2)}
+
+
+def _contig_last(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch(kernel, grid, args: dict, flags: dict, cfg: dict) -> None:
+    kernel[grid](**args, **flags, BM=cfg["BM"], BN=cfg["BN"], num_warps=cfg["num_warps"],
+                 num_stages=cfg["num_stages"])
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor, idx: Tensor, layout: str, inverse: bool = False,
+           out_dtype: torch.dtype | None = None) -> Tensor:
+    """Rotate ``x [B, H, N, D]`` at table rows ``idx [B, N]`` (``inverse``: the transpose)."""
+    x = _contig_last(x)
+    b, h, n, d = x.shape
+    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    c, sb, sh, sp = _table4(cos)
+    s, *_ = _table4(sin)
+    cfg = block_config("rotate", d, x.dtype)
+    grid = (triton.cdiv(n, cfg["BM"]), b * h)
+    _common._rotate_kernel[grid](x, y, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
+                                 h, n, d, c, s, sb, sh, sp, idx.to(torch.int32).contiguous(), 2 * cos.shape[-1],
+                                 ROT=1 if layout == "half" else 2, SIGN=-1 if inverse else 1, BM=cfg["BM"],
+                                 BD=head_block(d), ACC=acc_tl(x.dtype), num_warps=cfg["num_warps"])
+    return y
+
+
+class _FusedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, slopes, table, c_q, c_k, dense, plan: Plan):
+        q, k, v = _contig_last(q), _contig_last(k), _contig_last(v)
+        b, h, nq, d = q.shape
+        out = torch.empty(b, h, nq, d, dtype=acc_dtype(q.dtype), device=q.device)
+        lse = torch.empty(b, h, nq, dtype=acc_dtype(q.dtype), device=q.device)
+        args, flags = common_args(q, k, plan, slopes, table, c_q, c_k, dense)
+        kind = "sb_fwd" if plan.stick_breaking else "fwd"
+        cfg = block_config(kind, d, q.dtype)
+        grid = (triton.cdiv(nq, cfg["BM"]), b * h)
+        head = {"Q": q, "K": k, "V": v, "O": out, **_strides("q", q), **_strides("k", k), **_strides("v", v),
+                **_strides("o", out)}
+        if plan.stick_breaking:
+            _launch(stick_breaking._sb_fwd_kernel, grid, {**head, **args}, flags, cfg)
+        else:
+            _launch(softmax._fwd_kernel, grid, {**head, "LSE": lse, **args}, flags, cfg)
+        ctx.save_for_backward(q, k, v, out, lse, slopes, table, c_q, c_k, dense)
+        ctx.plan = plan
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, slopes, table, c_q, c_k, dense = ctx.saved_tensors
+        plan: Plan = ctx.plan
+        b, h, nq, d = q.shape
+        hkv, nk = k.shape[1], k.shape[2]
+        dout = dout.contiguous()
+        delta = (dout.to(out.dtype) * out).sum(-1).contiguous()
+        args, flags = common_args(q, k, plan, slopes, table, c_q, c_k, dense)
+        f32 = {"dtype": acc_dtype(q.dtype), "device": q.device}
+        dq = torch.empty(b, h, nq, d, **f32)
+        dk = torch.zeros(b, hkv, nk, d, **f32)
+        dv = torch.zeros(b, hkv, nk, d, **f32)
+        dcq = torch.zeros(b, h, nq, **f32) if c_q is not None else dq.new_zeros(1)
+        dck = torch.zeros(b, h, nk, **f32) if c_k is not None else dq.new_zeros(1)
+        dtable = torch.zeros(table.shape, **f32) if table is not None else dq.new_zeros(1)
+        ddense = torch.zeros(dense.shape, **f32) if dense is not None else dq.new_zeros(1)
+        atomic_dense = dense is not None and dense.shape[0] != b
+        head = {"Q": q, "K": k, "V": v, "DO": dout, **_strides("q", q), **_strides("k", k), **_strides("v", v),
+                **_strides("o", dout)}
+        if plan.stick_breaking:
+            cfg = block_config("sb_bwd", d, q.dtype)
+            nqb = triton.cdiv(nq, cfg["BM"])
+            dslope = torch.zeros(b, h, nqb, **f32)
+            _launch(stick_breaking._sb_bwd_kernel, (nqb, b * h),
+                    {**head, "DELTA": delta, "DQ": dq, "DK": dk, "DV": dv, "DCQ": dcq, "DCK": dck, "DTABLE": dtable,
+                     "DSLOPE": dslope, "DDENSE": ddense, "n_qblocks": nqb, **args},
+                    {**flags, "ATOMIC_DENSE": True}, cfg)
+        else:
+            cfg = block_config("bwd_dkdv", d, q.dtype)
+            nkb = triton.cdiv(nk, cfg["BN"])
+            dslope = torch.zeros(b, h, nkb, **f32)
+            _launch(softmax._bwd_dkdv_kernel, (nkb, b * hkv),
+                    {**head, "LSE": lse, "DELTA": delta, "DK": dk, "DV": dv, "DCK": dck, "DTABLE": dtable,
+                     "DSLOPE": dslope, "DDENSE": ddense, "n_kblocks": nkb, **args},
+                    {**flags, "ATOMIC_DENSE": atomic_dense}, cfg)
+            cfg = block_config("bwd_dq", d, q.dtype)
+            _launch(softmax._bwd_dq_kernel, (triton.cdiv(nq, cfg["BM"]), b * h),
+                    {**head, "LSE": lse, "DELTA": delta, "DQ": dq, "DCQ": dcq, **args}, flags, cfg)
+        rot = plan.rotary
+        if rot is not None:
+            dq = rotate(dq, rot.cos_q, rot.sin_q, rot.idx_q, rot.layout, inverse=True, out_dtype=q.dtype)
+            dk = rotate(dk, rot.cos_k, rot.sin_k, rot.idx_k, rot.layout, inverse=True, out_dtype=k.dtype)
+        grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                 dslope.sum(-1).sum(0).to(slopes.dtype) if slopes is not None else None,
+                 dtable.to(table.dtype) if table is not None else None,
+                 dcq.to(c_q.dtype) if c_q is not None else None,
+                 dck.to(c_k.dtype) if c_k is not None else None,
+                 ddense.to(dense.dtype) if dense is not None else None, None]
+        return tuple(grads)
+
+
+def segments_from_cu_seqlens(cu_seqlens: Tensor, n: int) -> Tensor:
+    """Document ids ``[1, n]`` from cumulative lengths ``[0, l0, l0 + l1, ..., n]`` (varlen APIs)."""
+    pos = torch.arange(n, device=cu_seqlens.device)
+    return (torch.searchsorted(cu_seqlens[1:].to(pos.dtype), pos, right=True))[None]
+
+
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, causal: bool = True,
+                    q_offset: int = 0, rotary: RotaryTables | None = None, q_segments: Tensor | None = None,
+                    k_segments: Tensor | None = None, cu_seqlens: Tensor | None = None,
+                    k_valid: Tensor | None = None, slopes: Tensor | None = None, table: Tensor | None = None,
+                    bias_q_pos: Tensor | None = None, bias_k_pos: Tensor | None = None,
+                    c_q: Tensor | None = None, c_k: Tensor | None = None, dense: Tensor | None = None,
+                    stick_breaking: bool = False, attend_current: bool = False) -> Tensor:
+    """Attention with rotary / biases / packed documents fused (softmax, or stick-breaking)."""
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"fused_attention wants q [B,H,Nq,D], k = v [B,Hkv,Nk,D]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in _DT or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"fused_attention takes fp16/bf16/fp32 q, k, v of one dtype; got {q.dtype}, "
+                         f"{k.dtype}, {v.dtype}: cast them first")
+    d = q.shape[-1]
+    if d > 256 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"head_dim {d} must be <= 256 and n_heads {q.shape[1]} a multiple of n_kv_heads "
+                         f"{k.shape[1]}; use backend='sdpa' or 'eager'")
+    if cu_seqlens is not None:
+        if q.shape[0] != 1 or q.shape[2] != k.shape[2]:
+            raise ValueError("cu_seqlens packs documents into one row: q, k must be [1, H, N, D]")
+        q_segments = segments_from_cu_seqlens(cu_seqlens, q.shape[2])
+    if (slopes is not None or table is not None) and (bias_q_pos is None or bias_k_pos is None):
+        b = q.shape[0]
+        bias_q_pos = torch.arange(q.shape[2], device=q.device).expand(b, -1) + q_offset if bias_q_pos is None \
+            else bias_q_pos
+        bias_k_pos = torch.arange(k.shape[2], device=q.device).expand(b, -1) if bias_k_pos is None else bias_k_pos
+    if stick_breaking:
+        kind = 1 if attend_current else 2
+    else:
+        kind = 1 if causal else 0
+    plan = Plan(scale=d ** -0.5 if scale is None else float(scale), causal=kind, q_offset=q_offset, rotary=rotary,
+                q_segments=q_segments, k_segments=k_segments, k_valid=k_valid, bias_q_pos=bias_q_pos,
+                bias_k_pos=bias_k_pos, stick_breaking=stick_breaking)
+    c_q = c_q.contiguous() if c_q is not None else None
+    c_k = c_k.contiguous() if c_k is not None else None
+    dense = dense.contiguous() if dense is not None else None
+    slopes = slopes.contiguous() if slopes is not None else None
+    table = table.contiguous() if table is not None else None
+    return _FusedAttention.apply(q, k, v, slopes, table, c_q, c_k, dense, plan)
