@@ -1,0 +1,85 @@
+"""ExpoSB, exactly as defined in the shared seed ``004_abfa604051d42433.txt`` (sec. 5).
+
+Three changes to RoPE (interleaved pairs, ``omega_i = 10000^(-2i/d)``):
+
+1. position-decayed rotation: ``cos'(m omega_i) = cos(m omega_i) (1 + 0.2 exp(-r_h m))`` and the
+   same for sin, with the per-head learnable decay rate ``r_h`` (``decay_rates``, init 0.001);
+2. band-pass gain on the rotated channels: ``x * (0.8 + 0.4 G(d))`` with
+   ``G(d) = exp(-(d - d_c)^2 / (2 w^2))``, ``d`` the channel index in ``[0, head_dim)``,
+   ``d_c = head_dim/4``, ``w = head_dim/8``; then the per-head learnable scale of q and k
+   (``band_weights``, init 1);
+3. distance decay of the attention scores: ``s'(m, n) = s(m, n) (0.7 + 0.3 exp(-0.005 |m - n|))``
+   (stage 4: applied to the scaled logits before the softmax).
+
+With the initial parameters the numbers are the seed's formulas. q and k both get (1) and (2),
+so (1) makes scores depend on absolute positions (as defined). Needs ``n_kv_heads == n_heads``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from posenc_lightning.encodings.base import AttentionContext
+from posenc_lightning.encodings.registry import register
+from posenc_lightning.encodings.rope import RotaryEncoding
+from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin
+
+
+@register("exposb", "rotate", "ExpoSB: position-decayed rope, band-pass gain, distance-decayed scores "
+          "(seed 004, sec. 5)")
+class ExpoSB(RotaryEncoding):
+    """ExpoSB (see the module docstring for the formulas; the defaults are the seed's constants)."""
+
+    def __init__(self, theta: float = 10000.0, position_decay: float = 0.001, position_boost: float = 0.2,
+                 band_floor: float = 0.8, band_gain: float = 0.4, band_center: float | None = None,
+                 band_width: float | None = None, distance_decay: float = 0.005, distance_floor: float = 0.7,
+                 layout: Literal["half", "interleaved"] = "interleaved") -> None:
+        super().__init__(theta=theta, layout=layout)
+        self.position_decay, self.position_boost = float(position_decay), float(position_boost)
+        self.band_floor, self.band_gain = float(band_floor), float(band_gain)
+        self.band_center, self.band_width = band_center, band_width
+        self.distance_decay, self.distance_floor = float(distance_decay), float(distance_floor)
+        if self.band_width is not None and self.band_width <= 0:
+            raise ValueError(f"exposb: band_width must be positive, got {band_width}")
+
+    def _ready(self) -> bool:
+        return self.n_heads is not None and self.head_dim is not None
+
+    def build(self) -> None:
+        self.band_weights = nn.Parameter(torch.ones(self.n_heads))
+        self.decay_rates = nn.Parameter(torch.full((self.n_heads,), self.position_decay))
+
+    def band_pass(self, device: torch.device | None = None) -> Tensor:
+        """``0.8 + 0.4 G(d)`` over the channels ``d = 0 .. head_dim - 1``: ``[head_dim]``."""
+        d = self.head_dim
+        c = d / 4 if self.band_center is None else float(self.band_center)
+        w = d / 8 if self.band_width is None else float(self.band_width)
+        dims = torch.arange(d, dtype=torch.float32, device=device)
+        return self.band_floor + self.band_gain * torch.exp(-((dims - c) ** 2) / (2 * w ** 2))
+
+    def _rotate_one(self, x: Tensor, positions: Tensor) -> Tensor:
+        if x.shape[1] != self.n_heads:
+            raise ValueError(f"exposb has per-head parameters: needs n_kv_heads == n_heads ({self.n_heads}), "
+                             f"got {x.shape[1]} kv heads")
+        cos, sin = rope_cos_sin(positions, self.base_inv_freq(x.device))  # [B, N, D/2]
+        pos = positions.to(torch.float32)
+        boost = 1.0 + self.position_boost * torch.exp(-self.decay_rates.float()[None, :, None] * pos[:, None, :])
+        cos, sin = cos[:, None] * boost[..., None], sin[:, None] * boost[..., None]  # [B, H, N, D/2]
+        out = apply_rotary(x.float(), cos, sin, self.layout)
+        out = out * self.band_pass(x.device) * self.band_weights.float()[None, :, None, None]
+        return out.to(x.dtype)
+
+    def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
+        return self._rotate_one(q, ctx.q_pos), self._rotate_one(k, ctx.k_pos)
+
+    def distance_modulation(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """``0.7 + 0.3 exp(-0.005 |m - n|)``: ``[B, 1, Nq, Nk]``."""
+        dist = (q_pos[:, :, None] - k_pos[:, None, :]).abs().to(torch.float32)
+        return (self.distance_floor + (1 - self.distance_floor) * torch.exp(-self.distance_decay * dist))[:, None]
+
+    def normalize(self, logits: Tensor, mask: Tensor | None, ctx: AttentionContext) -> Tensor:
+        logits = logits * self.distance_modulation(ctx.q_pos, ctx.k_pos)
+        return super().normalize(logits, mask, ctx)
