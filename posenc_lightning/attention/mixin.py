@@ -67,30 +67,37 @@ class PosEncAttentionMixin:
             raise ValueError(f"{enc.name} is content-dependent: pass hidden=<layer input> to attend()")
         enc.check_positions(positions)
         stages = enc.stages
+        requires_grad = torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in enc.parameters()))
+        backend = resolve_backend(getattr(self, "posenc_backend", "auto"), enc, q.device, requires_grad)
+        # a backend that rotates in-kernel (triton) gets un-rotated q, k and the rotary encoding
+        # as ``ctx.rotary``; its KV cache then holds un-rotated keys, as for dynamic encodings
+        fused_rotary = getattr(backend, "fused_rotary", None)
+        fused_rotary = fused_rotary(enc) if fused_rotary is not None and "rotate" in stages else None
+        rotate = "rotate" in stages and fused_rotary is None
 
         if cache is None:
             ctx = AttentionContext(positions, positions, causal, hidden, None, self)
-            if "rotate" in stages:
+            if rotate:
                 q, k = enc.rotate(q, k, ctx)
             q_seg = k_seg = segment_ids
-        elif enc.dynamic:
+        elif enc.dynamic or fused_rotary is not None:
             k, v, k_pos, k_seg = cache.update(k, v, positions, rotated=False, segments=segment_ids)
             ctx = AttentionContext(positions, k_pos, causal, hidden, cache, self)
-            if "rotate" in stages:
+            if rotate:
                 q, k = enc.rotate(q, k, ctx)
             q_seg = segment_ids
         else:
-            if "rotate" in stages:
+            if rotate:
                 q, k = enc.rotate(q, k, AttentionContext(positions, positions, causal, hidden, cache, self))
             k, v, k_pos, k_seg = cache.update(k, v, positions, rotated=True, segments=segment_ids)
             ctx = AttentionContext(positions, k_pos, causal, hidden, cache, self)
             q_seg = segment_ids
 
+        if fused_rotary is not None:
+            ctx.rotary = fused_rotary
         bias = enc.bias(q, k, ctx) if "bias" in stages else None
         mask = AttentionMask(causal, offset if cache is not None else 0, q.shape[-2], k.shape[-2],
                              q_seg, k_seg if q_seg is not None else None, key_padding_mask)
-        requires_grad = torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in enc.parameters()))
-        backend = resolve_backend(getattr(self, "posenc_backend", "auto"), enc, q.device, requires_grad)
         normalize = enc.normalize if "normalize" in stages else None
         return backend.attend(q, k, v, bias=bias, mask=mask, scale=enc.softmax_scale(q.shape[-1]),
                               normalize=normalize, ctx=ctx)

@@ -1,0 +1,144 @@
+"""Triton fused attention (``posenc_lightning/kernels``): rotary, ``LinearBias``,
+``RelativeBias``, ``DecayBias`` (and a given ``DenseBias``), packed documents, padding and
+stick-breaking are computed inside the kernels, forward and backward, with no N x N tensor.
+
+Rotary is fused for `RotaryEncoding` subclasses that keep the shared rotation (and for any
+encoding exposing such an encoding as ``fused_rotary``): the mixin asks `fused_rotary(encoding)`,
+skips ``encoding.rotate`` and passes the encoding as ``ctx.rotary``; the kernels gather its
+cos/sin table (attention scaling folded in) at every token's position.
+Runs on CUDA; on CPU only under ``TRITON_INTERPRET=1`` (the tests). ``auto`` picks it on CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings.base import (AttentionContext, Bias, DecayBias, DenseBias, Encoding, LinearBias,
+                                             RelativeBias)
+
+NAME = "triton"
+MAX_HEAD_DIM = 256
+
+
+def _is_stick_breaking(encoding: Encoding) -> bool:
+    try:
+        from posenc_lightning.encodings.stick_breaking import StickBreaking
+    except ImportError:
+        return False
+    return isinstance(encoding, StickBreaking)
+
+
+def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install 'posenc-lightning[triton]')"
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if device.type != "cuda" and not (device.type == "cpu" and interpret):
+        return f"the Triton kernels run on CUDA (on CPU only with TRITON_INTERPRET=1), not on {device.type}"
+    if "normalize" in encoding.stages and not _is_stick_breaking(encoding):
+        return f"{encoding.name} replaces softmax with a normalizer the kernels do not implement (only stick-breaking)"
+    if encoding.head_dim is not None and encoding.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {encoding.head_dim} > {MAX_HEAD_DIM}"
+    return None
+
+
+def fused_rotary(encoding: Encoding) -> Encoding | None:
+    """The `RotaryEncoding` whose rotation the kernels apply in place of ``encoding.rotate``, or None.
+
+    Only encodings whose rotation is exactly ``RotaryEncoding.rotate`` of 1-D positions with
+    frequencies that carry no gradient (learned frequencies stay on the mixin's path).
+    """
+    from posenc_lightning.encodings.rope import RotaryEncoding
+
+    rot = encoding if isinstance(encoding, RotaryEncoding) else getattr(encoding, "fused_rotary", None)
+    if not isinstance(rot, RotaryEncoding) or type(rot).rotate is not RotaryEncoding.rotate:
+        return None
+    if getattr(encoding, "position_dims", 1) != 1:
+        return None
+    if any(p.requires_grad for p in rot.parameters()):
+        return None
+    return rot
+
+
+def rotary_tables(rot: Encoding, ctx: AttentionContext):
+    """cos/sin tables of ``rot`` for the kernels: one row per position when positions are
+    non-negative integers (gathered in-kernel), else one row per token."""
+    from posenc_lightning.kernels.fused import RotaryTables
+
+    qp, kp = ctx.q_pos, ctx.k_pos
+    if qp.dim() != 2 or kp.dim() != 2:
+        raise ValueError(f"{rot.name}: fused rotary takes [B, N] positions, got {tuple(qp.shape)}")
+    seq_len = ctx.seq_len if rot.frequencies_key(None) != "static" else None
+    integer = not qp.dtype.is_floating_point and not kp.dtype.is_floating_point
+    if integer and qp.numel() and kp.numel() and int(min(qp.min(), kp.min())) >= 0 \
+            and rot.frequencies_key(seq_len) is not None:
+        rows = torch.arange(int(max(qp.max(), kp.max())) + 1, device=qp.device)[None]
+        cos, sin = rot.cos_sin(rows, seq_len)  # [1, L, R/2] or [1, H, L, R/2]
+        return RotaryTables(cos, sin, qp, cos, sin, kp, rot.layout)
+    cq, sq = rot.cos_sin(qp, seq_len)
+    ck, sk = rot.cos_sin(kp, seq_len)
+    b = qp.shape[0]
+    iq = torch.arange(qp.shape[1], device=qp.device).expand(b, -1)
+    ik = torch.arange(kp.shape[1], device=qp.device).expand(b, -1)
+    return RotaryTables(cq, sq, iq, ck, sk, ik, rot.layout)
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a is b or (a.shape == b.shape and bool(torch.equal(a, b)))
+
+
+def split_bias(bias: Bias | None, n_heads: int):
+    """``(slopes, table, c_q, c_k, dense, q_pos, k_pos)`` from a bias (kinds the kernels read
+    natively; anything else, or a second position set, is folded into ``dense``)."""
+    slopes = table = c_q = c_k = dense = qpos = kpos = None
+    for t in (bias.terms if bias is not None else []):
+        if isinstance(t, (LinearBias, RelativeBias)) and (qpos is None or (_same(qpos, t.q_pos)
+                                                                           and _same(kpos, t.k_pos))):
+            qpos, kpos = t.q_pos, t.k_pos
+            if isinstance(t, LinearBias):
+                slopes = t.slopes if slopes is None else slopes + t.slopes
+                continue
+            if table is None:
+                table = t.table
+                continue
+        if isinstance(t, DecayBias):
+            c_q = t.c_q if c_q is None else c_q + t.c_q
+            c_k = t.c_k if c_k is None else c_k + t.c_k
+            continue
+        d = t.tensor if isinstance(t, DenseBias) else t.materialize()
+        dense = d if dense is None else dense + d
+    if dense is not None:
+        dense = dense.expand(-1, n_heads, -1, -1)
+    return slopes, table, c_q, c_k, dense, qpos, kpos
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
+           normalize: Callable | None = None, ctx: AttentionContext | None = None) -> Tensor:
+    from posenc_lightning.kernels.fused import fused_attention
+
+    sb = False
+    attend_current = False
+    if normalize is not None:
+        enc = getattr(normalize, "__self__", None)
+        if enc is None or not _is_stick_breaking(enc):
+            raise ValueError("the triton backend implements only the stick-breaking normalizer; use backend='eager'")
+        if ctx is not None and not ctx.causal:
+            raise ValueError(f"{enc.name} is causal by construction; call attend(..., causal=True)")
+        sb, attend_current = True, bool(getattr(enc, "attend_current", False))
+    rot = getattr(ctx, "rotary", None) if ctx is not None else None
+    tables = rotary_tables(rot, ctx) if rot is not None else None
+    if tables is not None and tables.cos_q.dim() == 4 and tables.cos_q.shape[1] > 1 and k.shape[1] != q.shape[1]:
+        raise ValueError(f"{rot.name}: per-head frequencies need n_kv_heads == n_heads")
+    slopes, table, c_q, c_k, dense, qpos, kpos = split_bias(bias, q.shape[1])
+    seg = mask.q_segments
+    out = fused_attention(
+        q, k, v, scale=scale, causal=mask.causal, q_offset=mask.q_offset, rotary=tables,
+        q_segments=seg, k_segments=mask.k_segments if seg is not None else None, k_valid=mask.k_valid,
+        slopes=slopes, table=table, bias_q_pos=qpos, bias_k_pos=kpos, c_q=c_q, c_k=c_k, dense=dense,
+        stick_breaking=sb, attend_current=attend_current)
+    return out.to(q.dtype)
