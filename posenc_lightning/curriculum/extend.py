@@ -1,0 +1,103 @@
+"""Shared pieces of the context-extension recipes (``recipes/*.py``): a LightningCLI with an
+``extend`` argument group, perplexity on the same validation tokens at any length, and the
+results writer (JSON + Markdown in the run directory, scalars + text in TensorBoard)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.cli import LightningCLI
+
+from posenc_lightning.curriculum.search import windows_nll
+
+
+def perplexity(model: torch.nn.Module, tokens: torch.Tensor, seq_len: int, eval_tokens: int, offset_tokens: int = 0,
+               batch_size: int = 8) -> float:
+    """Perplexity over the same ``eval_tokens`` validation tokens cut into windows of ``seq_len``
+    (so lengths are compared on the same text), starting ``offset_tokens`` into the text."""
+    n = max(1, eval_tokens // seq_len)
+    return math.exp(windows_nll(model, tokens, seq_len, n, offset=offset_tokens // seq_len,
+                                batch_size=max(1, batch_size * 128 // seq_len)))
+
+
+def log_dir_of(trainer: pl.Trainer, fallback: str = "runs/recipe") -> Path:
+    d = trainer.log_dir or fallback
+    return Path(d)
+
+
+def write_results(trainer: pl.Trainer, name: str, results: dict[str, Any], table: list[tuple[str, ...]],
+                  header: tuple[str, ...], notes: str = "", out_dir: str | Path | None = None) -> Path | None:
+    """Write ``results.json`` and ``results.md`` (rank 0) into ``out_dir`` (default: the run's log
+    dir), log the numeric results to every logger, and the Markdown to TensorBoard's text tab."""
+    if not trainer.is_global_zero:
+        return None
+    out = Path(out_dir) if out_dir else log_dir_of(trainer, f"runs/{name}")
+    out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(shlex.quote(a) for a in [Path(sys.executable).name] + sys.argv)
+    payload = {"recipe": name, "command": command, "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+               "torch": torch.__version__, "results": results}
+    (out / "results.json").write_text(json.dumps(payload, indent=2))
+    md = [f"# {name}", "", f"Command: `{command}`", "", "| " + " | ".join(header) + " |",
+          "|" + "---|" * len(header)]
+    md += ["| " + " | ".join(row) + " |" for row in table]
+    if notes:
+        md += ["", notes]
+    text = "\n".join(md) + "\n"
+    (out / "results.md").write_text(text)
+    flat = {f"{name}/{k}": float(v) for k, v in results.items() if isinstance(v, (int, float))}
+    for lg in trainer.loggers:
+        lg.log_metrics(flat, step=trainer.global_step)
+        exp = getattr(lg, "experiment", None)
+        if hasattr(exp, "add_text"):
+            exp.add_text(f"{name}/results", text, trainer.global_step)
+        if hasattr(lg, "save"):
+            lg.save()
+    print(text)
+    return out
+
+
+class RecipeCLI(LightningCLI):
+    """``LightningCLI(TinyGPT, CorpusDataModule)`` plus the recipe's own ``--extend.*`` arguments
+    (declared by the recipe in ``extend_args``: name -> (type, default, help))."""
+
+    extend_args: dict[str, tuple[Any, Any, str]] = {}
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        for name, (typ, default, doc) in self.extend_args.items():
+            parser.add_argument(f"--extend.{name}", type=typ, default=default, help=doc)
+
+
+def make_cli(extend_args: dict[str, tuple[Any, Any, str]], args: list[str] | None = None) -> LightningCLI:
+    from posenc_lightning.data import CorpusDataModule
+    from posenc_lightning.models import TinyGPT
+
+    cls = type("RecipeCLI", (RecipeCLI,), {"extend_args": extend_args})
+    return cls(TinyGPT, CorpusDataModule, run=False, args=args, save_config_kwargs={"overwrite": True},
+               parser_kwargs={"parser_mode": "omegaconf"} if _has_omegaconf() else {})
+
+
+def _has_omegaconf() -> bool:
+    try:
+        import omegaconf  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def finetune_trainer(cli: LightningCLI, max_steps: int, sub: str, callbacks: list | None = None) -> pl.Trainer:
+    """A second Trainer with the CLI's trainer settings, ``max_steps`` steps, logging to
+    ``<run dir>/<sub>`` and no validation loop (the recipe evaluates itself)."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    first = cli.trainer
+    logger = TensorBoardLogger(str(log_dir_of(first)), name=sub, version="") if first.logger else False
+    return cli.instantiate_trainer(max_steps=max_steps, logger=logger, limit_val_batches=0, callbacks=list(callbacks or []),
+                                   enable_checkpointing=False)

@@ -1,0 +1,106 @@
+"""Extend a rope model's context with LongRoPE (Ding et al., 2024) and compare with pi and yarn at
+the same factor: pre-train rope at L (or load ``--extend.pretrained``), then at s*L:
+
+1. zero-shot pi and yarn (factor s);
+2. LongRoPE's evolutionary search of the long factors, scored on the first ``search_windows``
+   validation windows at s*L; every method is then evaluated on *other* validation text;
+3. fine-tune with `LongRoPECurriculum` (the found factors, then the short factors re-searched
+   at L after training), evaluate again.
+
+    python recipes/longrope_extend.py --config configs/longrope_extend.yaml
+    posenc run longrope_extend [--devices 2] [overrides]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from posenc_lightning.curriculum import LongRoPECurriculum  # noqa: E402
+from posenc_lightning.curriculum.extend import finetune_trainer, make_cli, perplexity, write_results  # noqa: E402
+from posenc_lightning.curriculum.longrope import set_factors  # noqa: E402
+from posenc_lightning.inject import inject, restore_from_checkpoint  # noqa: E402
+
+EXTEND_ARGS = {
+    "factor": (float, 8.0, "context extension ratio s"),
+    "pretrained": (str, "", "a rope checkpoint to start from (e.g. yarn_extend's pretrained.ckpt); '' = pre-train"),
+    "population": (int, 16, "search population"),
+    "parents": (int, 4, "search parents kept per iteration"),
+    "iterations": (int, 6, "search iterations"),
+    "search_windows": (int, 4, "validation windows at s*L scored per candidate"),
+    "finetune_steps": (int, -1, "fine-tuning steps at s*L (-1: 5% of pre-training steps)"),
+    "finetune_lr": (float, 1e-3, "peak learning rate of the fine-tune"),
+    "eval_tokens": (int, 32768, "held-out validation tokens scored at every length"),
+    "results_dir": (str, "", "where results.json / results.md go (default: the run's log dir)"),
+}
+
+
+def main(args: list[str] | None = None) -> dict[str, float]:
+    cli = make_cli(EXTEND_ARGS, args)
+    ext = cli.config["extend"]
+    model, data, trainer = cli.model, cli.datamodule, cli.trainer
+    L, s = data.seq_len, float(ext.factor)
+    n = int(round(L * s))
+    if ext.pretrained:
+        ckpt = torch.load(ext.pretrained, map_location="cpu", weights_only=False)
+        restore_from_checkpoint(model, ckpt)
+        model.load_state_dict(ckpt["state_dict"])
+        pre_steps = int(ckpt.get("global_step", 0))
+        data.setup("fit")
+    else:
+        trainer.fit(model, data)
+        pre_steps = trainer.global_step
+    ft_steps = ext.finetune_steps if ext.finetune_steps >= 0 else max(1, pre_steps // 20)
+    tokens = data.val_tokens
+    held_out = ext.search_windows * n  # evaluation text starts after the search windows
+    ppl = lambda m: perplexity(model, tokens, m, ext.eval_tokens, offset_tokens=held_out)  # noqa: E731
+    theta = float((model.hparams.encoding_cfg or {}).get("theta", 10000.0))
+    r: dict[str, float] = {"L": L, "factor": s, "pretrain_steps": pre_steps, "finetune_steps": ft_steps,
+                           "rope_ppl_L": ppl(L), "rope_ppl_sL": ppl(n)}
+    for name in ("pi", "yarn"):
+        inject(model, name, factor=s, original_max_position_embeddings=L, theta=theta)
+        r[f"{name}_ppl_sL"], r[f"{name}_ppl_L"] = ppl(n), ppl(L)
+
+    inject(model, "long_rope", factor=s, original_max_position_embeddings=L, max_position_embeddings=n, theta=theta)
+    cur = LongRoPECurriculum(original_length=L, target_length=n, steps_per_stage=max(1, ft_steps), start_length=n,
+                             population=ext.population, parents=ext.parents, iterations=ext.iterations,
+                             search_windows=ext.search_windows, seed=cli.config.get("seed_everything") or 0)
+    res = cur.search(model, tokens, n, s, "long")
+    cur.found[0] = list(res.best)
+    set_factors(model, long=cur.found[0])
+    r["longrope_search_ppl_on_search_windows"] = res.best_score
+    r["longrope_ppl_sL"], r["longrope_ppl_L"] = ppl(n), ppl(L)
+    r["longrope_vs_pi_sL"] = r["longrope_ppl_sL"] / r["pi_ppl_sL"] - 1
+    r["longrope_vs_yarn_sL"] = r["longrope_ppl_sL"] / r["yarn_ppl_sL"] - 1
+
+    data.seq_len, data.batch_size = n, max(1, data.batch_size * L // n)
+    model.hparams.lr, model.hparams.warmup_steps = ext.finetune_lr, max(1, ft_steps // 10)
+    ft = finetune_trainer(cli, ft_steps, "finetune", callbacks=[cur])
+    ft.fit(model, data)  # the curriculum keeps the found long factors and re-searches the short ones at L
+    r["finetuned_ppl_sL"], r["finetuned_ppl_L"] = ppl(n), ppl(L)
+    r["long_factor"] = cur.found[0]  # type: ignore[assignment]
+    r["short_factor"] = cur.short  # type: ignore[assignment]
+    r["search_history"] = cur.histories  # type: ignore[assignment]
+
+    f = lambda k: f"{r[k]:.4f}"  # noqa: E731
+    table = [("rope (pre-trained)", f("rope_ppl_L"), f("rope_ppl_sL")),
+             (f"pi s={s:g} zero-shot", f("pi_ppl_L"), f("pi_ppl_sL")),
+             (f"yarn s={s:g} zero-shot", f("yarn_ppl_L"), f("yarn_ppl_sL")),
+             (f"long_rope searched s={s:g} zero-shot", f("longrope_ppl_L"), f("longrope_ppl_sL")),
+             (f"long_rope + {ft_steps} fine-tune steps + short re-search", f("finetuned_ppl_L"), f("finetuned_ppl_sL"))]
+    notes = (f"Search: population {ext.population}, {ext.parents} parents, {ext.iterations} iterations, scored on "
+             f"{ext.search_windows} windows of {n}; all rows evaluated on {ext.eval_tokens} other validation tokens. "
+             f"long_rope vs pi at {n}: {100 * r['longrope_vs_pi_sL']:+.2f}%, vs yarn: "
+             f"{100 * r['longrope_vs_yarn_sL']:+.2f}%.\n\nlong_factor: {[round(x, 2) for x in cur.found[0]]}\n\n"
+             f"short_factor: {[round(x, 2) for x in cur.short] if cur.short else None}")
+    write_results(ft, "longrope_extend", r, table, ("model", f"ppl @ L={L}", f"ppl @ {n}"), notes,
+                  ext.results_dir or None)
+    return r
+
+
+if __name__ == "__main__":
+    main()
