@@ -278,3 +278,17 @@ def test_long_rope_set_factors_and_switch():
     close(enc.frequencies(17)[0], 1.0 / (torch.tensor([1.0, 1.5, 2.0, 3.0]) * 10000 ** (torch.arange(0, 8, 2) / 8)))
     with pytest.raises(ValueError, match="rotary_dim/2 = 4"):
         enc.set_factors(short_factor=[1.0, 1.0])
+
+
+@pytest.mark.parametrize("name", ["pi", "yarn", "long_rope", "dynamic_ntk"])
+def test_config_records_run_time_scale_and_factors(name):
+    """config() (logged, saved) rebuilds the encoding as it is *now*, after set_scale/set_factors."""
+    enc = build_encoding(name, factor=2.0, original_max_position_embeddings=16).bind(head_dim=8)
+    enc.set_scale(5.0)
+    if name == "long_rope":
+        enc.set_factors(short_factor=[1.0, 1.0, 1.1, 1.2], long_factor=[1.0, 2.0, 4.0, 5.0])
+    again = build_encoding(name, **enc.config()).bind(head_dim=8)
+    for L in (8, 40):
+        inv, sc = enc.frequencies(L)
+        inv2, sc2 = again.frequencies(L)
+        assert torch.equal(inv, inv2) and sc == sc2

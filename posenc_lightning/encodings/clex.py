@@ -91,6 +91,9 @@ class CLEX(RotaryEncoding):
             raise ValueError(f"clex: the scale t must be >= 1 (1 = the training length), got {factor}")
         self.factor = factor
 
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "factor": self.factor}
+
     def scale_for(self, seq_len: int | None) -> float:
         return max(self.factor, (seq_len or 0) / self.original_max_position_embeddings)
 

@@ -53,6 +53,10 @@ class ScaledRotary(RotaryEncoding):
     def _law_key(self) -> tuple:
         return ()
 
+    def config(self) -> dict[str, Any]:
+        """The init args with the *current* scale (after `set_scale`), for logs and re-building."""
+        return {**super().config(), "factor": self.factor}
+
     def frequencies_key(self, seq_len: int | None) -> Any:
         return (self.name, self.factor, self.theta, self.original_max_position_embeddings) + self._law_key()
 
@@ -200,6 +204,9 @@ class LongRoPE(ScaledRotary):
             if self.head_dim is not None and len(vals) != self.rotary_dim // 2:
                 raise ValueError(f"long_rope: {attr} needs rotary_dim/2 = {self.rotary_dim // 2} values, got {len(vals)}")
             setattr(self, attr, vals)
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "short_factor": self.short_factor, "long_factor": self.long_factor}
 
     def attention_scaling(self) -> float:
         return longrope_attention_factor(self.factor, self.original_max_position_embeddings, self.attention_factor)
