@@ -49,6 +49,59 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recipe_dirs() -> list:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return [Path.cwd(), root]
+
+
+def recipe_command(recipe: str, overrides: Sequence[str]) -> list[str]:
+    """The command ``posenc run`` executes: ``python recipes/NAME.py --config configs/NAME.yaml
+    [--trainer.devices=N --trainer.strategy=ddp] [overrides]``."""
+    from pathlib import Path
+
+    rest, devices, config = [], None, None
+    it = iter(overrides)
+    for a in it:
+        if a in ("--devices", "--config"):
+            val = next(it, None)
+            if val is None:
+                raise SystemExit(f"posenc run: {a} needs a value")
+            devices, config = (val, config) if a == "--devices" else (devices, val)
+        elif a.startswith("--devices=") or a.startswith("--config="):
+            key, val = a.split("=", 1)
+            devices, config = (val, config) if key == "--devices" else (devices, val)
+        else:
+            rest.append(a)
+    script = Path(recipe) if recipe.endswith(".py") else None
+    for d in _recipe_dirs():
+        if script is None and (d / "recipes" / f"{recipe}.py").is_file():
+            script = d / "recipes" / f"{recipe}.py"
+            if config is None and (d / "configs" / f"{recipe}.yaml").is_file():
+                config = str(d / "configs" / f"{recipe}.yaml")
+    if script is None or not script.is_file():
+        known = sorted({p.stem for d in _recipe_dirs() for p in (d / "recipes").glob("*.py") if not p.stem.startswith("_")})
+        raise SystemExit(f"posenc run: unknown recipe {recipe!r}; known: {known} (or give a path to a .py)")
+    cmd = [sys.executable, str(script)] + (["--config", config] if config else [])
+    if devices is not None:
+        cmd.append(f"--trainer.devices={devices}")
+        if devices not in ("1", "auto") and not any(a.startswith("--trainer.strategy") for a in rest):
+            cmd.append("--trainer.strategy=ddp")
+    return cmd + rest
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import shlex
+    import subprocess
+
+    cmd = recipe_command(args.recipe, args.overrides)
+    print("+ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    if args.dry_run:
+        return 0
+    return subprocess.call(cmd)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="posenc", description="Positional encodings for PyTorch Lightning")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -73,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--root-dir", default="runs")
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(fn=_cmd_train)
+    r = sub.add_parser("run", help="run a recipe: posenc run yarn_extend [--devices N] [--trainer.max_steps=...]",
+                       description="Runs recipes/RECIPE.py --config configs/RECIPE.yaml with your overrides "
+                                   "(LightningCLI syntax); --devices N > 1 adds --trainer.strategy=ddp.")
+    r.add_argument("--dry-run", action="store_true", help="print the command only")
+    r.add_argument("recipe", help="yarn_extend, longrope_extend, clex_train, fire_train or a path to a .py")
+    r.add_argument("overrides", nargs=argparse.REMAINDER, help="--devices N, --config FILE, --group.key=value ...")
+    r.set_defaults(fn=_cmd_run)
     return p
 
 
