@@ -1,7 +1,9 @@
 """posenc-lightning: inject any transformer positional encoding into a LightningModule."""
 
 from posenc_lightning.attention import KVCache, LayerKVCache, PosEncAttentionMixin, PosEncEmbeddingMixin
-from posenc_lightning.callbacks import ContextCurriculum, PosEncCallback, Stage
+from posenc_lightning.callbacks import (
+    ContextCurriculum, LengthEvalCallback, LMEvalCallback, PosEncCallback, PosEncVisualizer, Stage,
+)
 from posenc_lightning.encodings import (
     Bias, BiasSum, DecayBias, DenseBias, Encoding, LinearBias, RelativeBias, available_encodings, build_encoding,
 )
@@ -13,4 +15,5 @@ __all__ = [
     "Bias", "BiasSum", "ContextCurriculum", "Stage", "DecayBias", "DenseBias", "Encoding", "KVCache", "LayerKVCache", "LinearBias",
     "PosEncAttentionMixin", "PosEncCallback", "PosEncEmbeddingMixin", "RelativeBias", "available_encodings",
     "build_encoding", "inject", "injected_spec", "restore_from_checkpoint",
+    "LMEvalCallback", "LengthEvalCallback", "PosEncVisualizer",
 ]

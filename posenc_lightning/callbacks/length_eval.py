@@ -1,0 +1,174 @@
+"""`LengthEvalCallback`: perplexity at several lengths (the length-generalization curve)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def token_nll(module: torch.nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    """Per-token NLL ``[B, N]``: the module's ``token_nll`` when it has one, else from its logits."""
+    if hasattr(module, "token_nll"):
+        return module.token_nll(x, y)
+    out = module(x)
+    logits = getattr(out, "logits", out)
+    return F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")
+
+
+class LengthEvalCallback(pl.Callback):
+    """Validation perplexity at several lengths, logged as ``length_eval/ppl/<L>`` (and ``nll``),
+    plus a perplexity-vs-length chart (TensorBoard image) and a markdown table (text).
+
+    The windows come from the datamodule's ``length_dataloader(seq_len, max_windows, batch_size)``
+    (`CorpusDataModule` has it) or from ``dataloader_fn(seq_len)``. Ranks split the windows and
+    a torchmetrics `MeanMetric` averages the token NLL over all of them. A length the model
+    cannot run (a learned table shorter than it) is logged as NaN and named in ``failures``.
+
+    Args:
+        lengths: evaluation lengths; default ``multiples`` of ``base_len``.
+        multiples: multiples of ``base_len`` (1x..16x).
+        base_len: the training length (default: the datamodule's ``val_seq_len`` or ``seq_len``).
+        max_windows: windows per length.
+        batch_size: windows per batch (default: one).
+        every_n_epochs: run at validation ends of every n-th epoch.
+        dataloader_fn: ``seq_len -> iterable of (input_ids, targets)`` instead of the datamodule's.
+    """
+
+    def __init__(self, lengths: Sequence[int] | None = None, multiples: Sequence[int] = (1, 2, 4, 8, 16),
+                 base_len: int | None = None, max_windows: int = 4, batch_size: int = 1, every_n_epochs: int = 1,
+                 dataloader_fn: Any = None) -> None:
+        self.lengths = [int(n) for n in lengths] if lengths else None
+        self.multiples = list(multiples)
+        self.base_len = base_len
+        self.max_windows = max_windows
+        self.batch_size = batch_size
+        self.every_n_epochs = every_n_epochs
+        self.dataloader_fn = dataloader_fn
+        self.results: dict[int, float] = {}  # length -> perplexity (last evaluation)
+        self.failures: dict[int, str] = {}
+        self.history: list[dict[str, Any]] = []
+
+    def resolve_lengths(self, trainer: pl.Trainer | None) -> list[int]:
+        if self.lengths:
+            return self.lengths
+        base = self.base_len
+        dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+        if base is None and dm is not None:
+            base = getattr(dm, "val_seq_len", None) or getattr(dm, "seq_len", None)
+        if base is None:
+            raise ValueError("LengthEvalCallback: give lengths=[...] or base_len= (no datamodule with val_seq_len)")
+        return [int(base) * m for m in self.multiples]
+
+    def _batches(self, trainer: pl.Trainer | None, n: int):
+        if self.dataloader_fn is not None:
+            return self.dataloader_fn(n)
+        dm = getattr(trainer, "datamodule", None)
+        if dm is None or not hasattr(dm, "length_dataloader"):
+            raise ValueError("LengthEvalCallback needs a datamodule with length_dataloader(seq_len, ...) "
+                             "(CorpusDataModule has one) or dataloader_fn=")
+        return dm.length_dataloader(n, max_windows=self.max_windows, batch_size=self.batch_size)
+
+    @torch.no_grad()
+    def evaluate(self, pl_module: pl.LightningModule, trainer: pl.Trainer | None = None) -> dict[int, float]:
+        """Perplexity per length; NaN where the model fails (see ``failures``)."""
+        from torchmetrics import MeanMetric
+
+        rank = trainer.global_rank if trainer is not None else 0
+        world = trainer.world_size if trainer is not None else 1
+        was_training = pl_module.training
+        pl_module.eval()
+        self.failures = {}
+        out: dict[int, float] = {}
+        try:
+            for n in self.resolve_lengths(trainer):
+                metric = MeanMetric().to(pl_module.device)
+                error = None
+                try:
+                    for i, (x, y) in enumerate(self._batches(trainer, n)):
+                        if i % world != rank:
+                            continue
+                        metric.update(token_nll(pl_module, x.to(pl_module.device), y.to(pl_module.device)))
+                except ValueError as e:  # e.g. beyond a learned table: reported, not raised
+                    error = str(e)
+                if world > 1:  # any rank failing makes the length fail everywhere
+                    failed = trainer.strategy.reduce(torch.tensor(float(error is not None)), reduce_op="sum")
+                    error = error or ("failed on another rank" if float(failed) > 0 else None)
+                if error is not None:
+                    self.failures[n] = error
+                    out[n] = float("nan")
+                    continue
+                out[n] = math.exp(float(metric.compute()))
+        finally:
+            pl_module.train(was_training)
+        self.results = out
+        return out
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.current_epoch % self.every_n_epochs:
+            return
+        res = self.evaluate(pl_module, trainer)
+        for n, ppl in res.items():
+            pl_module.log(f"length_eval/ppl/{n}", ppl, sync_dist=False)
+            pl_module.log(f"length_eval/nll/{n}", math.log(ppl) if ppl == ppl else ppl, sync_dist=False)
+        self.history.append({"step": trainer.global_step, "ppl": dict(res), "failures": dict(self.failures)})
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                exp = getattr(logger, "experiment", None)
+                if hasattr(exp, "add_text"):
+                    exp.add_text("length_eval/table", length_table({"model": res}, self.failures and {"model": self.failures}),
+                                 global_step=trainer.global_step)
+                if hasattr(exp, "add_figure"):
+                    fig = length_plot({"model": res})
+                    if fig is not None:
+                        exp.add_figure("length_eval/ppl_vs_length", fig, global_step=trainer.global_step)
+
+
+def length_table(results: dict[str, dict[int, float]], failures: dict[str, dict[int, str]] | None = None,
+                 base_len: int | None = None) -> str:
+    """Markdown: one row per run, one column per length (``fails`` where the model could not run)."""
+    lengths = sorted({n for r in results.values() for n in r})
+    head = [f"{n // base_len}x ({n})" if base_len else str(n) for n in lengths]
+    out = ["| encoding | " + " | ".join(head) + " |", "|---" * (len(lengths) + 1) + "|"]
+    for name, r in results.items():
+        cells = []
+        for n in lengths:
+            v = r.get(n, float("nan"))
+            if failures and n in failures.get(name, {}):
+                cells.append("fails (beyond table)" if "table" in failures[name][n] else "fails")
+            else:
+                cells.append("" if v != v else f"{v:.2f}")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def length_plot(results: dict[str, dict[int, float]], path: str | None = None, title: str = "perplexity vs length"):
+    """A log-log perplexity-vs-length figure (matplotlib, the ``viz`` extra); saved to ``path`` if
+    given. Returns the figure, or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, r in results.items():
+        pts = sorted((n, v) for n, v in r.items() if v == v and math.isfinite(v))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("evaluation length (tokens)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig
