@@ -185,8 +185,8 @@ class LongRoPE(ScaledRotary):
                  layout: Layout = "half", partial_rotary_factor: float = 1.0) -> None:
         self.max_position_embeddings = int(max_position_embeddings)
         self.attention_factor = attention_factor
-        self.short_factor: list[float] | None = None
-        self.long_factor: list[float] | None = None
+        self._short: list[float] | None = None
+        self._long: list[float] | None = None
         if factor is None:
             factor = self.max_position_embeddings / int(original_max_position_embeddings)
         super().__init__(factor, original_max_position_embeddings, theta, layout, partial_rotary_factor)
@@ -203,20 +203,34 @@ class LongRoPE(ScaledRotary):
                 raise ValueError(f"long_rope: {attr} must be positive finite numbers, got {vals}")
             if self.head_dim is not None and len(vals) != self.rotary_dim // 2:
                 raise ValueError(f"long_rope: {attr} needs rotary_dim/2 = {self.rotary_dim // 2} values, got {len(vals)}")
-            setattr(self, attr, vals)
+            setattr(self, "_short" if attr == "short_factor" else "_long", vals)
+
+    @property
+    def short_factor(self) -> list[float] | None:
+        """The short rescale factors in use (all 1 unless set); None before the head size is known."""
+        if self._short is not None:
+            return list(self._short)
+        return None if self.head_dim is None else [1.0] * (self.rotary_dim // 2)
+
+    @property
+    def long_factor(self) -> list[float] | None:
+        """The long rescale factors in use (``factor`` everywhere unless set: position interpolation)."""
+        if self._long is not None:
+            return list(self._long)
+        return None if self.head_dim is None else [self.factor] * (self.rotary_dim // 2)
 
     def config(self) -> dict[str, Any]:
-        return {**super().config(), "short_factor": self.short_factor, "long_factor": self.long_factor}
+        return {**super().config(), "short_factor": self._short, "long_factor": self._long}
 
     def attention_scaling(self) -> float:
         return longrope_attention_factor(self.factor, self.original_max_position_embeddings, self.attention_factor)
 
     def factors(self, seq_len: int | None) -> list[float]:
         """The rescale factors in use at this length (``long`` iff ``seq_len > L_orig``)."""
-        n = self.rotary_dim // 2
+        self.rotary_dim  # noqa: B018  (raises a clear error before bind)
         if seq_len and seq_len > self.original_max_position_embeddings:
-            return self.long_factor if self.long_factor is not None else [self.factor] * n
-        return self.short_factor if self.short_factor is not None else [1.0] * n
+            return self.long_factor
+        return self.short_factor
 
     def frequencies(self, seq_len: int | None = None, device: torch.device | None = None) -> tuple[Tensor, float]:
         return longrope_inv_freq(self.rotary_dim, self.theta, self.factors(seq_len), device), self.attention_scaling()

@@ -148,3 +148,8 @@ class RoPE2D(RotaryEncoding):
 
     def frequencies_key(self, seq_len: int | None) -> Any:
         return "static"
+
+    def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
+        # the shared rotation with our cos_sin; overridden so that fused backends (which fuse only
+        # the unmodified RotaryEncoding.rotate of [B, N] positions) leave [B, N, 2] to this path
+        return super().rotate(q, k, ctx)
