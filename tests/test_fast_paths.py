@@ -87,3 +87,88 @@ def test_apply_rotary_odd_storage_offset_interleaved():
     cos, sin = rope_cos_sin(torch.arange(5)[None], rope_inv_freq(8))
     torch.testing.assert_close(apply_rotary(x, cos, sin, "interleaved"),
                                apply_rotary_reference(x, cos, sin, "interleaved"), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# sdpa with a bias: Toeplitz view (i - j kinds at arange positions) and blockwise rows
+# ---------------------------------------------------------------------------------------------
+from posenc_lightning.attention.backends import eager, sdpa  # noqa: E402
+from posenc_lightning.attention.mask import AttentionMask  # noqa: E402
+from posenc_lightning.encodings.base import (  # noqa: E402
+    AttentionContext, BiasSum, DecayBias, DenseBias, LinearBias, RelativeBias)
+from posenc_lightning.functional.alibi import alibi_slopes  # noqa: E402
+
+
+def _bias(kind: str, h: int, qp, kp, learned: bool = False):
+    if kind == "linear":
+        return LinearBias(alibi_slopes(h), qp, kp)
+    table = torch.randn(h, 2 * 7 + 1, requires_grad=learned)
+    rel = RelativeBias(table, qp, kp)
+    return rel if kind == "relative" else BiasSum([rel, LinearBias(alibi_slopes(h), qp, kp)])
+
+
+CASES = {  # name: (n_q, n_k, q positions, k positions, causal, q_offset, segments)
+    "arange_causal": (300, 300, torch.arange(300), torch.arange(300), True, 0, None),
+    "offset_arange": (300, 300, torch.arange(50, 350), torch.arange(50, 350), True, 0, None),
+    "decode_cache": (37, 337, torch.arange(300, 337), torch.arange(337), True, 300, None),
+    "bidirectional": (200, 200, torch.arange(200), torch.arange(200), False, 0, None),
+    "packed": (300, 300, torch.cat([torch.arange(120), torch.arange(180)]),
+               torch.cat([torch.arange(120), torch.arange(180)]), True, 0,
+               torch.cat([torch.zeros(120), torch.ones(180)]).long()),
+    "shuffled": (300, 300, torch.randperm(300), None, True, 0, None),
+}
+
+
+@pytest.mark.parametrize("kind", ["linear", "relative", "sum"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("learned", [False, True])
+def test_sdpa_bias_fast_paths_equal_eager_fwd_bwd(kind, case, learned, monkeypatch):
+    if learned and kind == "linear":
+        pytest.skip("ALiBi slopes are fixed")
+    monkeypatch.setattr(sdpa, "BIAS_BLOCK_BYTES", 4 * 64 * 4 * 400)  # force several blocks of rows
+    n_q, n_k, qp, kp, causal, off, seg = CASES[case]
+    kp = qp if kp is None else kp
+    b, h, hkv, d = 2, 4, 2, 16
+    qp, kp = qp[None].expand(b, -1), kp[None].expand(b, -1)
+    bias = _bias(kind, h, qp, kp, learned)
+    seg2 = None if seg is None else seg[None].expand(b, -1)
+    mask = AttentionMask(causal, off, n_q, n_k, seg2, seg2)
+    ctx = AttentionContext(qp, kp, causal)
+    q = torch.randn(b, h, n_q, d, requires_grad=True)
+    k, v = (torch.randn(b, hkv, n_k, d, requires_grad=True) for _ in range(2))
+    outs, grads = [], []
+    for backend in (sdpa, eager):
+        out = backend.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx)
+        leaves = [q, k, v] + [p for p in (getattr(t, "table", None) for t in bias.terms)
+                              if p is not None and p.requires_grad]
+        outs.append(out)
+        grads.append(torch.autograd.grad(out, leaves, torch.ones_like(out) / out.numel() ** 0.5))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)
+    for g0, g1 in zip(*grads):
+        torch.testing.assert_close(g0, g1, rtol=1e-4, atol=1e-5)
+
+
+def test_toeplitz_template_only_where_valid():
+    h, n = 4, 64
+    ar = torch.arange(n)[None].expand(2, n)
+    mask = AttentionMask(True, 0, n, n)
+    bias = _bias("sum", h, ar, ar)
+    u = sdpa._toeplitz_template(bias, mask, n, n, AttentionContext(ar, ar))
+    assert u is not None and u.shape == (h, 2 * n - 1)
+    # the template holds every diagonal of the bias: row i of the bias is u[:, n-1-i : 2n-1-i]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    dense = bias.materialize()[0].masked_fill(~causal, float("-inf"))
+    for i in (0, 17, n - 1):
+        torch.testing.assert_close(u[:, n - 1 - i: 2 * n - 1 - i], dense[:, i])
+    perm = torch.randperm(n)[None].expand(2, n)
+    assert sdpa._toeplitz_template(_bias("linear", h, perm, perm), mask, n, n, AttentionContext(perm, perm)) is None
+    c = torch.randn(2, h, n)
+    assert sdpa._toeplitz_template(DecayBias(c, c), mask, n, n, AttentionContext(ar, ar)) is None
+    assert sdpa._toeplitz_template(DenseBias(torch.randn(1, h, n, n)), mask, n, n, AttentionContext(ar, ar)) is None
+
+
+def test_bias_rows_equal_materialize_slices():
+    qp = torch.tensor([[3, 4, 5, 0, 1, 2, 9]])
+    c = torch.randn(1, 2, 7)
+    for bias in (_bias("sum", 2, qp, qp), DecayBias(c, c), DenseBias(torch.randn(1, 2, 7, 7))):
+        torch.testing.assert_close(bias.rows(2, 5, 6), bias.materialize()[..., 2:5, :6])

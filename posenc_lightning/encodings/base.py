@@ -45,6 +45,10 @@ class Bias:
     def materialize(self) -> Tensor:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement materialize()")
 
+    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
+        """``materialize()[..., start:stop, :k_stop]`` without building the rest (blockwise SDPA)."""
+        return self.materialize()[..., start:stop, :k_stop]
+
     @property
     def terms(self) -> list[Bias]:
         return [self]
@@ -74,6 +78,9 @@ class LinearBias(Bias):
         dist = _distance(self.q_pos, self.k_pos).abs().to(torch.float32)
         return -self.slopes.to(torch.float32)[None, :, None, None] * dist[:, None]
 
+    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
+        return LinearBias(self.slopes, self.q_pos[:, start:stop], self.k_pos[:, :k_stop]).materialize()
+
 
 @dataclass(eq=False)
 class RelativeBias(Bias):
@@ -93,6 +100,9 @@ class RelativeBias(Bias):
         out = self.table.to(torch.float32)[:, idx]  # [H, B, Nq, Nk]
         return out.permute(1, 0, 2, 3)
 
+    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
+        return RelativeBias(self.table, self.q_pos[:, start:stop], self.k_pos[:, :k_stop]).materialize()
+
 
 @dataclass(eq=False)
 class DecayBias(Bias):
@@ -104,6 +114,9 @@ class DecayBias(Bias):
     def materialize(self) -> Tensor:
         return self.c_q.to(torch.float32)[..., :, None] - self.c_k.to(torch.float32)[..., None, :]
 
+    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
+        return DecayBias(self.c_q[..., start:stop], self.c_k[..., :k_stop]).materialize()
+
 
 @dataclass(eq=False)
 class DenseBias(Bias):
@@ -113,6 +126,9 @@ class DenseBias(Bias):
 
     def materialize(self) -> Tensor:
         return self.tensor.to(torch.float32)
+
+    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
+        return self.tensor[..., start:stop, :k_stop].to(torch.float32)
 
 
 @dataclass(eq=False)
@@ -129,6 +145,12 @@ class BiasSum(Bias):
         out = self.parts[0].materialize()
         for p in self.parts[1:]:
             out = out + p.materialize()
+        return out
+
+    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
+        out = self.parts[0].rows(start, stop, k_stop)
+        for p in self.parts[1:]:
+            out = out + p.rows(start, stop, k_stop)
         return out
 
 
