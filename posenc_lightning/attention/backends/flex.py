@@ -68,6 +68,13 @@ def _term(bias: Bias, b_size: int, n_heads: int) -> ScoreTerm:
     return lambda b, h, qi, ki: t[b, h, qi, ki]
 
 
+def _bias_tensors(bias: Bias | None) -> list[Tensor]:
+    out: list[Tensor] = []
+    for t in bias.terms if bias is not None else []:
+        out += [x for x in vars(t).values() if isinstance(x, Tensor)]
+    return out
+
+
 def score_mod_for(bias: Bias | None, b_size: int, n_heads: int) -> Callable | None:
     """One ``score_mod(score, b, h, q_idx, kv_idx)`` adding every term of ``bias``."""
     if bias is None:
@@ -123,9 +130,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
            normalize: Callable | None = None, ctx: AttentionContext | None = None) -> Tensor:
     if normalize is not None:
         raise ValueError("the flex backend cannot replace softmax; use backend='eager'")
-    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError("flex attention has no backward on CPU; use backend='sdpa' or 'eager' to train, "
-                         "or run under torch.no_grad()")
+    if q.device.type == "cpu":
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *_bias_tensors(bias))):
+            raise ValueError("flex attention has no backward on CPU; use backend='sdpa' or 'eager' to train, "
+                             "or run under torch.no_grad()")
+        q, k, v = q.detach(), k.detach(), v.detach()  # flex refuses CPU inputs that require grad
     fa = _flex_module()
     b, h = q.shape[0], q.shape[1]
     score_mod = score_mod_for(bias, b, h)
