@@ -233,6 +233,9 @@ class ContextCurriculum(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        dm = getattr(trainer, "datamodule", None)
+        if dm is not None and isinstance(getattr(dm, "seq_len", None), int):
+            self._restore.append((dm, "seq_len", dm.seq_len))  # given back at teardown
         source = trainer.fit_loop._data_source  # where Lightning gets the train dataloader
         owner = source.instance
         if isinstance(owner, DataLoader):

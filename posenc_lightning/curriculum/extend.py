@@ -101,3 +101,37 @@ def finetune_trainer(cli: LightningCLI, max_steps: int, sub: str, callbacks: lis
     logger = TensorBoardLogger(str(log_dir_of(first)), name=sub, version="") if first.logger else False
     return cli.instantiate_trainer(max_steps=max_steps, logger=logger, limit_val_batches=0, callbacks=list(callbacks or []),
                                    enable_checkpointing=False)
+
+
+def length_sweep(model: torch.nn.Module, tokens: torch.Tensor, lengths: list[int], eval_tokens: int,
+                 before_each: Any = None) -> dict[int, float]:
+    """Perplexity at each length on the same validation tokens; ``before_each(n)`` runs first
+    (e.g. CLEX's ``set_scale(n / L)``)."""
+    out = {}
+    for n in lengths:
+        if before_each is not None:
+            before_each(n)
+        out[int(n)] = perplexity(model, tokens, int(n), eval_tokens)
+    return out
+
+
+def train_and_sweep(name: str, extend_args: dict[str, tuple[Any, Any, str]], args: list[str] | None = None,
+                    before_each: Any = None, label: str = "") -> dict[str, Any]:
+    """The train-then-evaluate-by-length recipe body (clex_train, fire_train): fit with the CLI's
+    trainer and callbacks, then perplexity at ``extend.lengths`` (multiples of the training length)."""
+    cli = make_cli(extend_args, args)
+    ext = cli.config["extend"]
+    model, data, trainer = cli.model, cli.datamodule, cli.trainer
+    trainer.fit(model, data)
+    L = data.seq_len
+    lengths = [int(round(m * L)) for m in ext.lengths]
+    hook = (lambda n: before_each(cli, n)) if before_each is not None else None
+    sweep = length_sweep(model, data.val_tokens, lengths, ext.eval_tokens, hook)
+    enc = model.hparams.encoding
+    r: dict[str, Any] = {"L": L, "steps": trainer.global_step, "encoding": enc}
+    r.update({f"ppl_{n}": v for n, v in sweep.items()})
+    table = [(f"{n} ({n / L:g} L)", f"{v:.4f}") for n, v in sweep.items()]
+    notes = (f"{enc} trained {trainer.global_step} steps at L={L}{label}; perplexity (bytes) on the same "
+             f"{ext.eval_tokens} validation tokens cut into windows of each length.")
+    write_results(trainer, name, r, table, ("eval length", "ppl"), notes, ext.results_dir or None)
+    return r

@@ -1,0 +1,30 @@
+"""Train TinyGPT with FIRE (Li et al., 2024, functional interpolation for relative positions) at L,
+then measure length generalization: perplexity at 1x..8x the training length. Add a
+``ContextCurriculum`` to ``trainer.callbacks`` in the YAML to grow the length while training.
+
+    python recipes/fire_train.py --config configs/fire_train.yaml
+    posenc run fire_train [--devices 2] [overrides]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from posenc_lightning.curriculum.extend import train_and_sweep  # noqa: E402
+
+EXTEND_ARGS = {
+    "lengths": (list[float], [1.0, 2.0, 4.0, 8.0], "evaluation lengths as multiples of the training length"),
+    "eval_tokens": (int, 32768, "validation tokens scored at every length"),
+    "results_dir": (str, "", "where results.json / results.md go (default: the run's log dir)"),
+}
+
+
+def main(args: list[str] | None = None) -> dict:
+    return train_and_sweep("fire_train", EXTEND_ARGS, args)
+
+
+if __name__ == "__main__":
+    main()
