@@ -292,3 +292,36 @@ def test_config_records_run_time_scale_and_factors(name):
         inv, sc = enc.frequencies(L)
         inv2, sc2 = again.frequencies(L)
         assert torch.equal(inv, inv2) and sc == sc2
+
+
+HF_MODULE_CASES = {
+    "default": {},
+    "linear": {"factor": 4.0},
+    "dynamic": {"factor": 4.0},
+    "yarn": {"factor": 8.0, "original_max_position_embeddings": 64},
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "longrope": {"original_max_position_embeddings": 64, "short_factor": [1.0 + 0.01 * i for i in range(16)],
+                 "long_factor": [1.0 + 0.5 * i for i in range(16)]},
+}
+
+
+@pytest.mark.parametrize("rope_type", list(HF_MODULE_CASES))
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_cos_sin_match_hf_rotary_module(rope_type, partial):
+    """End to end against ``LlamaRotaryEmbedding`` (its dynamic/longrope updates included):
+    the attention scaling folded into cos/sin, partial rotary, lengths on both sides of the switch."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    if rope_type == "default" and partial != 1.0:
+        pytest.skip("Llama's default rope init ignores partial_rotary_factor")
+    head_dim = 64 if partial == 0.5 else 32
+    p = {"rope_type": rope_type, "rope_theta": 10000.0, "partial_rotary_factor": partial, **HF_MODULE_CASES[rope_type]}
+    max_pos = 256 if rope_type == "longrope" else 64
+    for n in (40, 200):
+        hf_mod = LlamaRotaryEmbedding(hf_config(head_dim, max_pos, p))
+        pos = torch.arange(n)[None]
+        c_ref, s_ref = hf_mod(torch.zeros(1, dtype=torch.float32), pos)
+        enc = from_hf(p, head_dim, max_pos)
+        c, s = enc.cos_sin(pos, seq_len=n)
+        torch.testing.assert_close(torch.cat((c, c), -1), c_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.cat((s, s), -1), s_ref, rtol=1e-5, atol=1e-5)
