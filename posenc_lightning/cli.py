@@ -133,7 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("recipe", help="yarn_extend, longrope_extend, clex_train, fire_train or a path to a .py")
     r.add_argument("overrides", nargs=argparse.REMAINDER, help="--devices N, --config FILE, --group.key=value ...")
     r.set_defaults(fn=_cmd_run)
+    rep = sub.add_parser("report", help="perplexity-vs-length table + plot of a run from its TensorBoard logs")
+    rep.add_argument("run_dir", help="a compare_encodings results_dir (one TensorBoard run per encoding)")
+    rep.add_argument("--out", default=None, help="where results.md / ppl_vs_length.png go (default: RUN_DIR)")
+    rep.set_defaults(fn=_cmd_report)
     return p
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from posenc_lightning.eval.compare import report
+
+    print(report(args.run_dir, args.out))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

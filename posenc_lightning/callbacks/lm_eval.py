@@ -58,6 +58,7 @@ class LMEvalCallback(pl.Callback):
         self.history: list[dict[str, Any]] = []  # per evaluation: {"step", "metrics"}
         self.last_results: dict[str, Any] | None = None
         self.last_eval_seconds: float | None = None
+        self.failure: str | None = None  # why the last evaluation gave NaN
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -95,11 +96,15 @@ class LMEvalCallback(pl.Callback):
             self.setup(trainer, pl_module, "validate")
         was_training = pl_module.training
         pl_module.eval()
+        self.failure = None
         try:
             with preserved_rng(self.seed), torch.no_grad():
                 lm = LightningLM(pl_module, tokenizer=self.tokenizer, strategy=trainer.strategy,
                                  max_length=self.max_length)
                 res = evaluate_tasks(lm, self.built)
+        except ValueError as e:  # the model cannot run these lengths (a learned table): NaN, not a crash
+            self.failure = str(e)
+            res = {"per_length": {t: {n: float("nan") for n in self.built.lengths[t]} for t in self.built.lengths}}
         finally:
             pl_module.train(was_training)
         metrics: dict[str, float] | None = None
