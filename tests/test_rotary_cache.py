@@ -80,7 +80,7 @@ def test_bf16_rotates_with_fp32_angles_at_100k(name):
     assert torch.unique(pos.bfloat16()).numel() == 1  # a bf16 angle pipeline would collapse them
     enc = build_encoding(name).bind(n_heads=1, head_dim=64)
     x = torch.randn(1, 1, 1, 64).expand(1, 1, 3, 64).contiguous()
-    cos, sin = enc.cos_sin(pos, seq_len=100_003)
+    cos, _sin = enc.cos_sin(pos, seq_len=100_003)
     assert cos.dtype == torch.float32
     # the reference: the same frequencies, angles in float64
     inv, scale = enc.frequencies(100_003)

@@ -78,7 +78,7 @@ def test_attention_logits_follow_rotation_and_gradients_flow(name, cfg):
     pos = torch.randint(0, 20, (1, 5, n_axes)) if n_axes > 1 else torch.arange(5)[None] * 3
     from posenc_lightning.encodings.base import AttentionContext
 
-    qr, kr = enc.rotate(q, k, AttentionContext(pos, pos, True))
+    qr, _kr = enc.rotate(q, k, AttentionContext(pos, pos, True))
     r = enc.rotation_matrix(pos)[:, None]  # [B, 1, N, D, D]
     torch.testing.assert_close(qr, (r @ q[..., None])[..., 0], rtol=1e-5, atol=1e-5)
     out = layer(q, k, v, positions=pos)

@@ -12,8 +12,8 @@ from posenc_lightning.encodings.rope_scaling import DynamicNTK, Llama3, LongRoPE
 from posenc_lightning.functional.rope_scaling import yarn_find_correction_dim
 
 transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig  # noqa: E402
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 FACTORS = (1, 2, 4, 8, 16, 40)
 HEAD_DIMS = (64, 128)

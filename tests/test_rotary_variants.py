@@ -10,7 +10,7 @@ import torch
 from posenc_lightning.attention.kv_cache import LayerKVCache
 from posenc_lightning.encodings import build_encoding
 from posenc_lightning.encodings.base import AttentionContext
-from posenc_lightning.functional.rope import apply_rotary, rope_inv_freq
+from posenc_lightning.functional.rope import rope_inv_freq
 from posenc_lightning.functional.rope_scaling import ntk_inv_freq, yarn_inv_freq
 from posenc_lightning.inject import inject
 from tests.helpers import Attn, qkv
@@ -38,7 +38,7 @@ def test_resonance_wavelengths_are_integers(factor):
     assert scale == pytest.approx(0.1 * math.log(factor) + 1)
     # a feature with integer wavelength repeats exactly: cos at p and p + lambda agree
     lam = int(wl[3].round())
-    c, s = enc.cos_sin(torch.tensor([[5, 5 + lam]]).double())
+    c, _s = enc.cos_sin(torch.tensor([[5, 5 + lam]]).double())
     assert c[0, 0, 3].item() == pytest.approx(c[0, 1, 3].item(), abs=1e-6)  # fp32 inv_freq
     enc.set_scale(2.0)
     assert not torch.equal(enc.frequencies()[0], inv) or factor == 2.0
@@ -51,7 +51,7 @@ def test_multiscale_per_head_frequencies_and_relative():
     scales = torch.tensor([1.0, 2.0, 4.0, 8.0])
     torch.testing.assert_close(inv, rope_inv_freq(16)[None] / scales[:, None], rtol=1e-6, atol=0)
     pos = torch.tensor([[3, 9, 40]])
-    c, s = enc.cos_sin(pos)  # the cached per-head table path
+    c, _s = enc.cos_sin(pos)  # the cached per-head table path
     ang = pos[0][None, :, None].float() * inv[:, None, :]
     torch.testing.assert_close(c[0], ang.cos(), rtol=1e-5, atol=1e-5)
     q, k, _ = qkv(b=1, h=4, n=3, d=16)
@@ -199,7 +199,7 @@ def test_exposb_matches_seed_and_trains():
     enc = layer.posenc
     q, k, v = qkv(b=1, h=2, n=6, d=16, grad=True)
     pos = torch.tensor([[0, 1, 2, 300, 301, 2000]])
-    qr, kr = enc.rotate(q, k, ctx(pos))
+    qr, _kr = enc.rotate(q, k, ctx(pos))
     # fp32 angles at position 2000: ~2000 x 6e-8 rad
     torch.testing.assert_close(qr.double(), _exposb_reference(q, pos), rtol=0, atol=3e-4)
     # the whole attention: scores * (0.7 + 0.3 exp(-0.005 |m - n|)), causal softmax

@@ -23,8 +23,14 @@ from torch import Tensor
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.encodings.rope import RotaryEncoding
 from posenc_lightning.functional.rope_scaling import (
-    dynamic_ntk_inv_freq, llama3_inv_freq, longrope_attention_factor, longrope_inv_freq, ntk_inv_freq,
-    pi_inv_freq, yarn_attention_factor, yarn_inv_freq,
+    dynamic_ntk_inv_freq,
+    llama3_inv_freq,
+    longrope_attention_factor,
+    longrope_inv_freq,
+    ntk_inv_freq,
+    pi_inv_freq,
+    yarn_attention_factor,
+    yarn_inv_freq,
 )
 
 Layout = Literal["half", "interleaved"]

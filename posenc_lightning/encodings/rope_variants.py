@@ -62,7 +62,7 @@ class MultiScaleRoPE(RotaryEncoding):
         return self.base_inv_freq(device)[None, :] / self.head_scales(device)[:, None], 1.0
 
 
-@register("xpos", "rotate", "xPos: rope with an exponential scale, zeta^((i - j)/gamma) (Sun et al., 2022)")
+@register("xpos", "rotate", "xPos: rope with an exponential scale zeta^((m - n)/scale_base) (Sun et al., 2022)")
 class XPos(RotaryEncoding):
     """xPos (Sun et al., 2022, eq. 9-10): q at position m is rotated and scaled by
     ``zeta_i^(m / scale_base)``, k at n by ``zeta_i^(-n / scale_base)``, with

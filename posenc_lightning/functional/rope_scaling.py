@@ -25,10 +25,21 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "pi_inv_freq", "ntk_base", "ntk_inv_freq", "dynamic_ntk_base", "dynamic_ntk_inv_freq",
-    "yarn_find_correction_dim", "yarn_find_correction_range", "yarn_linear_ramp", "yarn_get_mscale",
-    "yarn_attention_factor", "yarn_inv_freq", "llama3_inv_freq", "longrope_inv_freq",
-    "longrope_attention_factor", "resonance_inv_freq",
+    "dynamic_ntk_base",
+    "dynamic_ntk_inv_freq",
+    "llama3_inv_freq",
+    "longrope_attention_factor",
+    "longrope_inv_freq",
+    "ntk_base",
+    "ntk_inv_freq",
+    "pi_inv_freq",
+    "resonance_inv_freq",
+    "yarn_attention_factor",
+    "yarn_find_correction_dim",
+    "yarn_find_correction_range",
+    "yarn_get_mscale",
+    "yarn_inv_freq",
+    "yarn_linear_ramp",
 ]
 
 
