@@ -40,7 +40,7 @@ EXTEND_ARGS = {
 
 
 def main(args: list[str] | None = None) -> dict[str, float]:
-    cli = make_cli(EXTEND_ARGS, args)
+    cli = make_cli(EXTEND_ARGS, args, "longrope_extend")
     ext = cli.config["extend"]
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
     L, s = data.seq_len, float(ext.factor)
@@ -98,7 +98,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
              f"{100 * r['longrope_vs_yarn_sL']:+.2f}%.\n\nlong_factor: {[round(x, 2) for x in cur.found[0]]}\n\n"
              f"short_factor: {[round(x, 2) for x in cur.short] if cur.short else None}")
     write_results(ft, "longrope_extend", r, table, ("model", f"ppl @ L={L}", f"ppl @ {n}"), notes,
-                  ext.results_dir or None)
+                  ext.results_dir or None, cli.recipe_command)
     return r
 
 

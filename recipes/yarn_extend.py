@@ -30,7 +30,7 @@ EXTEND_ARGS = {
 
 
 def main(args: list[str] | None = None) -> dict[str, float]:
-    cli = make_cli(EXTEND_ARGS, args)
+    cli = make_cli(EXTEND_ARGS, args, "yarn_extend")
     ext = cli.config["extend"]
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
     L, s = data.seq_len, float(ext.factor)
@@ -71,7 +71,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
              f"within 5% of rope at L): {'met' if r['target_met'] else 'NOT met'} "
              f"({100 * r['finetuned_sL_vs_rope_L']:+.2f}%).")
     write_results(trainer, "yarn_extend", r, table, ("model", f"ppl @ L={L}", f"ppl @ {long_len}"), notes,
-                  ext.results_dir or None)
+                  ext.results_dir or None, cli.recipe_command)
     return r
 
 

@@ -34,14 +34,15 @@ def log_dir_of(trainer: pl.Trainer, fallback: str = "runs/recipe") -> Path:
 
 
 def write_results(trainer: pl.Trainer, name: str, results: dict[str, Any], table: list[tuple[str, ...]],
-                  header: tuple[str, ...], notes: str = "", out_dir: str | Path | None = None) -> Path | None:
+                  header: tuple[str, ...], notes: str = "", out_dir: str | Path | None = None,
+                  command: str | None = None) -> Path | None:
     """Write ``results.json`` and ``results.md`` (rank 0) into ``out_dir`` (default: the run's log
     dir), log the numeric results to every logger, and the Markdown to TensorBoard's text tab."""
     if not trainer.is_global_zero:
         return None
     out = Path(out_dir) if out_dir else log_dir_of(trainer, f"runs/{name}")
     out.mkdir(parents=True, exist_ok=True)
-    command = " ".join(shlex.quote(a) for a in [Path(sys.executable).name] + sys.argv)
+    command = command or " ".join(shlex.quote(a) for a in [Path(sys.executable).name] + sys.argv)
     payload = {"recipe": name, "command": command, "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                "torch": torch.__version__, "results": results}
     (out / "results.json").write_text(json.dumps(payload, indent=2))
@@ -75,21 +76,18 @@ class RecipeCLI(LightningCLI):
             parser.add_argument(f"--extend.{name}", type=typ, default=default, help=doc)
 
 
-def make_cli(extend_args: dict[str, tuple[Any, Any, str]], args: list[str] | None = None) -> LightningCLI:
+def make_cli(extend_args: dict[str, tuple[Any, Any, str]], args: list[str] | None = None,
+             name: str = "recipe") -> LightningCLI:
+    """The recipe's CLI (``args=None``: the command line); ``cli.recipe_command`` is the command
+    that reproduces the run (recorded with the results)."""
     from posenc_lightning.data import CorpusDataModule
     from posenc_lightning.models import TinyGPT
 
     cls = type("RecipeCLI", (RecipeCLI,), {"extend_args": extend_args})
-    return cls(TinyGPT, CorpusDataModule, run=False, args=args, save_config_kwargs={"overwrite": True},
-               parser_kwargs={"parser_mode": "omegaconf"} if _has_omegaconf() else {})
-
-
-def _has_omegaconf() -> bool:
-    try:
-        import omegaconf  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    cli = cls(TinyGPT, CorpusDataModule, run=False, args=args, save_config_kwargs={"overwrite": True})
+    argv = sys.argv if args is None else [f"recipes/{name}.py", *args]
+    cli.recipe_command = " ".join(shlex.quote(a) for a in ["python"] + list(argv))
+    return cli
 
 
 def finetune_trainer(cli: LightningCLI, max_steps: int, sub: str, callbacks: list | None = None) -> pl.Trainer:
@@ -119,7 +117,7 @@ def train_and_sweep(name: str, extend_args: dict[str, tuple[Any, Any, str]], arg
                     before_each: Any = None, label: str = "") -> dict[str, Any]:
     """The train-then-evaluate-by-length recipe body (clex_train, fire_train): fit with the CLI's
     trainer and callbacks, then perplexity at ``extend.lengths`` (multiples of the training length)."""
-    cli = make_cli(extend_args, args)
+    cli = make_cli(extend_args, args, name)
     ext = cli.config["extend"]
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
     trainer.fit(model, data)
@@ -133,5 +131,6 @@ def train_and_sweep(name: str, extend_args: dict[str, tuple[Any, Any, str]], arg
     table = [(f"{n} ({n / L:g} L)", f"{v:.4f}") for n, v in sweep.items()]
     notes = (f"{enc} trained {trainer.global_step} steps at L={L}{label}; perplexity (bytes) on the same "
              f"{ext.eval_tokens} validation tokens cut into windows of each length.")
-    write_results(trainer, name, r, table, ("eval length", "ppl"), notes, ext.results_dir or None)
+    write_results(trainer, name, r, table, ("eval length", "ppl"), notes, ext.results_dir or None,
+                  cli.recipe_command)
     return r
