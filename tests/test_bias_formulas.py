@@ -161,7 +161,8 @@ def naive_mixture(q, k, v, pos, P, enc, hidden):
 
 
 CASES = {
-    "fire": ({"init_L": 4.0, "init_c": 0.5}, naive_fire),
+    "fire": ({"init_L": 4.0, "init_c": 0.5}, naive_fire),  # queries past L: a DenseBias
+    "fire@short": ({"init_L": 40.0, "init_c": 0.5}, naive_fire),  # all below L: a RelativeBias table
     "cope": ({"max_position": 4, "per_head": True, "init_std": 0.5}, naive_cope),
     "fox": ({"gate_bias_init": 1.0}, naive_fox),
     "sba": ({}, naive_sba),
@@ -176,6 +177,7 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_paper_formula_forward_and_backward(name):
     cfg, naive = CASES[name]
+    name = name.split("@")[0]
     attn = Attn(n_heads=H, head_dim=D, d_model=DM)
     enc = inject(attn, name, backend="eager", **cfg)
     with torch.no_grad():  # move every parameter off its init so each term matters

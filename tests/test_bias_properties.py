@@ -206,6 +206,21 @@ def test_fire_bias_beyond_training_length_stays_in_training_range():
     assert out.any()
 
 
+def test_fire_is_a_relative_table_below_the_threshold_and_dense_above():
+    enc = build_encoding("fire", init_L=20.0).bind(n_heads=3)
+    with torch.no_grad():
+        for p in enc.mlp.parameters():
+            p.normal_()
+    cases = [(torch.arange(12)[None] + 3, torch.arange(12)[None] + 3, RelativeBias),  # offset, all < L
+             (torch.arange(4)[None] + 9, torch.arange(13)[None], RelativeBias),  # KV cache: 4 new queries
+             (torch.arange(30)[None], torch.arange(30)[None], DenseBias),  # past L: normalizer psi(i)
+             (torch.arange(12.0)[None], torch.arange(12.0)[None], DenseBias)]  # float positions
+    for qp, kp, kind in cases:
+        bias = enc.bias(None, None, AttentionContext(qp, kp))
+        assert type(bias) is kind
+        torch.testing.assert_close(bias.materialize(), enc.bias_tensor(qp, kp), rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------- hybrids
 def test_hybrid_stages_and_mixture_weights():
     assert build_encoding("rope_alibi").stages == {"rotate", "bias"}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding
+from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, RelativeBias
 from posenc_lightning.encodings.registry import register
-from posenc_lightning.functional.fire import fire_normalized_distance
+from posenc_lightning.functional.fire import fire_normalized_distance, fire_psi
 
 
 @register("fire", "bias", "FIRE: learned MLP of the log-transformed, progressively normalized distance (Li et al., 2024)")
@@ -24,16 +24,20 @@ class FIRE(Encoding):
             ``psi(L)``, not ``psi(i)``, so short contexts are not over-stretched.
         learn_L: learn ``L`` (through a multiplier) or keep it fixed.
         eps: added to the normalizer.
+        use_relative: while every query position is below ``L`` the bias depends on ``i - j`` only;
+            return it as a `RelativeBias` table (O(N) MLP calls, fused by backends) instead of a
+            `DenseBias` (O(N^2)). Same values either way.
     """
 
     def __init__(self, mlp_width: int = 32, init_c: float = 0.1, init_L: float = 512.0,
-                 learn_L: bool = True, eps: float = 1e-6) -> None:
+                 learn_L: bool = True, eps: float = 1e-6, use_relative: bool = True) -> None:
         super().__init__()
         if mlp_width < 1 or init_L <= 0 or init_c <= 0:
             raise ValueError(f"fire: need mlp_width >= 1, init_c > 0 and init_L > 0 "
                              f"(got {mlp_width}, {init_c}, {init_L})")
         self.mlp_width = mlp_width
         self.eps = eps
+        self.use_relative = use_relative
         self.c = nn.Parameter(torch.tensor(float(init_c)))
         self.register_buffer("init_L", torch.tensor(float(init_L)))
         self.L_multiplier = nn.Parameter(torch.tensor(1.0), requires_grad=learn_L)
@@ -61,5 +65,20 @@ class FIRE(Encoding):
         x = self.normalized_distance(q_pos, k_pos).unsqueeze(-1)  # [B, Nq, Nk, 1]
         return self.mlp(x).float().permute(0, 3, 1, 2)
 
+    def relative_table(self, max_distance: int) -> Tensor:
+        """``[H, 2R+1]`` bias of every distance ``i - j`` in ``[-R, R]`` for queries below ``L``
+        (where the normalizer is the constant ``psi(L)``): FIRE is then a plain f(i - j)."""
+        d = torch.arange(-max_distance, max_distance + 1, device=self.c.device, dtype=torch.float32)
+        x = fire_psi(d, self.c) / (fire_psi(self.threshold, self.c) + self.eps)
+        return self.mlp(x[:, None]).float().t()
+
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
-        return DenseBias(self.bias_tensor(ctx.q_pos, ctx.k_pos))
+        qp, kp = ctx.q_pos, ctx.k_pos
+        if self.use_relative and not qp.dtype.is_floating_point and not kp.dtype.is_floating_point \
+                and qp.numel() and kp.numel():
+            # one sync: are all queries below the threshold L? then bias = f(i - j): a RelativeBias
+            q_max, q_min, k_max, k_min = torch.stack((qp.max(), qp.min(), kp.max(), kp.min())).tolist()
+            if q_max < float(self.threshold.detach()):
+                r = int(max(abs(q_max - k_min), abs(k_max - q_min)))
+                return RelativeBias(self.relative_table(r), qp, kp)
+        return DenseBias(self.bias_tensor(qp, kp))
