@@ -173,6 +173,9 @@ def test_cope_encoding_counts_integers_when_gates_saturate():
     bias = enc.bias(q, q.clone(), ctx).materialize()[0, 0]
     z = q[0, 0] @ enc.pos_emb[0]
     assert torch.allclose(bias[5, 2], z[5, 4]) and torch.allclose(bias[3, 3], z[3, 1])
+    enc.max_position = 3  # the clamp: positions past max_position - 1 use e[max_position - 1]
+    bias = enc.bias(q, q.clone(), ctx).materialize()[0, 0]
+    assert torch.allclose(bias[5, 0], z[5, 2]) and torch.allclose(bias[5, 4], z[5, 2])
 
 
 # ------------------------------------------------------------------------------------ FIRE
