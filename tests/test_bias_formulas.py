@@ -196,7 +196,7 @@ def test_matches_paper_formula_forward_and_backward(name):
     ref = ref[0] if isinstance(ref, tuple) else ref
     (ref * g.double()).sum().backward()
 
-    tol = dict(rtol=1e-4, atol=1e-5)
+    tol = {"rtol": 1e-4, "atol": 1e-5}
     torch.testing.assert_close(out.double(), ref, **tol)
     for mine, theirs, what in ((q, q64, "q"), (k, k64, "k"), (v, v64, "v")):
         torch.testing.assert_close(mine.grad.double(), theirs.grad, **tol, msg=f"{name}: d{what}")

@@ -7,14 +7,23 @@ member contributes the logit change it would cause, ``scale * (q' k'^T - q k^T)`
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from posenc_lightning.encodings.alibi import ALiBi
-from posenc_lightning.encodings.base import (AttentionContext, Bias, BiasSum, DecayBias, DenseBias, Encoding,
-                                             LinearBias, RelativeBias)
+from posenc_lightning.encodings.base import (
+    AttentionContext,
+    Bias,
+    BiasSum,
+    DecayBias,
+    DenseBias,
+    Encoding,
+    LinearBias,
+    RelativeBias,
+)
 from posenc_lightning.encodings.registry import build_encoding, register
 from posenc_lightning.encodings.rope import RoPE
 

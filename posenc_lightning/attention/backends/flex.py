@@ -11,14 +11,21 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.base import (AttentionContext, Bias, DecayBias, DenseBias, Encoding, LinearBias,
-                                             RelativeBias)
+from posenc_lightning.encodings.base import (
+    AttentionContext,
+    Bias,
+    DecayBias,
+    DenseBias,
+    Encoding,
+    LinearBias,
+    RelativeBias,
+)
 
 NAME = "flex"
 
@@ -121,7 +128,7 @@ def block_mask_for(mask: AttentionMask, batch: int, device: torch.device):
     return fa.create_block_mask(mod, batch if per_batch else None, None, mask.n_q, mask.n_k, device=device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_flex():
     return torch.compile(_flex_module().flex_attention, dynamic=None)
 
