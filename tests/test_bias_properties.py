@@ -262,3 +262,21 @@ def test_incremental_decoding_equals_full_forward(name):
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-5)
     if name == "fox":
         assert cache[0].extra["fox_cum_log_forget"].shape == (2, 4, 15)
+
+
+# --------------------------------------------------------------- triton kernels (interpreted)
+@pytest.mark.parametrize("name,cfg", [("rse", {}), ("sba", {}), ("rope_alibi", {}), ("fox", {"rope": True}),
+                                      ("fire", {}), ("cope", {}), ("mixture", {})])
+def test_triton_backend_equals_eager_forward_and_backward(name, cfg):
+    pytest.importorskip("triton")
+    res = {}
+    for backend in ("eager", "triton"):
+        torch.manual_seed(1)
+        attn = Attn(n_heads=2, head_dim=16, d_model=32)
+        enc = inject(attn, name, backend=backend, **cfg)
+        q, k, v = (torch.randn(1, 2, 19, 16, requires_grad=True) for _ in range(3))
+        out = attn(q, k, v, positions=(torch.arange(19) + 4)[None], hidden=torch.randn(1, 19, 32))
+        out.square().sum().backward()
+        res[backend] = [out, q.grad, k.grad, v.grad] + [p.grad for p in enc.parameters()]
+    for a, b in zip(res["eager"], res["triton"]):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4)

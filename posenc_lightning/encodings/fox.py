@@ -58,6 +58,11 @@ class ForgettingAttention(Encoding):
     def stages(self) -> frozenset[str]:
         return frozenset({"bias", "rotate"}) if self.rope is not None else frozenset({"bias"})
 
+    @property
+    def fused_rotary(self) -> RoPE | None:
+        """The rotation, for backends that fuse it (the triton kernels)."""
+        return self.rope
+
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         return self.rope.rotate(q, k, ctx) if self.rope is not None else (q, k)
 

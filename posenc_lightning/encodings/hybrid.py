@@ -25,7 +25,7 @@ from posenc_lightning.encodings.base import (
     RelativeBias,
 )
 from posenc_lightning.encodings.registry import build_encoding, register
-from posenc_lightning.encodings.rope import RoPE
+from posenc_lightning.encodings.rope import RoPE, RotaryEncoding
 
 
 def scale_bias(bias: Bias, w: Tensor) -> Bias:
@@ -80,6 +80,14 @@ class CompositeEncoding(Encoding):
     @property
     def stages(self) -> frozenset[str]:
         return frozenset().union(*(m.stages for m in self.members))
+
+    @property
+    def fused_rotary(self) -> Encoding | None:
+        """The one rotary member, for backends that fuse the rotation (None if not exactly one)."""
+        rot = [m for m in self.members if "rotate" in m.stages]
+        if len(rot) != 1:
+            return None
+        return rot[0] if isinstance(rot[0], RotaryEncoding) else getattr(rot[0], "fused_rotary", None)
 
     def check_positions(self, positions: Tensor) -> None:
         for m in self.members:
@@ -158,6 +166,10 @@ class Mixture(CompositeEncoding):
     @property
     def stages(self) -> frozenset[str]:
         return frozenset({"bias"})
+
+    @property
+    def fused_rotary(self) -> Encoding | None:
+        return None  # rotary members act through the bias here
 
     @property
     def weights(self) -> Tensor:

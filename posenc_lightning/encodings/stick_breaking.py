@@ -77,6 +77,11 @@ class RotaryStickBreaking(StickBreaking):
     def build(self) -> None:
         self.penalty = nn.Parameter(torch.full((self.n_heads,), float(self.penalty_init)))
 
+    @property
+    def fused_rotary(self) -> RoPE:
+        """The rotation, for backends that fuse it (the triton kernels)."""
+        return self.rope
+
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         return self.rope.rotate(q, k, ctx)
 
