@@ -36,11 +36,14 @@ def stick_breaking_weights(logits: Tensor, mask: Tensor) -> Tensor:
 
     The mask must already exclude keys after the query (and the query itself unless it may
     attend to itself); keys are ordered by index and broken off from the last visible one.
-    Computed as ``exp(z_ij - sum_{k >= j, visible} softplus(z_ik))`` in float32.
+    Computed as ``exp(log beta_ij - sum_{k > j, visible} softplus(z_ik))`` in float32, the sum an
+    exclusive reverse cumulative sum (so a key's own term never cancels against itself).
     """
     z = logits.float()
-    sp = torch.where(mask, stable_softplus(z), torch.zeros((), device=z.device))
-    # sum over visible k >= j of softplus(z_ik): a reverse cumulative sum along the keys
-    tail = sp.flip(-1).cumsum(-1).flip(-1)
-    log_a = torch.where(mask, z - tail, torch.full((), -torch.inf, device=z.device))
+    zero = torch.zeros((), device=z.device)
+    sp = torch.where(mask, stable_softplus(z), zero)  # -log(1 - beta)
+    tail = sp.flip(-1).cumsum(-1).flip(-1)  # sum over visible k >= j
+    excl = torch.cat((tail[..., 1:], torch.zeros_like(tail[..., :1])), dim=-1)  # k > j
+    log_beta = z - sp  # log sigmoid(z) with the seed's stabilized softplus
+    log_a = torch.where(mask, log_beta - excl, torch.full((), -torch.inf, device=z.device))
     return log_a.exp()
