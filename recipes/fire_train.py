@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from posenc_lightning.curriculum.extend import train_and_sweep  # noqa: E402
+from posenc_lightning.curriculum.extend import train_and_sweep
 
 EXTEND_ARGS = {
     "lengths": (list[float], [1.0, 2.0, 4.0, 8.0], "evaluation lengths as multiples of the training length"),

@@ -18,12 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from posenc_lightning.curriculum import LongRoPECurriculum  # noqa: E402
-from posenc_lightning.curriculum.extend import finetune_trainer, make_cli, perplexity, write_results  # noqa: E402
-from posenc_lightning.curriculum.longrope import set_factors  # noqa: E402
-from posenc_lightning.inject import inject, restore_from_checkpoint  # noqa: E402
+from posenc_lightning.curriculum import LongRoPECurriculum
+from posenc_lightning.curriculum.extend import finetune_trainer, make_cli, perplexity, write_results
+from posenc_lightning.curriculum.longrope import set_factors
+from posenc_lightning.inject import inject, restore_from_checkpoint
 
 EXTEND_ARGS = {
     "factor": (float, 8.0, "context extension ratio s"),
@@ -57,7 +57,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     ft_steps = ext.finetune_steps if ext.finetune_steps >= 0 else max(1, pre_steps // 20)
     tokens = data.val_tokens
     held_out = ext.search_windows * n  # evaluation text starts after the search windows
-    ppl = lambda m: perplexity(model, tokens, m, ext.eval_tokens, offset_tokens=held_out)  # noqa: E731
+    ppl = lambda m: perplexity(model, tokens, m, ext.eval_tokens, offset_tokens=held_out)
     theta = float((model.hparams.encoding_cfg or {}).get("theta", 10000.0))
     r: dict[str, float] = {"L": L, "factor": s, "pretrain_steps": pre_steps, "finetune_steps": ft_steps,
                            "rope_ppl_L": ppl(L), "rope_ppl_sL": ppl(n)}
@@ -86,7 +86,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     r["short_factor"] = cur.short  # type: ignore[assignment]
     r["search_history"] = cur.histories  # type: ignore[assignment]
 
-    f = lambda k: f"{r[k]:.4f}"  # noqa: E731
+    f = lambda k: f"{r[k]:.4f}"
     table = [("rope (pre-trained)", f("rope_ppl_L"), f("rope_ppl_sL")),
              (f"pi s={s:g} zero-shot", f("pi_ppl_L"), f("pi_ppl_sL")),
              (f"yarn s={s:g} zero-shot", f("yarn_ppl_L"), f("yarn_ppl_sL")),

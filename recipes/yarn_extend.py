@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from posenc_lightning.curriculum.extend import finetune_trainer, make_cli, perplexity, write_results  # noqa: E402
-from posenc_lightning.inject import inject  # noqa: E402
+from posenc_lightning.curriculum.extend import finetune_trainer, make_cli, perplexity, write_results
+from posenc_lightning.inject import inject
 
 EXTEND_ARGS = {
     "factor": (float, 8.0, "context extension ratio s (evaluate at s * L)"),
@@ -42,7 +42,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     out = Path(ext.results_dir) if ext.results_dir else Path(trainer.log_dir or "runs/yarn_extend")
     trainer.save_checkpoint(str(out / "pretrained.ckpt"))  # longrope_extend can start from it
     tokens = data.val_tokens
-    ppl = lambda n: perplexity(model, tokens, n, ext.eval_tokens)  # noqa: E731
+    ppl = lambda n: perplexity(model, tokens, n, ext.eval_tokens)
     r = {"L": L, "factor": s, "pretrain_steps": pre_steps, "finetune_steps": ft_steps,
          "rope_ppl_L": ppl(L), "rope_ppl_sL": ppl(long_len)}
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 

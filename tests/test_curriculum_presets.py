@@ -11,7 +11,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from posenc_lightning.callbacks.curriculum import encodings_of
 from posenc_lightning.curriculum import (
-    CLEXCurriculum, ContextCurriculum, EvolutionarySearch, LongRoPECurriculum, law_factors, windows_nll,
+    CLEXCurriculum,
+    ContextCurriculum,
+    EvolutionarySearch,
+    LongRoPECurriculum,
+    law_factors,
+    windows_nll,
 )
 from posenc_lightning.functional.rope_scaling import yarn_find_correction_range
 from tests.curriculum_helpers import Recorder, tiny_data, tiny_model, trainer
@@ -32,7 +37,7 @@ def test_law_factors_are_the_papers_laws():
 
 def test_evolutionary_search_respects_constraint_and_beats_its_seeds():
     target = np.array([1.0, 1.3, 2.0, 2.2, 5.0, 6.1, 7.7, 9.0])
-    score = lambda c: float(((np.asarray(c) - target) ** 2).sum())  # noqa: E731
+    score = lambda c: float(((np.asarray(c) - target) ** 2).sum())
     seeds = list(law_factors(16, 10000.0, 8.0, 128).values())
     runs = [EvolutionarySearch(8, 1.0, 10.0, population=16, parents=4, iterations=8, seed=3).run(score, seeds)
             for _ in range(2)]

@@ -11,8 +11,9 @@ and the window indices of a step are drawn from ``(seed, step)``, split by rank.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -96,7 +97,7 @@ class CurriculumSampler(DistributedSampler):
     `DistributedSampler` so that Lightning does not wrap it in another one.
     """
 
-    def __init__(self, dataset: Dataset, curriculum: "ContextCurriculum", trainer: pl.Trainer,
+    def __init__(self, dataset: Dataset, curriculum: ContextCurriculum, trainer: pl.Trainer,
                  base_batch_size: int, batches_per_epoch: int, seed: int = 0) -> None:
         super().__init__(dataset, num_replicas=max(1, trainer.world_size), rank=trainer.global_rank,
                          shuffle=False, seed=seed)
@@ -118,6 +119,17 @@ class CurriculumSampler(DistributedSampler):
         accum = max(1, int(getattr(self.trainer, "accumulate_grad_batches", 1) or 1))
         for k in range(self.batches_per_epoch):
             yield self.key(start + k // accum, k % accum)
+
+
+class CurriculumDataLoader(DataLoader):
+    """The curriculum's DataLoader. Resumable by construction (a step's batch depends on the step
+    only), which its empty ``state_dict`` tells Lightning."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
 
 
 class ContextCurriculum(pl.Callback):
@@ -155,7 +167,7 @@ class ContextCurriculum(pl.Callback):
     @classmethod
     def progressive(cls, start: int, target: int, steps_per_stage: int, growth: int = 2,
                     scale_with_length: bool = False, keep_tokens_per_batch: bool = False,
-                    lr_warmup_steps: int = 0, seed: int = 0) -> "ContextCurriculum":
+                    lr_warmup_steps: int = 0, seed: int = 0) -> ContextCurriculum:
         """Stages at ``start, start*growth, ...`` up to ``target``, each ``steps_per_stage`` long.
         With ``scale_with_length`` the encoding scale of a stage is ``seq_len / start`` (pi, yarn)."""
         if start < 1 or target < start or growth < 2:
@@ -226,7 +238,7 @@ class ContextCurriculum(pl.Callback):
         self.base_batch_size = loader.batch_size
         ds = StagedDataset(loader.dataset, loader.collate_fn)
         sampler = CurriculumSampler(ds, self, trainer, loader.batch_size, max(1, len(loader)), self.seed)
-        return DataLoader(ds, batch_size=None, sampler=sampler, num_workers=loader.num_workers,
+        return CurriculumDataLoader(ds, batch_size=None, sampler=sampler, num_workers=loader.num_workers,
                           pin_memory=loader.pin_memory, collate_fn=lambda b: b,
                           persistent_workers=loader.persistent_workers if loader.num_workers else False)
 
@@ -324,4 +336,5 @@ def round_to(n: float, multiple: int) -> int:
     return max(multiple, int(math.ceil(n / multiple)) * multiple)
 
 
-__all__ = ["ContextCurriculum", "CurriculumSampler", "Stage", "StagedDataset", "encodings_of", "round_to"]
+__all__ = ["ContextCurriculum", "CurriculumDataLoader", "CurriculumSampler", "Stage", "StagedDataset", "encodings_of",
+           "round_to"]

@@ -13,8 +13,8 @@ Factors live on the paper's grid: ``[lo, hi]`` (default ``[1, 1.25 s]``) in step
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
