@@ -211,6 +211,9 @@ class LongRoPE(ScaledRotary):
                 raise ValueError(f"long_rope: {attr} needs rotary_dim/2 = {self.rotary_dim // 2} values, got {len(vals)}")
             setattr(self, "_short" if attr == "short_factor" else "_long", vals)
 
+    def build(self) -> None:
+        self.set_factors(self._short, self._long)  # check the lengths now that rotary_dim is known
+
     @property
     def short_factor(self) -> list[float] | None:
         """The short rescale factors in use (all 1 unless set); None before the head size is known."""
