@@ -42,12 +42,18 @@ class CompareCLI(LightningCLI):
         parser.add_argument("--compare.lm_eval_limit", type=int, default=4)
         parser.add_argument("--compare.visualize", type=bool, default=True)
         parser.add_argument("--compare.results_dir", type=str, default="runs/compare_encodings")
+        parser.add_argument("--compare.num_threads", type=int, default=0,
+                            help="torch CPU threads (0 = torch's default; 1 is fastest on a busy shared machine)")
 
 
 def main(args: list[str] | None = None) -> dict[str, dict[int, float]]:
     cli = CompareCLI(TinyGPT, CorpusDataModule, run=False, args=args, save_config_kwargs={"overwrite": True},
                      trainer_defaults={"logger": False})
     cfg = cli.config["compare"]
+    if cfg.num_threads > 0:
+        import torch
+
+        torch.set_num_threads(cfg.num_threads)
     names = available_encodings() if "all" in cfg.encodings else list(cfg.encodings)
     names = [n for n in names if n not in set(cfg.exclude)]
     data: CorpusDataModule = cli.datamodule

@@ -82,7 +82,10 @@ def build_tasks(tasks: Sequence[str], max_seq_lengths: Sequence[int], limit: int
     if haystack_files:
         meta["files"] = list(haystack_files)
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    with offline_env(), preserved_rng(seed), ruler_patches(num_samples=limit, haystack_files=haystack_files):
+    uses_ruler = any(t.startswith(("niah_", "ruler")) or t == "longcxt" for t in tasks)
+    patches = (ruler_patches(num_samples=limit, haystack_files=haystack_files) if uses_ruler
+               else contextlib.nullcontext())
+    with offline_env(), preserved_rng(seed), patches:
         try:
             tm = _task_manager(tasks, include_path, meta)
             unknown = [t for t in tasks if t not in tm.all_tasks]
