@@ -3,12 +3,14 @@ step exactly (also across epoch boundaries and with gradient accumulation), surv
 
 from __future__ import annotations
 
+import csv
 import math
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 
 from posenc_lightning.callbacks.curriculum import ContextCurriculum, Stage
 from tests.curriculum_helpers import Recorder, losses, tiny_data, tiny_model, trainer
@@ -37,12 +39,20 @@ def test_bad_input_is_explained():
         cur.apply_scale(tiny_model("rope"), 2.0)
 
 
-def test_length_changes_at_the_stage_first_step_across_epochs_and_accumulation():
+def test_length_changes_at_the_stage_first_step_across_epochs_and_accumulation(tmp_path):
     # 3 batches per epoch (samples_per_epoch=12, batch 4): stage boundaries at steps 2 and 5 fall
     # inside and at the edge of epochs; accumulate 2 micro-batches per step.
     cur = ContextCurriculum([Stage(0, 16), Stage(2, 24, batch_size=3), Stage(5, 40)], seed=1)
     rec = Recorder()
-    trainer(7, [cur, rec], accumulate_grad_batches=2).fit(tiny_model(), tiny_data(samples_per_epoch=12))
+    logger = CSVLogger(tmp_path, name="", version="")
+    trainer(7, [cur, rec], accumulate_grad_batches=2, logger=logger, log_every_n_steps=1).fit(
+        tiny_model(), tiny_data(samples_per_epoch=12))
+    logged = {}
+    for row in csv.DictReader(open(tmp_path / "metrics.csv")):
+        if row.get("curriculum/seq_len"):
+            logged[int(row["step"])] = (float(row["curriculum/seq_len"]), float(row["curriculum/batch_size"]))
+    assert logged == {s: (float(n), float(b)) for s, (n, b) in {0: (16, 4), 1: (16, 4), 2: (24, 3), 3: (24, 3),
+                                                                  4: (24, 3), 5: (40, 4), 6: (40, 4)}.items()}
     want = {0: (16, 4), 1: (16, 4), 2: (24, 3), 3: (24, 3), 4: (24, 3), 5: (40, 4), 6: (40, 4)}
     seen = [(step, n, b) for step, n, b, _ in cur.history]
     # Lightning steps at an epoch's end even with an incomplete accumulation: steps 1, 3, 5 of

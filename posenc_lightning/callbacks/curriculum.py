@@ -237,7 +237,8 @@ class ContextCurriculum(pl.Callback):
             raise TypeError("ContextCurriculum needs the train dataloader to be a torch DataLoader with a batch_size")
         self.base_batch_size = loader.batch_size
         ds = StagedDataset(loader.dataset, loader.collate_fn)
-        sampler = CurriculumSampler(ds, self, trainer, loader.batch_size, max(1, len(loader)), self.seed)
+        per_rank = max(1, len(loader) // max(1, trainer.world_size))  # an epoch as long as a DistributedSampler's
+        sampler = CurriculumSampler(ds, self, trainer, loader.batch_size, per_rank, self.seed)
         return CurriculumDataLoader(ds, batch_size=None, sampler=sampler, num_workers=loader.num_workers,
                           pin_memory=loader.pin_memory, collate_fn=lambda b: b,
                           persistent_workers=loader.persistent_workers if loader.num_workers else False)
