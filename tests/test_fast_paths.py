@@ -172,3 +172,28 @@ def test_bias_rows_equal_materialize_slices():
     c = torch.randn(1, 2, 7)
     for bias in (_bias("sum", 2, qp, qp), DecayBias(c, c), DenseBias(torch.randn(1, 2, 7, 7))):
         torch.testing.assert_close(bias.rows(2, 5, 6), bias.materialize()[..., 2:5, :6])
+
+
+def test_causal_alibi_as_key_channel_long_and_offset():
+    """The extra-channel form of causal ALiBi (m_h j instead of -m_h |i - j|) at a long length and
+    far-off positions, fwd and bwd, against the dense eager reference; where not valid it is not used."""
+    b, h, n, d = 1, 2, 2048, 16
+    pos = torch.arange(100_000, 100_000 + n)[None]
+    bias = LinearBias(alibi_slopes(8)[:h] * 0 + torch.tensor([0.5, 1 / 256]), pos, pos)
+    mask = AttentionMask(True, 0, n, n)
+    ctx = AttentionContext(pos, pos, True)
+    q = torch.randn(b, h, n, d, requires_grad=True)
+    k, v = (torch.randn(b, 1, n, d, requires_grad=True) for _ in range(2))  # GQA
+    assert sdpa._linear_bias_is_key_channel(bias, mask, q, ctx)
+    outs = [be.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx) for be in (sdpa, eager)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    g = [torch.autograd.grad(o.square().sum(), (q, k, v)) for o in outs]
+    for g0, g1 in zip(*g):
+        torch.testing.assert_close(g0, g1, rtol=1e-3, atol=1e-4)
+    # not valid: keys after queries in position, bf16, a KV-cache step, packed documents
+    rev = pos.flip(-1)
+    assert not sdpa._linear_bias_is_key_channel(LinearBias(bias.slopes, rev, rev), mask, q, AttentionContext(rev, rev))
+    assert not sdpa._linear_bias_is_key_channel(bias, mask, q.bfloat16(), ctx)
+    assert not sdpa._linear_bias_is_key_channel(bias, AttentionMask(True, 5, n, n + 5), q, ctx)
+    seg = torch.zeros(1, n, dtype=torch.long)
+    assert not sdpa._linear_bias_is_key_channel(bias, AttentionMask(True, 0, n, n, seg, seg), q, ctx)

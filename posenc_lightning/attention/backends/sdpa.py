@@ -4,6 +4,7 @@ causal case uses SDPA's ``is_causal`` fast path."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -30,12 +31,62 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
     if bias is None and (mask.is_plain_causal or mask.is_trivial):
         return F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, scale=scale, enable_gqa=gqa)
     if bias is not None:
-        u = _toeplitz_template(bias, mask, q.shape[-2], k.shape[-2], ctx)
-        if u is not None:
-            return _attend_toeplitz(q, k, v, u.to(q.dtype), mask, scale, gqa)
-        return _attend_blockwise(q, k, v, bias, mask, scale, gqa)
+        with _flush_denormals(q.device):
+            if _linear_bias_is_key_channel(bias, mask, q, ctx):
+                return _attend_linear_bias_channel(q, k, v, bias, ctx, scale, gqa)
+            u = _toeplitz_template(bias, mask, q.shape[-2], k.shape[-2], ctx)
+            if u is not None:
+                return _attend_toeplitz(q, k, v, u.to(q.dtype), mask, scale, gqa)
+            return _attend_blockwise(q, k, v, bias, mask, scale, gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.materialize(q.device), scale=scale,
                                           enable_gqa=gqa)
+
+
+#: biased softmax weights decay into the denormal range (exp(-90)), where x86 CPU arithmetic
+#: is many times slower; flush them to zero inside the biased SDPA calls (CPU only). The
+#: setting is restored to PyTorch's default (off) afterwards.
+FLUSH_DENORMALS = True
+
+
+@contextlib.contextmanager
+def _flush_denormals(device: torch.device):
+    if not (FLUSH_DENORMALS and device.type == "cpu" and torch.set_flush_denormal(True)):
+        yield
+        return
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def _linear_bias_is_key_channel(bias: Bias, mask: AttentionMask, q: Tensor, ctx: AttentionContext | None) -> bool:
+    """Causal ALiBi with keys never after their queries in position (non-decreasing positions)."""
+    if not isinstance(bias, LinearBias) or ctx is None or not mask.is_plain_causal:
+        return False
+    if q.dtype not in (torch.float32, torch.float64) or ctx.q_pos.dim() != 2:
+        return False  # the extra channel carries m*j: bf16 cannot hold it
+    if ctx.k_pos is not ctx.q_pos and not torch.equal(ctx.k_pos, ctx.q_pos):
+        return False
+    return bool((ctx.q_pos[:, 1:] >= ctx.q_pos[:, :-1]).all())
+
+
+def _attend_linear_bias_channel(q: Tensor, k: Tensor, v: Tensor, bias: LinearBias, ctx: AttentionContext,
+                                scale: float, gqa: bool) -> Tensor:
+    """Causal ALiBi as one extra channel, on SDPA's ``is_causal`` kernel (O(N) extra work).
+
+    Where ``j <= i``: ``-m_h (i - j) = m_h j - m_h i`` and softmax ignores the per-row ``m_h i``,
+    so the bias is ``m_h (j - c)`` for any constant c: ``q_h -> [q_h, m_h]``,
+    ``k_j -> [k_j, (j - c) / scale]``, ``v -> [v, 0]`` (the key channel is head-independent, so
+    grouped kv heads work). c is the middle position, which keeps the channel small.
+    """
+    b, h, n, d = q.shape
+    pos = bias.k_pos.to(q.dtype)
+    centered = pos - (pos[:, :1] + pos[:, -1:]) / 2  # [B, N]
+    q_ch = bias.slopes.to(q.dtype)[None, :, None, None].expand(b, h, n, 1)
+    k_ch = (centered / scale)[:, None, :, None].expand(b, k.shape[1], n, 1)
+    out = F.scaled_dot_product_attention(torch.cat((q, q_ch), -1), torch.cat((k, k_ch), -1),
+                                         F.pad(v, (0, 1)), is_causal=True, scale=scale, enable_gqa=gqa)
+    return out[..., :d]
 
 
 def _arange_offset(pos: Tensor) -> int | None:
