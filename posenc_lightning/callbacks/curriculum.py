@@ -324,7 +324,7 @@ class ContextCurriculum(pl.Callback):
         self.apply_scale(pl_module, self.eval_scale(int(n), trainer.global_step))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.training:
+        if trainer.state.fn == "fit":  # back to the training scale (validation inside fit)
             self.apply_scale(pl_module, self.stage_at(trainer.global_step).scale)
 
     def describe(self) -> str:
