@@ -119,3 +119,18 @@ def test_our_tasks_build_with_limit_per_length():
     assert all(d["passkey"] in d["input"] for d in pk)
     # documents are as long as the length allows (the generation budget is 8 tokens)
     assert all(len(tok(d["input"]).input_ids) > d["max_length"] - 8 - 100 for d in pk)
+
+
+def test_essay_niah_fills_short_lengths_from_the_local_haystack():
+    """RULER grows the essay 500 words at a time (one word of haystack at 512 bytes); ours fills
+    the length: the prompt plus 128 generated tokens fits, and uses most of it."""
+    built = build_tasks(["niah_single_2"], [512, 1024], limit=1)
+    tok = load_byte_tokenizer()
+    docs = list(built.task_dict["tasks"]["niah_single_2"].eval_docs)
+    assert [d["max_length"] for d in docs] == [512, 1024]
+    hay = set(local_haystack(None)[:5000])
+    for d in docs:
+        n = len(tok(d["input"]).input_ids)
+        assert d["max_length"] - 128 - 40 < n <= d["max_length"] - 128
+        assert d["outputs"][0] in d["input"]
+        assert sum(w in hay for w in d["input"].split()) > 20  # the haystack is the local corpus

@@ -33,8 +33,9 @@ class LengthEvalCallback(pl.Callback):
         lengths: evaluation lengths; default ``multiples`` of ``base_len``.
         multiples: multiples of ``base_len`` (1x..16x).
         base_len: the training length (default: the datamodule's ``val_seq_len`` or ``seq_len``).
-        max_windows: windows per length.
-        batch_size: windows per batch (default: one).
+        max_windows: windows of the longest length; shorter lengths cut the same text finer, so
+            every length is scored on the same tokens.
+        batch_size: windows of the longest length per batch (shorter ones: as many tokens).
         every_n_epochs: run at validation ends of every n-th epoch.
         dataloader_fn: ``seq_len -> iterable of (input_ids, targets)`` instead of the datamodule's.
     """
@@ -64,14 +65,16 @@ class LengthEvalCallback(pl.Callback):
             raise ValueError("LengthEvalCallback: give lengths=[...] or base_len= (no datamodule with val_seq_len)")
         return [int(base) * m for m in self.multiples]
 
-    def _batches(self, trainer: pl.Trainer | None, n: int):
+    def _batches(self, trainer: pl.Trainer | None, n: int, longest: int):
         if self.dataloader_fn is not None:
             return self.dataloader_fn(n)
         dm = getattr(trainer, "datamodule", None)
         if dm is None or not hasattr(dm, "length_dataloader"):
             raise ValueError("LengthEvalCallback needs a datamodule with length_dataloader(seq_len, ...) "
                              "(CorpusDataModule has one) or dataloader_fn=")
-        return dm.length_dataloader(n, max_windows=self.max_windows, batch_size=self.batch_size)
+        # the same text at every length: max_windows windows of the longest length, cut finer
+        return dm.length_dataloader(n, max_windows=self.max_windows * max(1, longest // n),
+                                    batch_size=self.batch_size * max(1, longest // n))
 
     @torch.no_grad()
     def evaluate(self, pl_module: pl.LightningModule, trainer: pl.Trainer | None = None) -> dict[int, float]:
@@ -85,11 +88,12 @@ class LengthEvalCallback(pl.Callback):
         self.failures = {}
         out: dict[int, float] = {}
         try:
-            for n in self.resolve_lengths(trainer):
+            lengths = self.resolve_lengths(trainer)
+            for n in lengths:
                 metric = MeanMetric().to(pl_module.device)
                 error = None
                 try:
-                    for i, (x, y) in enumerate(self._batches(trainer, n)):
+                    for i, (x, y) in enumerate(self._batches(trainer, n, max(lengths))):
                         if i % world != rank:
                             continue
                         metric.update(token_nll(pl_module, x.to(pl_module.device), y.to(pl_module.device)))

@@ -119,6 +119,8 @@ def ruler_patches(num_samples: int | None = None, haystack_files: Sequence[str] 
         def generate_samples(*args, **kwargs):
             if num_samples is not None:
                 kwargs["num_samples"] = min(kwargs.get("num_samples", 500), num_samples)
+            if kwargs.get("type_haystack") == "essay" and kwargs.get("max_seq_length", 1 << 30) < 16384:
+                return _essay_samples(prep, *args, **kwargs)
             return real_gen(*args, **kwargs)
 
         def get_haystack(type_haystack: str):
@@ -145,6 +147,52 @@ def ruler_patches(num_samples: int | None = None, haystack_files: Sequence[str] 
         if "sent_tokenize" in patches:
             prep.cached_sent_tokenize.cache_clear()
         nltk.download = real_download
+
+
+def _essay_samples(prep, haystack, TOKENIZER=None, *, max_seq_length: int, num_samples: int = 500,  # noqa: N803
+                   tokens_to_generate: int = 128, random_seed: int = 42, **kw) -> list[dict]:
+    """RULER's `generate_samples` for the essay haystack at short lengths. RULER grows the essay
+    500 words at a time, which overshoots 512-4096 tokens of a byte tokenizer and leaves one word
+    of haystack; here the largest word count that fits is found by bisection. Output format and
+    needle/depth sampling are RULER's own (`generate_input_output`)."""
+    kw.pop("incremental", None)
+    kw.pop("remove_newline_tab", None)
+    opts = {k: kw[k] for k in ("type_haystack", "num_needle_k", "type_needle_k", "num_needle_v", "type_needle_v",
+                               "template", "num_needle_q") if k in kw}
+    opts.setdefault("num_needle_k", 1)
+    opts.setdefault("num_needle_v", 1)
+    opts.setdefault("num_needle_q", 1)
+    opts["num_needle_k"] = max(opts["num_needle_k"], opts["num_needle_q"])
+    n_tok = lambda text: len(TOKENIZER(text).input_ids)  # noqa: E731
+
+    def fits(n: int) -> tuple[str, list[str], str] | None:
+        text, answer, query = prep.generate_input_output(n, haystack, random_seed=random_seed, **opts)
+        return (text, answer, query) if n_tok(text) + tokens_to_generate <= max_seq_length else None
+
+    lo, hi = 1, min(len(haystack), max_seq_length)
+    while lo < hi:  # largest word count whose prompt fits (with RULER's random needle placement)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    out = []
+    v = opts["type_needle_v"]
+    single = opts["num_needle_q"] * opts["num_needle_v"] == 1
+    for index in range(num_samples):
+        used, sample = lo, None
+        while used > 0 and sample is None:
+            sample = fits(used)
+            used -= max(1, lo // 50)
+        if sample is None:
+            continue
+        text, answer, query = sample
+        out.append({"index": index, "input": text, "outputs": answer,
+                    "length": n_tok(text) + tokens_to_generate, "max_length": max_seq_length,
+                    "gen_prefix": (f"The special magic {v[:-1]} for {query} mentioned in the provided text is" if single
+                                   else f"The special magic {v} for {query} mentioned in the provided text are")})
+    if not out:
+        raise ValueError(f"RULER essay niah: the prompt with {opts['num_needle_k'] * opts['num_needle_v']} needle(s) "
+                         f"and {tokens_to_generate} generated tokens does not fit in max_seq_length={max_seq_length}"
+                         f"; use larger max_seq_lengths for this task")
+    return out
 
 
 def _ruler_modules() -> list[object]:
