@@ -1,0 +1,1 @@
+"""Speed and memory benchmarks (issue 8); `python benchmarks/run.py --help`."""

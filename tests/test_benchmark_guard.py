@@ -1,0 +1,90 @@
+"""Regression guard for speed (issue 8): a tiny version of benchmarks/run.py in one process.
+
+Every registered encoding's attention-layer time as a *ratio to nope* measured in the same
+process (interleaved repetitions, medians; never absolute times) must stay under the bound
+stated here. The bounds are generous (a loaded 2-core CI machine) but tight enough to catch
+a fast path lost: e.g. ALiBi falling back to a dense N x N bias, or rotary to chunk/cat.
+A failing ratio is measured once more before failing (noise on a shared machine).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import interleaved_medians, layer_encoding, layer_fns, make_layer  # noqa: E402
+from posenc_lightning.encodings.registry import available_encodings  # noqa: E402
+
+N, D_MODEL, HEADS = 512, 128, 4
+#: layer forward / nope's layer forward. Fast paths get their own (tighter) bounds.
+FWD_BOUND = {"rope": 1.8, "alibi": 1.8, "relative_bias": 2.5, "sinusoidal": 1.5, "learned": 1.5}
+#: content-dependent dense biases (an MLP or gates over every (i, j) pair) and learned rotations:
+#: no fast path yet, the bound only catches them getting much worse
+SLOW_BOUND = {"fire": 60.0, "cope": 60.0, "mixture": 60.0, "liere": 30.0}
+#: everything else on the sdpa backend; and encodings that replace softmax (eager backend)
+DEFAULT_BOUND, EAGER_BOUND = 6.0, 40.0
+#: layer forward+backward / nope's
+FWD_BWD_BOUND = {"rope": 2.0, "alibi": 2.5, "relative_bias": 6.0}
+
+
+def _bound(name: str, stages: frozenset, metric: str) -> float:
+    table = FWD_BOUND if metric == "fwd" else FWD_BWD_BOUND
+    if name in table:
+        return table[name]
+    if name in SLOW_BOUND:
+        return SLOW_BOUND[name]
+    return EAGER_BOUND if "normalize" in stages else DEFAULT_BOUND
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on an oversubscribed machine, busy-waiting worker threads make
+    timings erratic; the ratios are what matter."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _measure(names: list[str], x: torch.Tensor, reps: int) -> dict[tuple, float]:
+    fns = {}
+    for name in names:
+        f = layer_fns(make_layer(name, D_MODEL, HEADS, N), x)
+        fns[(name, "fwd")] = f["fwd"]
+        if name in FWD_BWD_BOUND or name == "nope":
+            fns[(name, "fwd_bwd")] = f["fwd_bwd"]
+    return interleaved_medians(fns, reps, warmup=1)
+
+
+def test_encoding_cost_ratios_to_nope_stay_bounded(one_thread):
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    x = torch.randn(1, N, D_MODEL)
+    names = ["nope"] + [n for n in available_encodings() if n != "nope"]
+    stages = {n: layer_encoding(make_layer(n, D_MODEL, HEADS, N)).stages for n in names}
+    med = _measure(names, x, reps=5)
+
+    def failures(med):
+        out = {}
+        for (name, metric), t in med.items():
+            if name == "nope":
+                continue
+            ratio = t / med[("nope", metric)]
+            if ratio > _bound(name, stages[name], metric):
+                out[(name, metric)] = ratio
+        return out
+
+    bad = failures(med)
+    if bad:  # measure the offenders again, next to nope, before calling it a regression
+        again = _measure(["nope"] + sorted({n for n, _ in bad}), x, reps=7)
+        bad = failures(again)
+    msg = {f"{n} {m}": f"{r:.2f}x nope > {_bound(n, stages[n], m)}x" for (n, m), r in bad.items()}
+    assert not bad, f"encoding cost regressed (ratio to nope, N={N}): {msg}"
+    # the guard itself must stay cheap enough for every CI run
+    assert time.perf_counter() - t0 < 60
