@@ -94,6 +94,11 @@ def test_download_tasks_fail_fast_with_a_clear_message():
         build_tasks(["ruler_qa_squad"], [512], limit=1)
 
 
+def test_tasks_that_loop_at_short_lengths_fail_fast():
+    with pytest.raises(ValueError, match="ruler_vt does not finish.*max_seq_lengths >= 4096"):
+        build_tasks(["ruler_vt"], [512, 8192], limit=1)
+
+
 def test_essay_haystack_is_local_and_patches_are_undone():
     import lm_eval.tasks.ruler.prepare_niah as prep
 

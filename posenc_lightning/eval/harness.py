@@ -13,7 +13,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from posenc_lightning.eval.offline import OfflineTaskError, check_offline, offline_env, ruler_patches
+from posenc_lightning.eval.offline import OfflineTaskError, check_lengths, check_offline, offline_env, ruler_patches
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 
@@ -76,6 +76,7 @@ def build_tasks(tasks: Sequence[str], max_seq_lengths: Sequence[int], limit: int
 
     tasks = list(tasks)
     check_offline(tasks)
+    check_lengths(tasks, max_seq_lengths)
     tok = tokenizer or byte_tokenizer_dir()
     meta = {"max_seq_lengths": [int(x) for x in max_seq_lengths], "tokenizer": tok, "pretrained": tok,
             "seed": seed, **({"num_samples": limit} if limit else {}), **(metadata or {})}

@@ -48,6 +48,19 @@ def offline_env() -> Iterator[None]:
                 os.environ[k] = v
 
 
+# RULER tasks whose generators do not terminate at short lengths with a byte tokenizer (seen:
+# ruler_vt at 512 and 2048 loops on "reduces chain length for not enough noises").
+MIN_LENGTH = {"ruler_vt": 4096}
+
+
+def check_lengths(tasks: Sequence[str], max_seq_lengths: Sequence[int]) -> None:
+    for t in tasks:
+        short = [n for n in max_seq_lengths if n < MIN_LENGTH.get(t, 0)]
+        if short:
+            raise ValueError(f"{t} does not finish generating its data at lengths {short} (its sampler loops "
+                             f"there); use max_seq_lengths >= {MIN_LENGTH[t]} for it, or niah_* / ruler_fwe")
+
+
 def check_offline(tasks: Sequence[str]) -> None:
     bad = {t: NEEDS_DOWNLOAD[t] for t in tasks if t in NEEDS_DOWNLOAD}
     if "ruler" in tasks:
