@@ -8,36 +8,15 @@
   (``LinearBias``, ``RelativeBias``, ``DecayBias``, ``DenseBias``) and their gradients.
 
 Everything is loaded and accumulated in float32 (the interpreter mishandles bf16); q, k and the
-probabilities are cast to the input dtype only for the matrix products (``DT``: 0 fp32, 1 fp16,
-2 bf16, 3 fp64 for gradcheck), which accumulate in float32.
+probabilities are cast to the input dtype (``DOT_T``) only for the matrix products, which
+accumulate in ``ACC`` (float32; float64 for float64 inputs, the gradcheck) with ``PREC`` "ieee"
+(true fp32 products for fp32 inputs, not tf32).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def to_dot(x, DT: tl.constexpr):
-    """Cast a float32 tile to the dtype the tensor cores read (the input dtype)."""
-    if DT == 1:
-        return x.to(tl.float16)
-    elif DT == 2:
-        return x.to(tl.bfloat16)
-    else:
-        return x
-
-
-@triton.jit
-def dot(a, b, DT: tl.constexpr):
-    """``a @ b`` accumulated in float32 (true fp32 products for fp32 inputs, not tf32)."""
-    if DT == 0:
-        return tl.dot(a, b, input_precision="ieee")
-    elif DT == 3:  # float64 (the interpreter's gradcheck)
-        return tl.dot(a, b, input_precision="ieee", out_dtype=tl.float64)
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from posenc_lightning.kernels import _common, softmax, stick_breaking
 
-_DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -56,10 +56,15 @@ class RotaryTables:
         return 2 * self.cos_q.shape[-1]
 
 
-def block_config(kind: str, head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile sizes per kernel ``kind`` (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, rotate)."""
-    if interpreting():
-        return {"BM": 16, "BN": 16, "num_warps": 1, "num_stages": 1}
+#: tile sizes under TRITON_INTERPRET=1 (tests change them to cover several tilings)
+INTERPRET_BLOCKS = (16, 16)
+
+
+def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False) -> dict:
+    """Tile sizes per kernel ``kind`` (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, rotate); ``gpu``:
+    the GPU sizes even under the interpreter (for the compile report)."""
+    if interpreting() and not gpu:
+        return {"BM": INTERPRET_BLOCKS[0], "BN": INTERPRET_BLOCKS[1], "num_warps": 1, "num_stages": 1}
     big = head_dim > 64 or dtype == torch.float32
     if kind == "rotate":
         return {"BM": 32, "BN": 32, "num_warps": 4, "num_stages": 1}
@@ -143,13 +148,18 @@ def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense
     a["DENSE"] = dense if dense is not None else dummy
     a["s_db"] = (0 if dense.shape[0] == 1 else dense.stride(0)) if dense is not None else 0
     a["s_dh"], a["s_dm"] = (dense.stride(1), dense.stride(2)) if dense is not None else (0, 0)
-    dt = _DT[q.dtype]
-    if interpreting() and dt == 2:
-        dt = 0  # the interpreter has no bf16 arithmetic: stay in float32
+    import triton.language as tl
+
+    dot_t = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+             torch.float64: tl.float64}[q.dtype]
+    if interpreting() and q.dtype == torch.bfloat16:
+        dot_t = tl.float32  # the interpreter has no bf16 arithmetic: stay in float32
     flags = {"ROT": 0 if rot is None else (1 if rot.layout == "half" else 2), "CAUSAL": plan.causal,
              "HAS_SEG": seg, "HAS_KVALID": plan.k_valid is not None, "HAS_LIN": slopes is not None,
              "HAS_REL": table is not None, "HAS_DEC": c_q is not None, "HAS_DENSE": dense is not None,
-             "DT": dt, "BD": head_block(d), "ACC": acc_tl(q.dtype)}
+             "DOT_T": dot_t, "PREC": "ieee",
+             # dS (gradient of the logits) stays float32 in dQ, dK: 3xTF32 keeps fp32 accuracy on tensor cores
+             "PREC_G": "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32x3", "BD": head_block(d), "ACC": acc_tl(q.dtype)}
     return a, flags
 
 
@@ -273,12 +283,12 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = No
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"fused_attention wants q [B,H,Nq,D], k = v [B,Hkv,Nk,D]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if q.dtype not in _DT or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"fused_attention takes fp16/bf16/fp32 q, k, v of one dtype; got {q.dtype}, "
                          f"{k.dtype}, {v.dtype}: cast them first")
     d = q.shape[-1]
-    if d > 256 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"head_dim {d} must be <= 256 and n_heads {q.shape[1]} a multiple of n_kv_heads "
+    if d > 128 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"head_dim {d} must be <= 128 and n_heads {q.shape[1]} a multiple of n_kv_heads "
                          f"{k.shape[1]}; use backend='sdpa' or 'eager'")
     if cu_seqlens is not None:
         if q.shape[0] != 1 or q.shape[2] != k.shape[2]:

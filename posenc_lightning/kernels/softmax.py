@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from posenc_lightning.kernels._common import bias_grads, bias_tile, dot, load_rotated, to_dot, visible
+from posenc_lightning.kernels._common import bias_grads, bias_tile, load_rotated, visible
 
 
 @triton.jit
@@ -23,7 +23,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
                 QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
                 ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                 HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
-                DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
+                DOT_T: tl.constexpr, PREC: tl.constexpr, PREC_G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -34,7 +34,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
     m_mask = offs_m < Nq
     q = load_rotated(Q + b * sqb + h * sqh, sqn, offs_m, m_mask, offs_d, D,
                      QCOS + b * s_qcb + h * s_qch, QSIN + b * s_qcb + h * s_qch, s_qcp, QIDX + b * Nq, R, ROT, 1, ACC)
-    q = to_dot(q, DT)
+    q = q.to(DOT_T)
     kcos = KCOS + b * s_kcb + hk * s_kch
     ksin = KSIN + b * s_kcb + hk * s_kch
     m_i = tl.full((BM,), float("-inf"), ACC)
@@ -48,7 +48,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
         n_mask = offs_n < Nk
         k = load_rotated(K + b * skb + hk * skh, skn, offs_n, n_mask, offs_d, D, kcos, ksin, s_kcp,
                          KIDX + b * Nk, R, ROT, 1, ACC)
-        s = dot(q, tl.trans(to_dot(k, DT)), DT) * scale
+        s = tl.dot(q, tl.trans(k.to(DOT_T)), input_precision=PREC, out_dtype=ACC) * scale
         s += bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, SLOPES, TABLE, RMAX, s_th,
                        CQ + b * s_cqb + h * s_cqh, CK + b * s_ckb + h * s_ckh, DENSE + b * s_db + h * s_dh, s_dm,
                        HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, BM, BN, ACC)
@@ -62,7 +62,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
                     mask=n_mask[:, None] & (offs_d < D)[None, :], other=0.0).to(ACC)
-        acc = acc * alpha[:, None] + dot(to_dot(p, DT), to_dot(v, DT), DT)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_T), v.to(DOT_T), input_precision=PREC, out_dtype=ACC)
         m_i = m_new
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -82,7 +82,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
                      ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                      HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
                      ATOMIC_DENSE: tl.constexpr,
-                     DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
+                     DOT_T: tl.constexpr, PREC: tl.constexpr, PREC_G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
     """dK, dV (rotated space, float32) for one key block of one kv head; ``DO`` has O's strides."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -95,10 +95,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
     d_mask = offs_d < D
     k = load_rotated(K + b * skb + hk * skh, skn, offs_n, n_mask, offs_d, D,
                      KCOS + b * s_kcb + hk * s_kch, KSIN + b * s_kcb + hk * s_kch, s_kcp, KIDX + b * Nk, R, ROT, 1, ACC)
-    kd = to_dot(k, DT)
+    kd = k.to(DOT_T)
     v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
                 mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(ACC)
-    vd = to_dot(v, DT)
+    vd = v.to(DOT_T)
     dk = tl.zeros((BN, BD), ACC)
     dv = tl.zeros((BN, BD), ACC)
     lo = 0
@@ -113,24 +113,24 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
         for start_m in range(lo, Nq, BM):
             offs_m = start_m + tl.arange(0, BM)
             m_mask = offs_m < Nq
-            q = to_dot(load_rotated(Q + b * sqb + h * sqh, sqn, offs_m, m_mask, offs_d, D, qcos, qsin, s_qcp,
-                                    QIDX + b * Nq, R, ROT, 1, ACC), DT)
+            q = (load_rotated(Q + b * sqb + h * sqh, sqn, offs_m, m_mask, offs_d, D, qcos, qsin, s_qcp,
+                                    QIDX + b * Nq, R, ROT, 1, ACC)).to(DOT_T)
             do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :],
                          mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(ACC)
-            dod = to_dot(do, DT)
+            dod = do.to(DOT_T)
             lse = tl.load(LSE + (b * H + h) * Nq + offs_m, mask=m_mask, other=0.0)
             delta = tl.load(DELTA + (b * H + h) * Nq + offs_m, mask=m_mask, other=0.0)
-            s = dot(q, tl.trans(kd), DT) * scale
+            s = tl.dot(q, tl.trans(kd), input_precision=PREC, out_dtype=ACC) * scale
             s += bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, SLOPES, TABLE, RMAX, s_th,
                            CQ + b * s_cqb + h * s_cqh, CK + b * s_ckb + h * s_ckh, DENSE + b * s_db + h * s_dh,
                            s_dm, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, BM, BN, ACC)
             ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
                          CAUSAL, HAS_SEG, HAS_KVALID)
             p = tl.where(ok, tl.exp(tl.where(ok, s, 0.0) - lse[:, None]), 0.0)
-            dv += dot(tl.trans(to_dot(p, DT)), dod, DT)
-            dp = dot(dod, tl.trans(vd), DT)
+            dv += tl.dot(tl.trans(p.to(DOT_T)), dod, input_precision=PREC, out_dtype=ACC)
+            dp = tl.dot(dod, tl.trans(vd), input_precision=PREC, out_dtype=ACC)
             ds = p * (dp - delta[:, None])
-            dk += dot(tl.trans(to_dot(ds, DT)), q, DT)
+            dk += tl.dot(tl.trans(ds), q.to(ACC), input_precision=PREC_G, out_dtype=ACC)
             dck += -tl.sum(ds, 0)
             dslope += bias_grads(ds, h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, DTABLE, RMAX,
                                  s_th, DDENSE + b * s_db + h * s_dh, s_dm, HAS_LIN, HAS_REL, HAS_DENSE, ATOMIC_DENSE)
@@ -153,7 +153,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DCQ,
                    QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
                    ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                    HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
-                   DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
+                   DOT_T: tl.constexpr, PREC: tl.constexpr, PREC_G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
     """dQ (rotated space, float32) and dc_q for one query block."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -164,12 +164,12 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DCQ,
     offs_d = tl.arange(0, BD)
     m_mask = offs_m < Nq
     d_mask = offs_d < D
-    q = to_dot(load_rotated(Q + b * sqb + h * sqh, sqn, offs_m, m_mask, offs_d, D,
+    q = (load_rotated(Q + b * sqb + h * sqh, sqn, offs_m, m_mask, offs_d, D,
                             QCOS + b * s_qcb + h * s_qch, QSIN + b * s_qcb + h * s_qch, s_qcp, QIDX + b * Nq,
-                            R, ROT, 1, ACC), DT)
+                            R, ROT, 1, ACC)).to(DOT_T)
     do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :],
                  mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(ACC)
-    dod = to_dot(do, DT)
+    dod = do.to(DOT_T)
     lse = tl.load(LSE + pid_bh * Nq + offs_m, mask=m_mask, other=0.0)
     delta = tl.load(DELTA + pid_bh * Nq + offs_m, mask=m_mask, other=0.0)
     kcos = KCOS + b * s_kcb + hk * s_kch
@@ -182,20 +182,20 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DCQ,
     for start_n in range(0, end, BN):
         offs_n = start_n + tl.arange(0, BN)
         n_mask = offs_n < Nk
-        kd = to_dot(load_rotated(K + b * skb + hk * skh, skn, offs_n, n_mask, offs_d, D, kcos, ksin, s_kcp,
-                                 KIDX + b * Nk, R, ROT, 1, ACC), DT)
-        vd = to_dot(tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
-                            mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(ACC), DT)
-        s = dot(q, tl.trans(kd), DT) * scale
+        kd = (load_rotated(K + b * skb + hk * skh, skn, offs_n, n_mask, offs_d, D, kcos, ksin, s_kcp,
+                                 KIDX + b * Nk, R, ROT, 1, ACC)).to(DOT_T)
+        vd = (tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
+                            mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(ACC)).to(DOT_T)
+        s = tl.dot(q, tl.trans(kd), input_precision=PREC, out_dtype=ACC) * scale
         s += bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, SLOPES, TABLE, RMAX, s_th,
                        CQ + b * s_cqb + h * s_cqh, CK + b * s_ckb + h * s_ckh, DENSE + b * s_db + h * s_dh, s_dm,
                        HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, BM, BN, ACC)
         ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
                      CAUSAL, HAS_SEG, HAS_KVALID)
         p = tl.where(ok, tl.exp(tl.where(ok, s, 0.0) - lse[:, None]), 0.0)
-        dp = dot(dod, tl.trans(vd), DT)
+        dp = tl.dot(dod, tl.trans(vd), input_precision=PREC, out_dtype=ACC)
         ds = p * (dp - delta[:, None])
-        dq += dot(to_dot(ds, DT), kd, DT)
+        dq += tl.dot(ds, kd.to(ACC), input_precision=PREC_G, out_dtype=ACC)
         dcq += tl.sum(ds, 1)
     tl.store(DQ + pid_bh * Nq * D + offs_m[:, None] * D + offs_d[None, :], dq * scale,
              mask=m_mask[:, None] & d_mask[None, :])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from posenc_lightning.kernels._common import bias_grads, bias_tile, dot, load_rotated, to_dot, visible
+from posenc_lightning.kernels._common import bias_grads, bias_tile, load_rotated, visible
 
 
 @triton.jit
@@ -27,9 +27,9 @@ def _softplus(x):
 
 
 @triton.jit
-def _sb_tile(q, kd, s_bias, ok, scale, DT: tl.constexpr):
+def _sb_tile(q, kd, s_bias, ok, scale, PREC: tl.constexpr, ACC: tl.constexpr):
     """Logits, softplus, and in-block inclusive suffix sums of softplus for one tile."""
-    s = dot(q, tl.trans(kd), DT) * scale + s_bias
+    s = tl.dot(q, tl.trans(kd), input_precision=PREC, out_dtype=ACC) * scale + s_bias
     s = tl.where(ok, s, 0.0)
     sp = tl.where(ok, _softplus(s), 0.0)
     return s, sp, tl.cumsum(sp, axis=1, reverse=True)
@@ -43,7 +43,7 @@ def _sb_fwd_kernel(Q, K, V, O, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
                    QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
                    ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                    HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
-                   DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
+                   DOT_T: tl.constexpr, PREC: tl.constexpr, PREC_G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -53,9 +53,9 @@ def _sb_fwd_kernel(Q, K, V, O, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
     offs_d = tl.arange(0, BD)
     m_mask = offs_m < Nq
     d_mask = offs_d < D
-    q = to_dot(load_rotated(Q + b * sqb + h * sqh, sqn, offs_m, m_mask, offs_d, D,
+    q = (load_rotated(Q + b * sqb + h * sqh, sqn, offs_m, m_mask, offs_d, D,
                             QCOS + b * s_qcb + h * s_qch, QSIN + b * s_qcb + h * s_qch, s_qcp, QIDX + b * Nq,
-                            R, ROT, 1, ACC), DT)
+                            R, ROT, 1, ACC)).to(DOT_T)
     kcos = KCOS + b * s_kcb + hk * s_kch
     ksin = KSIN + b * s_kcb + hk * s_kch
     acc = tl.zeros((BM, BD), ACC)
@@ -65,18 +65,20 @@ def _sb_fwd_kernel(Q, K, V, O, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
         start_n = (n_blocks - 1 - it) * BN
         offs_n = start_n + tl.arange(0, BN)
         n_mask = offs_n < Nk
-        kd = to_dot(load_rotated(K + b * skb + hk * skh, skn, offs_n, n_mask, offs_d, D, kcos, ksin, s_kcp,
-                                 KIDX + b * Nk, R, ROT, 1, ACC), DT)
+        kd = (load_rotated(K + b * skb + hk * skh, skn, offs_n, n_mask, offs_d, D, kcos, ksin, s_kcp,
+                                 KIDX + b * Nk, R, ROT, 1, ACC)).to(DOT_T)
         bias = bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, SLOPES, TABLE, RMAX, s_th,
                          CQ + b * s_cqb + h * s_cqh, CK + b * s_ckb + h * s_ckh, DENSE + b * s_db + h * s_dh, s_dm,
                          HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, BM, BN, ACC)
         ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
                      CAUSAL, HAS_SEG, HAS_KVALID)
-        s, sp, suffix = _sb_tile(q, kd, bias, ok, scale, DT)
+        s, sp, suffix = _sb_tile(q, kd, bias, ok, scale, PREC, ACC)
         a = tl.where(ok, tl.exp(tl.where(ok, s - tail[:, None] - suffix, 0.0)), 0.0)
         v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(ACC)
-        acc += dot(to_dot(a, DT), to_dot(v, DT), DT)
+        # a stays float32: the backward's dO.o must equal the sum of the g it recomputes, and
+        # stick-breaking weights are not normalized, so a rounding of a would add up over the keys
+        acc += tl.dot(a, v, input_precision=PREC_G, out_dtype=ACC)
         tail += tl.sum(sp, 1)
     tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], acc,
              mask=m_mask[:, None] & d_mask[None, :])
@@ -92,7 +94,7 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, DQ, DK, DV, DCQ, DCK, DTABLE, DSLOPE, DDE
                    ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                    HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
                    ATOMIC_DENSE: tl.constexpr,
-                   DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
+                   DOT_T: tl.constexpr, PREC: tl.constexpr, PREC_G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -102,12 +104,12 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, DQ, DK, DV, DCQ, DCK, DTABLE, DSLOPE, DDE
     offs_d = tl.arange(0, BD)
     m_mask = offs_m < Nq
     d_mask = offs_d < D
-    q = to_dot(load_rotated(Q + b * sqb + h * sqh, sqn, offs_m, m_mask, offs_d, D,
+    q = (load_rotated(Q + b * sqb + h * sqh, sqn, offs_m, m_mask, offs_d, D,
                             QCOS + b * s_qcb + h * s_qch, QSIN + b * s_qcb + h * s_qch, s_qcp, QIDX + b * Nq,
-                            R, ROT, 1, ACC), DT)
+                            R, ROT, 1, ACC)).to(DOT_T)
     do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :],
                  mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(ACC)
-    dod = to_dot(do, DT)
+    dod = do.to(DOT_T)
     delta = tl.load(DELTA + pid_bh * Nq + offs_m, mask=m_mask, other=0.0)
     kcos = KCOS + b * s_kcb + hk * s_kch
     ksin = KSIN + b * s_kcb + hk * s_kch
@@ -121,25 +123,25 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, DQ, DK, DV, DCQ, DCK, DTABLE, DSLOPE, DDE
         start_n = (n_blocks - 1 - it) * BN
         offs_n = start_n + tl.arange(0, BN)
         n_mask = offs_n < Nk
-        kd = to_dot(load_rotated(K + b * skb + hk * skh, skn, offs_n, n_mask, offs_d, D, kcos, ksin, s_kcp,
-                                 KIDX + b * Nk, R, ROT, 1, ACC), DT)
-        vd = to_dot(tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
-                            mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(ACC), DT)
+        kd = (load_rotated(K + b * skb + hk * skh, skn, offs_n, n_mask, offs_d, D, kcos, ksin, s_kcp,
+                                 KIDX + b * Nk, R, ROT, 1, ACC)).to(DOT_T)
+        vd = (tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
+                            mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(ACC)).to(DOT_T)
         bias = bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, SLOPES, TABLE, RMAX, s_th,
                          CQ + b * s_cqb + h * s_cqh, CK + b * s_ckb + h * s_ckh, DENSE + b * s_db + h * s_dh, s_dm,
                          HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, BM, BN, ACC)
         ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
                      CAUSAL, HAS_SEG, HAS_KVALID)
-        s, sp, suffix = _sb_tile(q, kd, bias, ok, scale, DT)
+        s, sp, suffix = _sb_tile(q, kd, bias, ok, scale, PREC, ACC)
         a = tl.where(ok, tl.exp(tl.where(ok, s - tail[:, None] - suffix, 0.0)), 0.0)
-        g = a * dot(dod, tl.trans(vd), DT)
+        g = a * tl.dot(dod, tl.trans(vd), input_precision=PREC, out_dtype=ACC)
         g_after = g_tail[:, None] + tl.cumsum(g, axis=1, reverse=True) - g
         ds = tl.where(ok, g - tl.sigmoid(s) * (delta[:, None] - g_after), 0.0)
-        dq += dot(to_dot(ds, DT), kd, DT)
+        dq += tl.dot(ds, kd.to(ACC), input_precision=PREC_G, out_dtype=ACC)
         kv_off = (b * (H // GROUP) + hk) * Nk * D + offs_n[:, None] * D + offs_d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        tl.atomic_add(DK + kv_off, dot(tl.trans(to_dot(ds, DT)), q, DT) * scale, mask=kv_mask)
-        tl.atomic_add(DV + kv_off, dot(tl.trans(to_dot(a, DT)), dod, DT), mask=kv_mask)
+        tl.atomic_add(DK + kv_off, tl.dot(tl.trans(ds), q.to(ACC), input_precision=PREC_G, out_dtype=ACC) * scale, mask=kv_mask)
+        tl.atomic_add(DV + kv_off, tl.dot(tl.trans(a.to(DOT_T)), dod, input_precision=PREC, out_dtype=ACC), mask=kv_mask)
         dcq += tl.sum(ds, 1)
         if HAS_DEC:
             tl.atomic_add(DCK + pid_bh * Nk + offs_n, -tl.sum(ds, 0), mask=n_mask)

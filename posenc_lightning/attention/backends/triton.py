@@ -23,7 +23,7 @@ from posenc_lightning.encodings.base import (AttentionContext, Bias, DecayBias, 
                                              RelativeBias)
 
 NAME = "triton"
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 128
 
 
 def _is_stick_breaking(encoding: Encoding) -> bool:

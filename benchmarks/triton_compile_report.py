@@ -1,0 +1,16 @@
+"""Compile every Triton kernel configuration for sm80 (A100) and sm90 (H100) without a GPU and
+print shared memory, registers and spills per kernel (ptxas -v), all features on (rotary, packed
+documents, padding, the four bias kinds): the worst case for registers.
+
+    env -u TRITON_INTERPRET python benchmarks/triton_compile_report.py \
+        > benchmarks/results/triton_compile_report.txt
+"""
+
+from __future__ import annotations
+
+import sys
+
+from posenc_lightning.kernels.compile import main
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

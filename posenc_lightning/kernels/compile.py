@@ -1,0 +1,193 @@
+"""Compile every kernel configuration for real GPU targets without a GPU (``triton.compile`` with
+a `GPUTarget`), and report shared memory, registers and spills (ptxas ``-v``).
+
+Run as ``python -m posenc_lightning.kernels.compile [--check] [--json PATH]``; it needs
+``TRITON_INTERPRET`` unset (under the interpreter ``@triton.jit`` makes no compilable function),
+so the tests start it in a subprocess. Compiled kernels land in Triton's cache
+(``TRITON_CACHE_DIR``, default ``~/.triton/cache``): a second run only reads them back.
+``--check`` exits 1 on a compile error or on shared memory above the target's limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+KINDS = ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd", "rotate")
+HEAD_DIMS = (16, 32, 64, 128)
+DTYPES = ("float16", "bfloat16", "float32")
+#: compute capability -> opt-in shared memory per block (bytes): A100 163 KiB, H100 227 KiB
+TARGETS = {80: 163 * 1024, 90: 227 * 1024}
+_ACC = ("O", "LSE", "DELTA", "DQ", "DK", "DV", "DCQ", "DCK", "DTABLE", "DSLOPE", "DDENSE", "X")
+_TY = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+       torch.float64: "fp64", torch.int64: "i64"}
+
+
+def _kernel(kind: str):
+    from posenc_lightning.kernels import _common, softmax, stick_breaking
+
+    return {"fwd": softmax._fwd_kernel, "bwd_dkdv": softmax._bwd_dkdv_kernel, "bwd_dq": softmax._bwd_dq_kernel,
+            "sb_fwd": stick_breaking._sb_fwd_kernel, "sb_bwd": stick_breaking._sb_bwd_kernel,
+            "rotate": _common._rotate_kernel}[kind]
+
+
+def launch_spec(kind: str, head_dim: int, dtype: torch.dtype):
+    """``(kernel, values by argument name, num_warps, num_stages)`` of the GPU launch of ``kind``
+    with every feature on (rotary, packed documents, padding, all four bias kinds)."""
+    from posenc_lightning.kernels.fused import Plan, RotaryTables, block_config, common_args, head_block
+
+    b, h, n, d = 1, 2, 8, head_dim
+    q = torch.zeros(b, h, n, d, dtype=dtype)
+    cos = torch.zeros(n, d // 2)
+    pos = torch.zeros(b, n, dtype=torch.long)
+    plan = Plan(scale=d ** -0.5, causal=1, rotary=RotaryTables(cos, cos, pos, cos, cos, pos), q_segments=pos,
+                k_valid=pos.bool(), bias_q_pos=pos.float(), bias_k_pos=pos.float(),
+                stick_breaking=kind.startswith("sb"))
+    z = torch.zeros(h, dtype=torch.float32)
+    args, flags = common_args(q, q, plan, z, torch.zeros(h, 9), torch.zeros(b, h, n), torch.zeros(b, h, n),
+                              torch.zeros(b, h, n, n))
+    cfg = block_config(kind, d, dtype, gpu=True)
+    kernel = _kernel(kind)
+    if kind == "rotate":
+        flags = {"ROT": 1, "SIGN": -1, "BD": head_block(d), "ACC": flags["ACC"]}
+        vals = {"COS": args["QCOS"], "SIN": args["QSIN"], "IDX": args["QIDX"], "R": d}
+    else:
+        vals = dict(args)
+        flags = {**flags, "ATOMIC_DENSE": True}
+    vals.update(flags)
+    vals.update({"BM": cfg["BM"], "BN": cfg["BN"]})
+    for p in kernel.params:
+        if p.name in vals:
+            continue
+        if p.name.isupper():  # a tensor the launch allocates or passes through
+            vals[p.name] = torch.zeros(1, dtype=torch.float32 if p.name in _ACC else dtype)
+        else:
+            vals[p.name] = 64  # strides, counts
+    return kernel, vals, cfg["num_warps"], cfg["num_stages"]
+
+
+def _ptxas_usage(ptx: str, cc: int) -> dict:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    arch = f"sm_{cc}a" if cc >= 90 else f"sm_{cc}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([get_ptxas(cc).path, "-v", f"--gpu-name={arch}", src, "-o", os.path.join(tmp, "k.o")],
+                           capture_output=True, text=True)
+    log = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {"registers": int(regs.group(1)) if regs else -1,
+            "spill_stores": int(spill.group(1)) if spill else -1, "spill_loads": int(spill.group(2)) if spill else -1}
+
+
+def compile_one(kind: str, head_dim: int, dtype_name: str, cc: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    dtype = getattr(torch, dtype_name)
+    row = {"kernel": kind, "head_dim": head_dim, "dtype": dtype_name, "target": f"sm{cc}"}
+    try:
+        kernel, vals, warps, stages = launch_spec(kind, head_dim, dtype)
+        sig, consts, attrs = {}, {}, {}
+        for i, p in enumerate(kernel.params):
+            val = vals[p.name]
+            if p.is_constexpr:
+                sig[p.name], consts[p.name] = "constexpr", val
+            elif isinstance(val, torch.Tensor):
+                sig[p.name] = "*" + _TY[val.dtype]
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            elif isinstance(val, float):
+                sig[p.name] = "fp32"
+            else:
+                sig[p.name] = "i32"
+        src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+        c = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "num_stages": stages})
+        row.update({"BM": vals["BM"], "BN": vals["BN"], "num_warps": warps, "num_stages": stages,
+                    "shared_bytes": int(c.metadata.shared), "shared_limit": TARGETS[cc]})
+        row.update(_ptxas_usage(c.asm["ptx"], cc))
+        row["ok"] = row["shared_bytes"] <= TARGETS[cc]
+        if not row["ok"]:
+            row["error"] = f"shared memory {row['shared_bytes']} B > {TARGETS[cc]} B"
+    except Exception as e:  # a compile error is a result to report
+        row.update({"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"})
+    return row
+
+
+#: the largest head dim and dtype of every distinct tiling `block_config` picks: a compile test
+#: of these covers every (kernel, tile config) pair at its largest shared-memory footprint
+WORST_CASES = ((64, "float16"), (128, "float16"), (128, "float32"))
+
+
+def configs(kinds=KINDS, head_dims=HEAD_DIMS, dtypes=DTYPES, targets=tuple(TARGETS), worst_only=False):
+    for kind in kinds:
+        if worst_only:
+            pairs = [(128, "float32")] if kind == "rotate" else list(WORST_CASES)
+        else:  # rotate runs on float32 gradients
+            pairs = [(d, dt) for d in head_dims for dt in (("float32",) if kind == "rotate" else dtypes)]
+        for d, dt in pairs:
+            for cc in targets:
+                yield kind, d, dt, cc
+
+
+def run_all(jobs: int = 2, **sel) -> list[dict]:
+    todo = list(configs(**sel))
+    if jobs <= 1:
+        return [compile_one(*c) for c in todo]
+    with ProcessPoolExecutor(jobs) as ex:
+        return list(ex.map(compile_one, *zip(*todo)))
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'kernel':9} {'D':>4} {'dtype':9} {'target':6} {'BMxBN':>7} {'w/s':>4} {'smem KiB':>9} {'limit':>6} " \
+           f"{'regs':>5} {'spill st/ld':>12}  status"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "shared_bytes" in r:
+            lines.append(f"{r['kernel']:9} {r['head_dim']:>4} {r['dtype']:9} {r['target']:6} "
+                         f"{str(r['BM']) + 'x' + str(r['BN']):>7} {str(r['num_warps']) + '/' + str(r['num_stages']):>4} "
+                         f"{r['shared_bytes'] / 1024:9.1f} {r['shared_limit'] // 1024:6d} {r['registers']:5d} "
+                         f"{str(r['spill_stores']) + '/' + str(r['spill_loads']):>12}  "
+                         f"{'ok' if r['ok'] else 'FAIL ' + r['error']}")
+        else:
+            lines.append(f"{r['kernel']:9} {r['head_dim']:>4} {r['dtype']:9} {r['target']:6} FAIL {r['error']}")
+    bad = sum(not r["ok"] for r in rows)
+    lines.append(f"{len(rows) - bad} passed, {bad} failed")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="exit 1 on any compile error or shared memory overflow")
+    p.add_argument("--json", help="also write the rows as JSON here")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--kinds", nargs="*", default=list(KINDS))
+    p.add_argument("--head-dims", nargs="*", type=int, default=list(HEAD_DIMS))
+    p.add_argument("--dtypes", nargs="*", default=list(DTYPES))
+    p.add_argument("--worst-only", action="store_true", help="only the largest config of every tiling")
+    a = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("unset TRITON_INTERPRET: the interpreter cannot compile for GPU targets", file=sys.stderr)
+        return 2
+    rows = run_all(a.jobs, kinds=tuple(a.kinds), head_dims=tuple(a.head_dims), dtypes=tuple(a.dtypes),
+                   worst_only=a.worst_only)
+    print(format_table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if a.check and not all(r["ok"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
