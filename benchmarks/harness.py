@@ -72,7 +72,7 @@ def layer_fns(layer: BenchLayer, x: Tensor) -> dict[str, Callable[[], None]]:
 def gpt_fns(gpt: TinyGPT, ids: Tensor) -> dict[str, Callable[[], None]]:
     def fwd() -> None:
         with torch.no_grad():
-            gpt(ids)
+            gpt(ids[:, :-1])
 
     def fwd_bwd() -> None:
         gpt.zero_grad(set_to_none=True)

@@ -63,11 +63,12 @@ def _linear_bias_is_key_channel(bias: Bias, mask: AttentionMask, q: Tensor, ctx:
     """Causal ALiBi with keys never after their queries in position (non-decreasing positions)."""
     if not isinstance(bias, LinearBias) or ctx is None or not mask.is_plain_causal:
         return False
-    if q.dtype not in (torch.float32, torch.float64) or ctx.q_pos.dim() != 2:
+    qp, kp = bias.q_pos, bias.k_pos
+    if q.dtype not in (torch.float32, torch.float64) or qp.dim() != 2 or qp.shape != kp.shape:
         return False  # the extra channel carries m*j: bf16 cannot hold it
-    if ctx.k_pos is not ctx.q_pos and not torch.equal(ctx.k_pos, ctx.q_pos):
+    if kp is not qp and not torch.equal(kp, qp):
         return False
-    return bool((ctx.q_pos[:, 1:] >= ctx.q_pos[:, :-1]).all())
+    return bool((qp[:, 1:] >= qp[:, :-1]).all())
 
 
 def _attend_linear_bias_channel(q: Tensor, k: Tensor, v: Tensor, bias: LinearBias, ctx: AttentionContext,
