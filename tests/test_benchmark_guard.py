@@ -88,3 +88,21 @@ def test_encoding_cost_ratios_to_nope_stay_bounded(one_thread):
     assert not bad, f"encoding cost regressed (ratio to nope, N={N}): {msg}"
     # the guard itself must stay cheap enough for every CI run
     assert time.perf_counter() - t0 < 60
+
+
+def test_rotary_fast_path_beats_the_formula(one_thread):
+    """apply_rotary (one buffer / complex multiply) vs the plain chunk-and-cat formula on the
+    same strided q: a ratio, measured interleaved; losing the fast path makes it ~1."""
+    from posenc_lightning.functional.rope import apply_rotary, apply_rotary_reference, rope_cos_sin, rope_inv_freq
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 2048, 3 * 8 * 64)[..., :512].view(1, 2048, 8, 64).transpose(1, 2)
+    cos, sin = rope_cos_sin(torch.arange(2048)[None], rope_inv_freq(64))
+    fns = {(f, lay): (lambda f=f, lay=lay: f(q, cos, sin, lay))
+           for f in (apply_rotary, apply_rotary_reference) for lay in ("half", "interleaved")}
+    for attempt in range(2):
+        med = interleaved_medians(fns, reps=9, warmup=1)
+        ratios = {lay: med[(apply_rotary, lay)] / med[(apply_rotary_reference, lay)] for lay in ("half", "interleaved")}
+        if all(r < 0.9 for r in ratios.values()):
+            break
+    assert all(r < 0.9 for r in ratios.values()), f"rotary fast path lost: fast/formula = {ratios}"
