@@ -76,18 +76,15 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_triton needs a CUDA GPU (the Triton kernels are compiled for it); none here", file=sys.stderr)
         return 2
     dtype = getattr(torch, a.dtype)
-    rows = [f"# fused Triton attention vs SDPA ({torch.cuda.get_device_name()}, {a.dtype}, B={a.batch}, "
-            f"H={a.heads}, D={a.head_dim}, causal; ms, median of {a.reps})", "",
+    title = (f"# fused Triton attention vs SDPA ({torch.cuda.get_device_name()}, {a.dtype}, B={a.batch}, "
+             f"H={a.heads}, D={a.head_dim}, causal; ms, median of {a.reps})")
+    rows = [title, "",
             "| N | case | fwd ms | fwd+bwd ms | fwd x sdpa | fwd+bwd x sdpa |", "|---|---|---|---|---|---|"]
     for n in a.lengths:
         base = None
         for name, fn in cases(a.batch, a.heads, n, a.head_dim, dtype):
-            fwd = _time(lambda: fn(), a.reps)
-
-            def step():
-                fn().sum().backward()
-
-            both = _time(step, a.reps)
+            fwd = _time(fn, a.reps)
+            both = _time(lambda f=fn: f().sum().backward(), a.reps)
             if base is None:
                 base = (fwd, both)
             rows.append(f"| {n} | {name} | {fwd:.3f} | {both:.3f} | {fwd / base[0]:.2f} | {both / base[1]:.2f} |")

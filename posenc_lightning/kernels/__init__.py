@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["fused_attention", "RotaryTables"]
+__all__ = ["RotaryTables", "fused_attention"]
 
 
 def __getattr__(name: str) -> Any:

@@ -110,7 +110,7 @@ def _table4(t: Tensor) -> tuple[Tensor, int, int, int]:
 
 def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense) -> tuple[dict, dict]:
     """The keyword arguments shared by every attention kernel, and their constexpr flags."""
-    b, h, nq, d = q.shape
+    _, h, nq, d = q.shape
     nk = k.shape[2]
     dummy = q.new_zeros(1, dtype=torch.float32)
     idummy = torch.zeros(1, dtype=torch.int32, device=q.device)

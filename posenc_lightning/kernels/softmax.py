@@ -104,7 +104,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
     lo = 0
     if CAUSAL != 0:
         lo = tl.maximum(pid_n * BN - q_offset, 0) // BM * BM
-    for g in range(0, GROUP):
+    for g in range(GROUP):
         h = hk * GROUP + g
         qcos = QCOS + b * s_qcb + h * s_qch
         qsin = QSIN + b * s_qcb + h * s_qch
@@ -126,7 +126,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
                            s_dm, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, BM, BN, ACC)
             ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
                          CAUSAL, HAS_SEG, HAS_KVALID)
-            p = tl.where(ok, tl.exp(tl.where(ok, s, 0.0) - lse[:, None]), 0.0)
+            p = tl.exp(tl.where(ok, s - lse[:, None], float("-inf")))
             dv += tl.dot(tl.trans(p.to(DOT_T)), dod, input_precision=PREC, out_dtype=ACC)
             dp = tl.dot(dod, tl.trans(vd), input_precision=PREC, out_dtype=ACC)
             ds = p * (dp - delta[:, None])
@@ -192,7 +192,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DCQ,
                        HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, BM, BN, ACC)
         ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
                      CAUSAL, HAS_SEG, HAS_KVALID)
-        p = tl.where(ok, tl.exp(tl.where(ok, s, 0.0) - lse[:, None]), 0.0)
+        p = tl.exp(tl.where(ok, s - lse[:, None], float("-inf")))
         dp = tl.dot(dod, tl.trans(vd), input_precision=PREC, out_dtype=ACC)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds, kd.to(ACC), input_precision=PREC_G, out_dtype=ACC)

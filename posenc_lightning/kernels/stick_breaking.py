@@ -61,7 +61,7 @@ def _sb_fwd_kernel(Q, K, V, O, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
     acc = tl.zeros((BM, BD), ACC)
     tail = tl.zeros((BM,), ACC)  # sum of softplus over the visible keys after this block
     n_blocks = tl.cdiv(tl.minimum(Nk, q_offset + (pid_m + 1) * BM), BN)
-    for it in range(0, n_blocks):
+    for it in range(n_blocks):
         start_n = (n_blocks - 1 - it) * BN
         offs_n = start_n + tl.arange(0, BN)
         n_mask = offs_n < Nk
@@ -119,7 +119,7 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, DQ, DK, DV, DCQ, DCK, DTABLE, DSLOPE, DDE
     tail = tl.zeros((BM,), ACC)
     g_tail = tl.zeros((BM,), ACC)  # sum of g over the visible keys after this block
     n_blocks = tl.cdiv(tl.minimum(Nk, q_offset + (pid_m + 1) * BM), BN)
-    for it in range(0, n_blocks):
+    for it in range(n_blocks):
         start_n = (n_blocks - 1 - it) * BN
         offs_n = start_n + tl.arange(0, BN)
         n_mask = offs_n < Nk

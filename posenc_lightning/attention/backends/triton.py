@@ -13,14 +13,21 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.base import (AttentionContext, Bias, DecayBias, DenseBias, Encoding, LinearBias,
-                                             RelativeBias)
+from posenc_lightning.encodings.base import (
+    AttentionContext,
+    Bias,
+    DecayBias,
+    DenseBias,
+    Encoding,
+    LinearBias,
+    RelativeBias,
+)
 
 NAME = "triton"
 MAX_HEAD_DIM = 128
