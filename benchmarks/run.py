@@ -77,7 +77,7 @@ def time_length(names: list[str], n: int, a: argparse.Namespace, log) -> dict[st
 def memory_length(names: list[str], n: int, a: argparse.Namespace) -> dict[str, dict]:
     cmd = [sys.executable, "-m", "benchmarks.memory", "--n", str(n), "--d-model", str(a.d_model),
            "--n-heads", str(a.n_heads), "--n-layers", str(a.n_layers), "--encodings", *names]
-    if a.no_gpt:
+    if a.no_gpt or a.no_gpt_memory:
         cmd.append("--no-gpt")
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if r.returncode:
@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> Path:
                         "previous length (reported as skipped)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--no-gpt-memory", action="store_true", help="memory of the layer only")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     if a.quick:
@@ -171,6 +172,10 @@ def main(argv: list[str] | None = None) -> Path:
     if a.threads:
         torch.set_num_threads(a.threads)
     meta["machine"] = machine()
+    dev_name = "cuda" if torch.cuda.is_available() else "cpu"
+    partial_out = a.out or ROOT / "benchmarks" / "results" / (
+        f"{dev_name}-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M}{'-quick' if a.quick else ''}.md")
+    partial_out.parent.mkdir(parents=True, exist_ok=True)
     results = {}
     skipped: dict[str, str] = {}
     no_gpt = a.no_gpt
@@ -183,6 +188,9 @@ def main(argv: list[str] | None = None) -> Path:
         for nm in skipped:
             info[nm] = {"error": skipped[nm]}
         results[n] = (info, mem)
+        if partial_out is not None:  # a long run leaves what it has measured so far
+            meta["load_after"] = loadavg()
+            partial_out.write_text(render(results, a, meta) + "\n")
         if a.max_ratio and "layer_fwd" in info.get("nope", {}):
             for nm in run_names:
                 r = info[nm].get("layer_fwd", 0) / info["nope"]["layer_fwd"]
@@ -190,9 +198,7 @@ def main(argv: list[str] | None = None) -> Path:
                     skipped[nm] = f"skipped: {r:.1f}x nope at N={n} (> --max-ratio {a.max_ratio})"
     meta["load_after"] = loadavg()
     text = render(results, a, meta)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    out = a.out or ROOT / "benchmarks" / "results" / f"{dev}-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M}{'-quick' if a.quick else ''}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = partial_out
     out.write_text(text + "\n")
     print(text)
     log(f"wrote {out}")
