@@ -40,6 +40,8 @@ def resolve_backend(name: str, encoding: Encoding, device: torch.device, require
     """The backend module to run ``encoding`` on ``device``; ``auto`` picks the fastest that can."""
     if name == "auto":
         for cand in _AUTO_ORDER.get(device.type, _AUTO_ORDER["cpu"]):
+            if cand == "flex" and "bias" not in encoding.stages:
+                continue  # nothing to fuse into a score_mod: SDPA's flash kernels are faster
             if _why_not(cand, encoding, device, requires_grad) is None:
                 return get_backend(cand)
         return get_backend("eager")
