@@ -160,11 +160,12 @@ def length_plot(results: dict[str, dict[int, float]], path: str | None = None, t
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, r in results.items():
+    fig, ax = plt.subplots(figsize=(7.5, 5.0))
+    for i, (name, r) in enumerate(results.items()):
         pts = sorted((n, v) for n, v in r.items() if v == v and math.isfinite(v))
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        if pts:  # 10 colors x 3 line styles x 2 markers: every curve distinct
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os"[i // 30 % 2], label=name,
+                    linestyle=["-", "--", ":"][i // 10 % 3])
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("evaluation length (tokens)")
