@@ -16,8 +16,9 @@ pytest.importorskip("triton")
 
 def test_every_kernel_config_compiles_for_sm80_and_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "posenc_lightning.kernels.compile", "--check", "--worst-only",
-                        "--jobs", "2"], capture_output=True, text=True, env=env, timeout=1500, check=False)
+    cmd = [sys.executable, "-m", "posenc_lightning.kernels.compile", "--check", "--worst-only", "--no-ptxas",
+           "--jobs", "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500, check=False)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.split()[:1] and ln.split()[0] in

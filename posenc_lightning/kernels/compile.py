@@ -92,7 +92,7 @@ def _ptxas_usage(ptx: str, cc: int) -> dict:
             "spill_stores": int(spill.group(1)) if spill else -1, "spill_loads": int(spill.group(2)) if spill else -1}
 
 
-def compile_one(kind: str, head_dim: int, dtype_name: str, cc: int) -> dict:
+def compile_one(kind: str, head_dim: int, dtype_name: str, cc: int, ptxas: bool = True) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -117,7 +117,8 @@ def compile_one(kind: str, head_dim: int, dtype_name: str, cc: int) -> dict:
         c = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "num_stages": stages})
         row.update({"BM": vals["BM"], "BN": vals["BN"], "num_warps": warps, "num_stages": stages,
                     "shared_bytes": int(c.metadata.shared), "shared_limit": TARGETS[cc]})
-        row.update(_ptxas_usage(c.asm["ptx"], cc))
+        row.update(_ptxas_usage(c.asm["ptx"], cc) if ptxas else {"registers": -1, "spill_stores": -1,
+                                                                  "spill_loads": -1})
         row["ok"] = row["shared_bytes"] <= TARGETS[cc]
         if not row["ok"]:
             row["error"] = f"shared memory {row['shared_bytes']} B > {TARGETS[cc]} B"
@@ -142,8 +143,8 @@ def configs(kinds=KINDS, head_dims=HEAD_DIMS, dtypes=DTYPES, targets=tuple(TARGE
                 yield kind, d, dt, cc
 
 
-def run_all(jobs: int = 2, **sel) -> list[dict]:
-    todo = list(configs(**sel))
+def run_all(jobs: int = 2, ptxas: bool = True, **sel) -> list[dict]:
+    todo = [(*c, ptxas) for c in configs(**sel)]
     if jobs <= 1:
         return [compile_one(*c) for c in todo]
     with ProcessPoolExecutor(jobs) as ex:
@@ -177,11 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dims", nargs="*", type=int, default=list(HEAD_DIMS))
     p.add_argument("--dtypes", nargs="*", default=list(DTYPES))
     p.add_argument("--worst-only", action="store_true", help="only the largest config of every tiling")
+    p.add_argument("--no-ptxas", action="store_true", help="skip the register/spill figures (ptxas -v is slow)")
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("unset TRITON_INTERPRET: the interpreter cannot compile for GPU targets", file=sys.stderr)
         return 2
-    rows = run_all(a.jobs, kinds=tuple(a.kinds), head_dims=tuple(a.head_dims), dtypes=tuple(a.dtypes),
+    rows = run_all(a.jobs, not a.no_ptxas, kinds=tuple(a.kinds), head_dims=tuple(a.head_dims), dtypes=tuple(a.dtypes),
                    worst_only=a.worst_only)
     print(format_table(rows))
     if a.json:
