@@ -35,6 +35,8 @@ class CompareCLI(LightningCLI):
         parser.add_argument("--compare.encoding_cfg", type=dict[str, dict[str, Any]], default={},
                             help="per-encoding arguments, e.g. {learned: {max_seq_len: 64}}")
         parser.add_argument("--compare.multiples", type=list[int], default=[1, 2, 4, 8, 16])
+        parser.add_argument("--compare.scale_with_length", type=list[str], default=[],
+                            help="encodings evaluated zero-shot with factor n/L at length n (PI/NTK/YaRN protocol)")
         parser.add_argument("--compare.max_windows", type=int, default=4, help="validation windows per length")
         parser.add_argument("--compare.lm_eval_tasks", type=list[str], default=[],
                             help="lm-eval tasks run at validation end (e.g. passkey_loglikelihood)")
@@ -77,7 +79,8 @@ def main(args: list[str] | None = None) -> dict[str, dict[int, float]]:
             failures[name] = {n: f"cannot build: {e}" for n in [L * m for m in cfg.multiples]}
             ppl[name] = {n: float("nan") for n in failures[name]}
             continue
-        length_cb = LengthEvalCallback(multiples=cfg.multiples, base_len=L, max_windows=cfg.max_windows)
+        length_cb = LengthEvalCallback(multiples=cfg.multiples, base_len=L, max_windows=cfg.max_windows,
+                                       scale_with_length=name in cfg.scale_with_length)
         callbacks: list[pl.Callback] = [length_cb]
         if cfg.visualize:
             callbacks.append(PosEncVisualizer(lengths=[L, 4 * L]))

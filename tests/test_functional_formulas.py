@@ -117,3 +117,14 @@ def test_partial_rotary_leaves_tail_channels():
     cos, sin = rope_cos_sin(torch.arange(4)[None], rope_inv_freq(8))
     y = apply_rotary(x, cos, sin)
     assert torch.equal(y[..., 8:], x[..., 8:]) and not torch.allclose(y[..., :8], x[..., :8])
+
+
+def test_sinusoidal_encoding_scales_embeddings_by_sqrt_d_as_the_paper():
+    from posenc_lightning import build_encoding
+
+    enc = build_encoding("sinusoidal").bind(d_model=16)
+    h = torch.randn(1, 5, 16)
+    pos = torch.arange(5)[None]
+    torch.testing.assert_close(enc.embed(h, pos), h * 4.0 + sinusoidal_table(pos, 16))
+    plain = build_encoding("sinusoidal", scale_input=False).bind(d_model=16)
+    torch.testing.assert_close(plain.embed(h, pos), h + sinusoidal_table(pos, 16))

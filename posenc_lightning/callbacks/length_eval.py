@@ -38,11 +38,15 @@ class LengthEvalCallback(pl.Callback):
         batch_size: windows of the longest length per batch (shorter ones: as many tokens).
         every_n_epochs: run at validation ends of every n-th epoch.
         dataloader_fn: ``seq_len -> iterable of (input_ids, targets)`` instead of the datamodule's.
+        scale_with_length: zero-shot extension protocol of PI / NTK / YaRN / CLEX: at length ``n``
+            every scalable encoding (one with ``set_scale``) is set to ``max(1, n / base_len)``
+            and restored afterwards (train at factor 1, evaluate with the factor the length needs).
     """
 
     def __init__(self, lengths: Sequence[int] | None = None, multiples: Sequence[int] = (1, 2, 4, 8, 16),
                  base_len: int | None = None, max_windows: int = 4, batch_size: int = 1, every_n_epochs: int = 1,
-                 dataloader_fn: Any = None) -> None:
+                 dataloader_fn: Any = None, scale_with_length: bool = False) -> None:
+        self.scale_with_length = scale_with_length
         self.lengths = [int(n) for n in lengths] if lengths else None
         self.multiples = list(multiples)
         self.base_len = base_len
@@ -89,7 +93,12 @@ class LengthEvalCallback(pl.Callback):
         out: dict[int, float] = {}
         try:
             lengths = self.resolve_lengths(trainer)
+            base = self.base_len or min(lengths)
+            scalable = _scalable_encodings(pl_module) if self.scale_with_length else []
+            saved = [e.factor for e in scalable]
             for n in lengths:
+                for e in scalable:
+                    e.set_scale(max(1.0, n / base))
                 metric = MeanMetric().to(pl_module.device)
                 error = None
                 try:
@@ -109,6 +118,9 @@ class LengthEvalCallback(pl.Callback):
                 out[n] = math.exp(float(metric.compute()))
         finally:
             pl_module.train(was_training)
+            if self.scale_with_length:
+                for e, f in zip(scalable, saved):
+                    e.set_scale(f)
         self.results = out
         return out
 
@@ -130,6 +142,16 @@ class LengthEvalCallback(pl.Callback):
                     fig = length_plot({"model": res})
                     if fig is not None:
                         exp.add_figure("length_eval/ppl_vs_length", fig, global_step=trainer.global_step)
+
+
+def _scalable_encodings(module: torch.nn.Module) -> list[Any]:
+    """Distinct injected encodings that can change their scale at run time."""
+    seen: dict[int, Any] = {}
+    for m in module.modules():
+        enc = getattr(m, "posenc", None)
+        if enc is not None and hasattr(enc, "set_scale") and hasattr(enc, "factor"):
+            seen.setdefault(id(enc), enc)
+    return list(seen.values())
 
 
 def length_table(results: dict[str, dict[int, float]], failures: dict[str, dict[int, str]] | None = None,
