@@ -21,6 +21,7 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 from posenc_lightning.callbacks import LengthEvalCallback, LMEvalCallback, PosEncVisualizer  # noqa: E402
+from posenc_lightning.curriculum.extend import RunDirSaveConfig  # noqa: E402
 from posenc_lightning.data import CorpusDataModule  # noqa: E402
 from posenc_lightning.encodings import available_encodings  # noqa: E402
 from posenc_lightning.eval.compare import flatness, render  # noqa: E402
@@ -49,7 +50,7 @@ class CompareCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> dict[str, dict[int, float]]:
-    cli = CompareCLI(TinyGPT, CorpusDataModule, run=False, args=args, save_config_kwargs={"overwrite": True},
+    cli = CompareCLI(TinyGPT, CorpusDataModule, run=False, args=args, save_config_callback=RunDirSaveConfig, save_config_kwargs={"overwrite": True},
                      trainer_defaults={"logger": False})
     cfg = cli.config["compare"]
     if cfg.num_threads > 0:

@@ -14,7 +14,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 from posenc_lightning.curriculum.search import windows_nll
 
@@ -65,6 +65,16 @@ def write_results(trainer: pl.Trainer, name: str, results: dict[str, Any], table
     return out
 
 
+class RunDirSaveConfig(SaveConfigCallback):
+    """Saves the config next to the run's logs; a Trainer without a logger has no run directory
+    of its own (its log_dir is the working directory), so nothing is written there."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.logger is None:
+            return
+        super().setup(trainer, pl_module, stage)
+
+
 class RecipeCLI(LightningCLI):
     """``LightningCLI(TinyGPT, CorpusDataModule)`` plus the recipe's own ``--extend.*`` arguments
     (declared by the recipe in ``extend_args``: name -> (type, default, help))."""
@@ -84,7 +94,8 @@ def make_cli(extend_args: dict[str, tuple[Any, Any, str]], args: list[str] | Non
     from posenc_lightning.models import TinyGPT
 
     cls = type("RecipeCLI", (RecipeCLI,), {"extend_args": extend_args})
-    cli = cls(TinyGPT, CorpusDataModule, run=False, args=args, save_config_kwargs={"overwrite": True})
+    cli = cls(TinyGPT, CorpusDataModule, run=False, args=args, save_config_callback=RunDirSaveConfig,
+              save_config_kwargs={"overwrite": True})
     argv = sys.argv if args is None else [f"recipes/{name}.py", *args]
     cli.recipe_command = " ".join(shlex.quote(a) for a in ["python"] + list(argv))
     return cli
