@@ -1,15 +1,23 @@
 """posenc-lightning: inject any transformer positional encoding into a LightningModule."""
 
 from posenc_lightning.attention import KVCache, LayerKVCache, PosEncAttentionMixin, PosEncEmbeddingMixin
-from posenc_lightning.callbacks import (
-    ContextCurriculum, LengthEvalCallback, LMEvalCallback, PosEncCallback, PosEncVisualizer, Stage,
-)
 from posenc_lightning.encodings import (
     Bias, BiasSum, DecayBias, DenseBias, Encoding, LinearBias, RelativeBias, available_encodings, build_encoding,
 )
 from posenc_lightning.inject import inject, injected_spec, restore_from_checkpoint
 
 __version__ = "0.1.0"
+
+_CALLBACKS = ("ContextCurriculum", "LMEvalCallback", "LengthEvalCallback", "PosEncCallback", "PosEncVisualizer", "Stage")
+
+
+def __getattr__(name: str):
+    """The callbacks import Lightning (seconds): load them on first use, so ``inject`` stays fast."""
+    if name in _CALLBACKS:
+        from posenc_lightning import callbacks
+
+        return getattr(callbacks, name)
+    raise AttributeError(f"module 'posenc_lightning' has no attribute {name!r}")
 
 __all__ = [
     "Bias", "BiasSum", "ContextCurriculum", "Stage", "DecayBias", "DenseBias", "Encoding", "KVCache", "LayerKVCache", "LinearBias",
