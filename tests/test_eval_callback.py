@@ -6,21 +6,11 @@ import time
 
 import lightning.pytorch as pl
 import pytest
-import torch
 pytest.importorskip("lm_eval")
 
 from posenc_lightning.callbacks.lm_eval import LMEvalCallback  # noqa: E402
 from posenc_lightning.data import CorpusDataModule  # noqa: E402
 from posenc_lightning.models import TinyGPT  # noqa: E402
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is ~10x faster than two."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 
 class LossRecorder(pl.Callback):

@@ -11,15 +11,6 @@ from posenc_lightning.callbacks.length_eval import LengthEvalCallback
 from posenc_lightning.callbacks.visualize import attention_modules, capture_attention, encoded_attention
 from posenc_lightning.models import TinyGPT
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is ~10x faster than two."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 
 def _windows(tokens: torch.Tensor, n: int, k: int, bs: int = 2):
     w = [tokens[i * n: i * n + n + 1] for i in range(k)]

@@ -12,15 +12,6 @@ from posenc_lightning.eval import LightningLM, OfflineTaskError, build_tasks, lo
 from posenc_lightning.eval.offline import local_haystack, offline_env, ruler_patches  # noqa: E402
 from posenc_lightning.models import TinyGPT  # noqa: E402
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is ~10x faster than two."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 
 @pytest.fixture(scope="module")
 def model():

@@ -12,21 +12,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("matplotlib")
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is ~10x faster than two."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 
 @pytest.fixture(scope="module")
