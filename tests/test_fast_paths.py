@@ -197,3 +197,67 @@ def test_causal_alibi_as_key_channel_long_and_offset():
     assert not sdpa._linear_bias_is_key_channel(bias, AttentionMask(True, 5, n, n + 5), q, ctx)
     seg = torch.zeros(1, n, dtype=torch.long)
     assert not sdpa._linear_bias_is_key_channel(bias, AttentionMask(True, 0, n, n, seg, seg), q, ctx)
+
+
+@pytest.mark.parametrize("case", ["arange_causal", "decode_cache", "bidirectional", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_decay_bias_as_key_channel_equals_eager_fwd_bwd(case, dtype):
+    """FoX's ``c_i - c_j`` as one extra q/k channel (softmax drops the per-row ``c_i``): same
+    outputs and gradients (q, k, v, c_k; c_q's is 0) as the dense bias, GQA keys, any mask."""
+    n_q, n_k, qp, kp, causal, off, seg = CASES[case]
+    b, h, hkv, d = 2, 4, 2, 16
+    # cumulative log forget gates: decreasing, hundreds in size, as FoX makes them
+    c = torch.cumsum(torch.nn.functional.logsigmoid(torch.randn(b, h, n_k, dtype=dtype) + 1), -1)
+    c = c.requires_grad_(True)
+    seg2 = None if seg is None else seg[None].expand(b, -1)
+    mask = AttentionMask(causal, off, n_q, n_k, seg2, seg2)
+    q = torch.randn(b, h, n_q, d, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, hkv, n_k, d, dtype=dtype, requires_grad=True) for _ in range(2))
+    assert sdpa._decay_bias_is_key_channel(DecayBias(c[..., off:], c), q)
+
+    def reference():  # the formula in float64: softmax(q k^T s + c_i - c_j) v
+        q64, k64, v64, c64 = (t.double() for t in (q, k, v, c))
+        k64, v64 = (t.repeat_interleave(h // hkv, dim=1) for t in (k64, v64))
+        logits = q64 @ k64.transpose(-1, -2) * d ** -0.5 + c64[..., n_k - n_q:, None] - c64[..., None, :]
+        allowed = mask.materialize(q.device)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        return torch.softmax(logits, -1) @ v64
+
+    outs, grads = [], []
+    for f in (lambda: sdpa.attend(q, k, v, bias=DecayBias(c[..., n_k - n_q:], c), mask=mask, scale=d ** -0.5),
+              reference):
+        out = f()
+        outs.append(out)
+        grads.append(torch.autograd.grad(out, (q, k, v, c), torch.ones_like(out) / out.numel() ** 0.5))
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(outs[0], outs[1].to(dtype), rtol=tol, atol=tol)
+    for g0, g1 in zip(*grads):
+        torch.testing.assert_close(g0, g1.to(dtype), rtol=tol, atol=tol)
+    assert not sdpa._decay_bias_is_key_channel(DecayBias(c, c), q.bfloat16())  # bf16 cannot hold c
+
+
+def test_learned_toeplitz_backward_and_flush_state(monkeypatch):
+    """A learned ``f(i - j)`` table at arange positions runs SDPA's kernel forward and its own
+    backward (`_ToeplitzAttention`), equal to eager; flush-to-zero is off again after backward."""
+    n, h, d = 301, 4, 16
+    monkeypatch.setattr(sdpa, "BIAS_BLOCK_BYTES", 4 * 4 * 2 * h * n * 40)  # 40-row blocks
+    pos = torch.arange(n)[None].expand(2, n)
+    table = torch.randn(h, 2 * 9 + 1, requires_grad=True)
+    bias = RelativeBias(table, pos, pos)
+    mask, ctx = AttentionMask(True, 0, n, n), AttentionContext(pos, pos, True)
+    q, k, v = (torch.randn(2, h, n, d, requires_grad=True) for _ in range(3))
+    res = []
+    for flush in (True, False):
+        monkeypatch.setattr(sdpa, "FLUSH_DENORMALS", flush)
+        out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx)
+        node = out.grad_fn if not flush else out.grad_fn.next_functions[0][0]
+        assert "ToeplitzAttention" in type(node).__name__
+        res.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v, table))))
+        # a denormal survives, i.e. flush-to-zero is off again
+        assert torch.tensor(1e-39) * torch.tensor(1.0) != 0
+    ref_out = eager.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx)
+    ref = (ref_out, *torch.autograd.grad(ref_out.square().sum(), (q, k, v, table)))
+    for got in res:
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.base import AttentionContext, Bias, BiasSum, Encoding, LinearBias, RelativeBias
+from posenc_lightning.encodings.base import (AttentionContext, Bias, BiasSum, DecayBias, Encoding, LinearBias,
+                                             RelativeBias)
 
 NAME = "sdpa"
 
@@ -31,21 +32,71 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
     if bias is None and (mask.is_plain_causal or mask.is_trivial):
         return F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, scale=scale, enable_gqa=gqa)
     if bias is not None:
+        flush = _flush_in_backward(q, k, v)
+        if flush:
+            q, k, v = _DenormalsOffAfterBackward.apply(q, k, v)
         with _flush_denormals(q.device):
-            if _linear_bias_is_key_channel(bias, mask, q, ctx):
-                return _attend_linear_bias_channel(q, k, v, bias, ctx, scale, gqa)
-            u = _toeplitz_template(bias, mask, q.shape[-2], k.shape[-2], ctx)
-            if u is not None:
-                return _attend_toeplitz(q, k, v, u.to(q.dtype), mask, scale, gqa)
-            return _attend_blockwise(q, k, v, bias, mask, scale, gqa)
+            out = _attend_biased(q, k, v, bias, mask, scale, gqa, ctx)
+        return _DenormalsOnForBackward.apply(out) if flush else out
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.materialize(q.device), scale=scale,
                                           enable_gqa=gqa)
 
 
+def _attend_biased(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,
+                   ctx: AttentionContext | None) -> Tensor:
+    """The cheapest exact form of a biased attention, in this order: the bias as one extra q/k
+    channel on SDPA's causal kernel (ALiBi, FoX), a zero-copy Toeplitz view (``f(i - j)`` at
+    arange positions; a learned table gets its own backward), blocks of query rows."""
+    if _linear_bias_is_key_channel(bias, mask, q, ctx):
+        return _attend_linear_bias_channel(q, k, v, bias, ctx, scale, gqa)
+    if _decay_bias_is_key_channel(bias, q):
+        return _attend_decay_bias_channel(q, k, v, bias, mask, scale, gqa)
+    u = _toeplitz_template(bias, mask, q.shape[-2], k.shape[-2], ctx)
+    if u is not None:
+        if u.requires_grad and torch.is_grad_enabled():
+            return _ToeplitzAttention.apply(q, k, v, u, mask.causal, mask.q_offset, scale, gqa)
+        return _attend_toeplitz(q, k, v, u.to(q.dtype), mask, scale, gqa)
+    return _attend_blockwise(q, k, v, bias, mask, scale, gqa)
+
+
 #: biased softmax weights decay into the denormal range (exp(-90)), where x86 CPU arithmetic
-#: is many times slower; flush them to zero inside the biased SDPA calls (CPU only). The
-#: setting is restored to PyTorch's default (off) afterwards.
+#: is many times slower (3x for a causal ALiBi backward at N=2048); flush them to zero inside the
+#: biased SDPA calls and their backward (CPU only). The setting is restored to PyTorch's
+#: default (off) afterwards.
 FLUSH_DENORMALS = True
+
+
+def _flush_in_backward(*xs: Tensor) -> bool:
+    return (FLUSH_DENORMALS and torch.is_grad_enabled() and xs[0].device.type == "cpu"
+            and any(x.requires_grad for x in xs))
+
+
+class _DenormalsOnForBackward(torch.autograd.Function):
+    """Identity on the attention output; in backward it turns flush-to-zero on, before the
+    SDPA backward runs (the autograd engine runs CPU nodes on the calling thread)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor) -> Tensor:  # noqa: ANN001
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # noqa: ANN001
+        torch.set_flush_denormal(True)
+        return grad
+
+
+class _DenormalsOffAfterBackward(torch.autograd.Function):
+    """Identity on q, k, v; its backward runs once all of their gradients are in (after the
+    attention's backward) and turns flush-to-zero off again."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # noqa: ANN001
+        return q.view_as(q), k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, gq: Tensor, gk: Tensor, gv: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # noqa: ANN001
+        torch.set_flush_denormal(False)
+        return gq, gk, gv
 
 
 @contextlib.contextmanager
@@ -90,6 +141,33 @@ def _attend_linear_bias_channel(q: Tensor, k: Tensor, v: Tensor, bias: LinearBia
     return out[..., :d]
 
 
+def _decay_bias_is_key_channel(bias: Bias, q: Tensor) -> bool:
+    return isinstance(bias, DecayBias) and q.dtype in (torch.float32, torch.float64)
+
+
+def _attend_decay_bias_channel(q: Tensor, k: Tensor, v: Tensor, bias: DecayBias, mask: AttentionMask,
+                               scale: float, gqa: bool) -> Tensor:
+    """FoX's ``c_i - c_j`` as one extra channel: softmax ignores the per-row ``c_i``, so the bias
+    is ``-(c_j - c)`` for a constant c (the middle of the range, to keep the channel small):
+    ``q_h -> [q_h, 1]``, ``k_hj -> [k_hj, -(c_hj - c) / scale]``, ``v -> [v, 0]``. Any mask works
+    (plain causal keeps SDPA's ``is_causal`` kernel); O(N) extra work and memory, and the
+    gradient reaches ``c_k`` through the channel (``c_q``'s is exactly 0)."""
+    b, h, n_q, d = q.shape
+    c_k = bias.c_k.to(q.dtype).expand(b, h, -1)
+    centre = (c_k.amax(-1, keepdim=True) + c_k.amin(-1, keepdim=True)).detach() / 2
+    k_ch = (-(c_k - centre) / scale).unsqueeze(-1)  # [B, H, Nk, 1]
+    if gqa:
+        k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
+    q2 = torch.cat((q, q.new_ones(b, h, n_q, 1)), -1)
+    k2 = torch.cat((k.expand(b, -1, -1, -1), k_ch), -1)
+    v2 = F.pad(v.expand(b, -1, -1, -1), (0, 1))
+    if mask.is_plain_causal or mask.is_trivial:
+        out = F.scaled_dot_product_attention(q2, k2, v2, is_causal=mask.causal, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask.materialize(q.device), scale=scale)
+    return out[..., :d]
+
+
 def _arange_offset(pos: Tensor) -> int | None:
     """``a`` if every row of ``pos`` is ``a + arange(N)`` (integers), else None."""
     if pos.dim() != 2 or pos.dtype.is_floating_point or pos.dtype == torch.bool or not pos.numel():
@@ -131,9 +209,7 @@ def _toeplitz_template(bias: Bias, mask: AttentionMask, n_q: int, n_k: int,
     kind = _kind_at(bias, torch.full((1, 1), a - c, device=dev), d[None])
     if kind is None:
         return None
-    u = kind.materialize()[0, :, 0, :]  # [H, L]
-    if u.requires_grad:  # a learned table: SDPA would fall back to its math kernel; go blockwise
-        return None
+    u = kind.materialize()[0, :, 0, :]  # [H, L]; a learned table keeps its graph (`_ToeplitzAttention`)
     if mask.causal:
         u = u.masked_fill(d[None, :] > mask.q_offset, float("-inf"))
     return u.contiguous()
@@ -159,6 +235,65 @@ def _attend_toeplitz(q: Tensor, k: Tensor, v: Tensor, u: Tensor, mask: Attention
                                            attn_mask=m, scale=scale, enable_gqa=gqa)
         outs.append(o.flip(-2))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+
+class _ToeplitzAttention(torch.autograd.Function):
+    """SDPA with a learned Toeplitz bias ``bias[h, i, j] = u[h, j - i + n_q - 1]`` (T5 / any
+    learned ``f(i - j)`` at arange positions), with a backward that also returns ``du``.
+
+    Forward: `_attend_toeplitz` (the bias is a zero-copy view; SDPA's fast kernel, which cannot
+    differentiate a mask). Backward, by blocks of query rows, from the standard softmax
+    attention gradient: ``P = softmax(S)``, ``dS = P * (dO V^T - rowsum(dO * O))``,
+    ``dQ = dS K s``, ``dK = dS^T Q s``, ``dV = P^T dO`` and ``du[h, t] = sum over the diagonal
+    j - i + n_q - 1 = t of dS`` (summed over the batch). Memory: a few blocks of rows, never the
+    ``H x N x N`` mask and its gradient that a differentiable mask would keep.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, u: Tensor, causal: bool, q_offset: int, scale: float,
+                gqa: bool) -> Tensor:  # noqa: ANN001
+        mask = AttentionMask(causal, q_offset, q.shape[-2], k.shape[-2])
+        out = _attend_toeplitz(q, k, v, u.to(q.dtype), mask, scale, gqa)
+        ctx.save_for_backward(q, k, v, u, out)
+        ctx.causal, ctx.q_offset, ctx.scale = causal, q_offset, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor):  # noqa: ANN001, ANN205
+        q, k, v, u, out = ctx.saved_tensors
+        scale, causal, q_offset = ctx.scale, ctx.causal, ctx.q_offset
+        b, h, n_q, d = q.shape
+        h_kv, n_k, length = k.shape[1], k.shape[-2], u.shape[-1]
+        wt = torch.promote_types(q.dtype, torch.float32)
+        qf, d_o = q.to(wt), d_out.to(wt)
+        kf, vf = (t.to(wt).repeat_interleave(h // h_kv, dim=1) for t in (k, v))
+        delta = (d_o * out.to(wt)).sum(-1, keepdim=True)  # [B, H, Nq, 1]
+        uf = u.detach().to(wt)
+        dq = torch.empty_like(qf)
+        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+        du = torch.zeros_like(uf)
+        rows = max(16, min(n_q, BIAS_BLOCK_BYTES // (4 * 4 * b * h * max(n_k, 1))))
+        for start in range(0, n_q, rows):
+            stop = min(n_q, start + rows)
+            k_stop = min(n_k, q_offset + stop) if causal else n_k
+            # bias rows: u[:, j - i + n_q - 1] for i in [start, stop), j < k_stop
+            idx = (torch.arange(k_stop, device=q.device)[None, :]
+                   - torch.arange(start, stop, device=q.device)[:, None] + (n_q - 1))
+            s = torch.matmul(qf[:, :, start:stop], kf[:, :, :k_stop].transpose(-1, -2)).mul_(scale)
+            s.add_(uf[:, idx])
+            p = torch.softmax(s, dim=-1)
+            del s
+            ds = torch.matmul(d_o[:, :, start:stop], vf[:, :, :k_stop].transpose(-1, -2))
+            ds.sub_(delta[:, :, start:stop]).mul_(p)
+            dv[:, :, :k_stop] += torch.matmul(p.transpose(-1, -2), d_o[:, :, start:stop])
+            del p
+            dq[:, :, start:stop] = torch.matmul(ds, kf[:, :, :k_stop]).mul_(scale)
+            dk[:, :, :k_stop] += torch.matmul(ds.transpose(-1, -2), qf[:, :, start:stop]).mul_(scale)
+            if ctx.needs_input_grad[3]:
+                du.index_add_(1, idx.flatten(), ds.sum(0).flatten(1))
+        if h_kv != h:
+            dk, dv = (t.view(b, h_kv, h // h_kv, n_k, d).sum(2) for t in (dk, dv))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), du.to(u.dtype), None, None, None, None
 
 
 #: a bias is materialized one block of query rows at a time, about this many bytes per block
