@@ -19,7 +19,7 @@ import copy
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -120,14 +120,36 @@ class DecayBias(Bias):
 
 @dataclass(eq=False)
 class DenseBias(Bias):
-    """Any bias given as a tensor ``[B or 1, H, Nq, Nk]`` (FIRE, CoPE, fallback)."""
+    """Any bias given as a tensor ``[B or 1, H, Nq, Nk]`` (fallback), or lazily by a function of
+    rows ``fn(start, stop, k_stop) -> [B|1, H, stop - start, k_stop]`` (`DenseBias.lazy`: FIRE,
+    CoPE, mixtures), so that blockwise backends never hold ``N x N``."""
 
-    tensor: Tensor
+    tensor: Tensor | None = None
+    fn: Callable[[int, int, int], Tensor] | None = field(default=None, repr=False)
+    shape_qk: tuple[int, int] | None = None  # (Nq, Nk) of a lazy bias
+
+    def __post_init__(self) -> None:
+        if (self.tensor is None) == (self.fn is None) or (self.fn is not None and self.shape_qk is None):
+            raise ValueError("DenseBias needs a tensor, or a rows function and its sizes: "
+                             "DenseBias(tensor) or DenseBias.lazy(fn, n_q, n_k)")
+
+    @classmethod
+    def lazy(cls, fn: Callable[[int, int, int], Tensor], n_q: int, n_k: int) -> DenseBias:
+        """A bias computed only for the rows asked for (``materialize()`` = all rows)."""
+        return cls(fn=fn, shape_qk=(int(n_q), int(n_k)))
+
+    @property
+    def is_lazy(self) -> bool:
+        return self.tensor is None
 
     def materialize(self) -> Tensor:
+        if self.tensor is None:
+            return self.fn(0, *self.shape_qk).to(torch.float32)
         return self.tensor.to(torch.float32)
 
     def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
+        if self.tensor is None:
+            return self.fn(start, stop, k_stop).to(torch.float32)
         return self.tensor[..., start:stop, :k_stop].to(torch.float32)
 
 

@@ -53,9 +53,26 @@ class CoPE(Encoding):
         """Contextual positions ``[B, H, Nq, Nk]`` (unclamped)."""
         return cope_positions(self.gates(q, k), causal, q_offset=k.shape[-2] - q.shape[-2])
 
+    def bias_tensor(self, q: Tensor, k: Tensor, causal: bool = True, q_offset: int | None = None) -> Tensor:
+        """``z_i[p_ij]`` ``[B, H, Nq, Nk]`` float32 (eqs. 3-5); query ``i`` sits at key index
+        ``i + q_offset`` (default ``Nk - Nq``: cached keys first)."""
+        if self.pos_emb is None:
+            raise RuntimeError("cope: head_dim unknown; call bind(head_dim=...) or inject() first")
+        if q_offset is None:
+            q_offset = k.shape[-2] - q.shape[-2]
+        pos = cope_positions(self.gates(q, k), causal, q_offset=q_offset).clamp(max=self.max_position - 1)
+        z = torch.matmul(q.float(), self.pos_emb.float())  # [B, H, Nq, P]
+        return cope_interpolate(z, pos)
+
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
         if self.pos_emb is None:
             raise RuntimeError("cope: head_dim unknown; call bind(head_dim=...) or inject() first")
-        pos = self.positions(q, k, ctx.causal).clamp(max=self.max_position - 1)
-        z = torch.matmul(q.float(), self.pos_emb.float())  # [B, H, Nq, P]
-        return DenseBias(cope_interpolate(z, pos))
+        n_q, n_k, causal = q.shape[-2], k.shape[-2], ctx.causal
+
+        def rows(s: int, e: int, ke: int) -> Tensor:
+            # p_ij counts the keys between j and i: rows [s, e) need q[s:e] and the keys up to
+            # max(k_stop, their last query) only (what the blockwise backends ask for anyway)
+            kn = min(n_k, max(ke, n_k - n_q + e))
+            return self.bias_tensor(q[:, :, s:e], k[:, :, :kn], causal, n_k - n_q + s)[..., :ke]
+
+        return DenseBias.lazy(rows, n_q, n_k)

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, RelativeBias
 from posenc_lightning.encodings.registry import register
-from posenc_lightning.functional.fire import fire_normalized_distance, fire_psi
+from posenc_lightning.functional.fire import fire_mlp, fire_normalized_distance, fire_psi
 
 
 @register("fire", "bias", "FIRE: learned MLP of the log-transformed, progressively normalized distance (Li et al., 2024)")
@@ -26,7 +26,7 @@ class FIRE(Encoding):
         eps: added to the normalizer.
         use_relative: while every query position is below ``L`` the bias depends on ``i - j`` only;
             return it as a `RelativeBias` table (O(N) MLP calls, fused by backends) instead of a
-            `DenseBias` (O(N^2)). Same values either way.
+            lazy `DenseBias` (O(N^2), computed by blocks of rows). Same values either way.
     """
 
     def __init__(self, mlp_width: int = 32, init_c: float = 0.1, init_L: float = 512.0,
@@ -59,11 +59,18 @@ class FIRE(Encoding):
         return fire_normalized_distance(q_pos, k_pos, self.c, self.threshold, self.eps)
 
     def bias_tensor(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        """``[B, H, Nq, Nk]`` float32."""
+        """``[B, H, Nq, Nk]`` float32: the reference, straight through the MLP (eq. 3)."""
         if self.mlp is None:
             raise RuntimeError("fire: n_heads unknown; call bind(n_heads=...) or inject() first")
         x = self.normalized_distance(q_pos, k_pos).unsqueeze(-1)  # [B, Nq, Nk, 1]
         return self.mlp(x).float().permute(0, 3, 1, 2)
+
+    def bias_rows(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """`bias_tensor` by `fire_mlp` (same values and gradients, no ``[.., W]`` hidden tensor)."""
+        x = self.normalized_distance(q_pos, k_pos)  # [B, Nq, Nk]
+        lin1, lin2 = self.mlp[0], self.mlp[2]
+        out = fire_mlp(x.flatten(1), lin1.weight[:, 0], lin1.bias, lin2.weight, lin2.bias)
+        return out.float().view(x.shape[0], -1, *x.shape[1:])
 
     def relative_table(self, max_distance: int) -> Tensor:
         """``[H, 2R+1]`` bias of every distance ``i - j`` in ``[-R, R]`` for queries below ``L``
@@ -81,4 +88,7 @@ class FIRE(Encoding):
             if q_max < float(self.threshold.detach()):
                 r = int(max(abs(q_max - k_min), abs(k_max - q_min)))
                 return RelativeBias(self.relative_table(r), qp, kp)
-        return DenseBias(self.bias_tensor(qp, kp))
+        if self.mlp is None:
+            raise RuntimeError("fire: n_heads unknown; call bind(n_heads=...) or inject() first")
+        # computed one block of query rows at a time by the backends that can (never N x N)
+        return DenseBias.lazy(lambda s, e, ke: self.bias_rows(qp[:, s:e], kp[:, :ke]), qp.shape[1], kp.shape[1])

@@ -38,6 +38,8 @@ def scale_bias(bias: Bias, w: Tensor) -> Bias:
         return DecayBias(bias.c_q * w, bias.c_k * w)
     if isinstance(bias, BiasSum):
         return BiasSum([scale_bias(p, w) for p in bias.parts])
+    if isinstance(bias, DenseBias) and bias.is_lazy:  # stays lazy: rows of the bias times w
+        return DenseBias.lazy(lambda s, e, ke: bias.rows(s, e, ke) * w, *bias.shape_qk)
     return DenseBias(bias.materialize() * w)
 
 
@@ -181,8 +183,13 @@ class Mixture(CompositeEncoding):
             qr, kr = m.rotate(q, k, ctx)
             rep = q.shape[1] // k.shape[1]
             kk, kkr = k.repeat_interleave(rep, 1), kr.repeat_interleave(rep, 1)
-            delta = (qr.float() @ kkr.float().transpose(-1, -2) - q.float() @ kk.float().transpose(-1, -2))
-            out = _sum([out, DenseBias(delta * m.softmax_scale(q.shape[-1]))])
+            scale = m.softmax_scale(q.shape[-1])
+
+            def delta(s: int, e: int, ke: int) -> Tensor:  # rows of scale * (q' k'^T - q k^T)
+                qs, qrs, ks, krs = q[:, :, s:e], qr[:, :, s:e], kk[:, :, :ke], kkr[:, :, :ke]
+                return (qrs.float() @ krs.float().transpose(-1, -2) - qs.float() @ ks.float().transpose(-1, -2)) * scale
+
+            out = _sum([out, DenseBias.lazy(delta, q.shape[-2], k.shape[-2])])
         return out
 
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:

@@ -68,7 +68,7 @@ def _term(bias: Bias, b_size: int, n_heads: int) -> ScoreTerm:
         cq, ck = bias.c_q.to(torch.float32), bias.c_k.to(torch.float32)
         return lambda b, h, qi, ki: cq[b, h, qi] - ck[b, h, ki]
     if isinstance(bias, DenseBias):
-        t = bias.tensor.to(torch.float32)
+        t = bias.materialize()
         t = t.expand(b_size, n_heads, *t.shape[-2:])
         return lambda b, h, qi, ki: t[b, h, qi, ki]
     t = bias.materialize().expand(b_size, n_heads, -1, -1)  # an unknown kind: dense fallback

@@ -117,7 +117,7 @@ def split_bias(bias: Bias | None, n_heads: int):
             c_q = t.c_q if c_q is None else c_q + t.c_q
             c_k = t.c_k if c_k is None else c_k + t.c_k
             continue
-        d = t.tensor if isinstance(t, DenseBias) else t.materialize()
+        d = t.tensor if isinstance(t, DenseBias) and not t.is_lazy else t.materialize()
         dense = d if dense is None else dense + d
     if dense is not None:
         dense = dense.expand(-1, n_heads, -1, -1)
