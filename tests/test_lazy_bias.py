@@ -87,6 +87,26 @@ def test_fire_mlp_equals_the_mlp_forward_and_backward(dtype, monkeypatch):
     assert fire_mlp(x[:, :0], mlp[0].weight[:, 0], mlp[0].bias, mlp[2].weight, mlp[2].bias).shape == (2, 3, 0)
 
 
+# ------------------------------------------------------------------------------- cope_lookup
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cope_lookup_equals_clamp_then_interpolate(dtype):
+    from posenc_lightning.functional.cope import cope_interpolate, cope_lookup
+
+    torch.manual_seed(3)
+    z = torch.randn(2, 3, 5, 6, dtype=dtype)  # P = 6: positions clamp at 5
+    pos = torch.rand(2, 3, 5, 40, dtype=dtype) * 8
+    pos[..., :6] = torch.tensor([0.0, 1.0, 2.0, 5.0, 7.0, 4.5], dtype=dtype)  # whole, at and past the top
+    z1, p1 = z.clone().requires_grad_(), pos.clone().requires_grad_()
+    z2, p2 = z.clone().requires_grad_(), pos.clone().requires_grad_()
+    ref = cope_interpolate(z1, p1.clamp(max=5))
+    out = cope_lookup(z2, p2)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(out, ref, **tol)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad((out * g).sum(), [z2, p2]), torch.autograd.grad((ref * g).sum(), [z1, p1])):
+        torch.testing.assert_close(a, b, **tol)
+
+
 # ------------------------------------------------------------------------------- bias level
 def _trained_like(enc):
     torch.manual_seed(1)

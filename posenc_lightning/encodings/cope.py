@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding
 from posenc_lightning.encodings.registry import register
-from posenc_lightning.functional.cope import cope_interpolate, cope_positions
+from posenc_lightning.functional.cope import cope_interpolate, cope_lookup, cope_positions
 
 
 @register("cope", "bias", "Contextual position encoding: gated counts of keys, interpolated position embeddings (Golovneva et al., 2024)")
@@ -64,6 +64,12 @@ class CoPE(Encoding):
         z = torch.matmul(q.float(), self.pos_emb.float())  # [B, H, Nq, P]
         return cope_interpolate(z, pos)
 
+    def bias_rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int) -> Tensor:
+        """`bias_tensor` with the fused clamp + interpolation (`cope_lookup`): same values and
+        gradients, fewer passes and saved tensors."""
+        pos = cope_positions(self.gates(q, k), causal, q_offset=q_offset)
+        return cope_lookup(torch.matmul(q.float(), self.pos_emb.float()), pos)
+
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
         if self.pos_emb is None:
             raise RuntimeError("cope: head_dim unknown; call bind(head_dim=...) or inject() first")
@@ -73,6 +79,6 @@ class CoPE(Encoding):
             # p_ij counts the keys between j and i: rows [s, e) need q[s:e] and the keys up to
             # max(k_stop, their last query) only (what the blockwise backends ask for anyway)
             kn = min(n_k, max(ke, n_k - n_q + e))
-            return self.bias_tensor(q[:, :, s:e], k[:, :, :kn], causal, n_k - n_q + s)[..., :ke]
+            return self.bias_rows(q[:, :, s:e], k[:, :, :kn], causal, n_k - n_q + s)[..., :ke]
 
         return DenseBias.lazy(rows, n_q, n_k)

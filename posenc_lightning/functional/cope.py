@@ -24,13 +24,11 @@ def cope_positions(gates: Tensor, causal: bool = True, q_offset: int = 0) -> Ten
     qi = torch.arange(nq, device=gates.device)[:, None] + q_offset
     kj = torch.arange(nk, device=gates.device)[None, :]
     after = kj > qi  # keys after the query
-    g_before = gates.masked_fill(after, 0.0)
-    # reverse cumulative sum: sum_{t >= j, t <= i} g_it
-    p_before = g_before.flip(-1).cumsum(-1).flip(-1)
+    # reverse cumulative sum: sum_{t >= j, t <= i} g_it (in place on the flipped copy)
+    p_before = gates.flip(-1).masked_fill_(after.flip(-1), 0.0).cumsum_(-1).flip(-1)
     if causal:
-        return p_before.masked_fill(after, 0.0)
-    g_after = gates.masked_fill(kj < qi, 0.0)
-    p_after = g_after.cumsum(-1)  # sum_{i <= t <= j} g_it
+        return p_before.masked_fill_(after, 0.0)
+    p_after = gates.masked_fill(kj < qi, 0.0).cumsum_(-1)  # sum_{i <= t <= j} g_it
     return torch.where(after, p_after, p_before)
 
 
@@ -47,3 +45,48 @@ def cope_interpolate(z: Tensor, positions: Tensor) -> Tensor:
     z_lo = z.gather(-1, lo)
     z_hi = z.gather(-1, hi)
     return w * z_hi + (1 - w) * z_lo
+
+
+def cope_lookup(z: Tensor, positions: Tensor) -> Tensor:
+    """``cope_interpolate(z, positions.clamp(max=P - 1))`` (positions ``>= 0``), forward and
+    backward, in fewer passes: one gather of ``(z[p], z[p + 1] - z[p])`` pairs at ``floor(p)``, and
+    only ``positions`` and ``z`` kept for backward (not the indices, weights and clamp input)."""
+    return _CoPELookup.apply(z, positions)
+
+
+class _CoPELookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z: Tensor, positions: Tensor) -> Tensor:
+        top = z.shape[-1] - 1
+        p = positions.clamp(max=top)
+        lo = p.long()  # floor: p >= 0
+        w = p.frac_()
+        dz = torch.diff(z, dim=-1, append=z[..., -1:])  # z[m + 1] - z[m]; 0 at the top
+        pairs = torch.complex(z.contiguous(), dz) if z.dtype in (torch.float32, torch.float64) else None
+        if pairs is not None:
+            g = pairs.gather(-1, lo)
+            out = torch.addcmul(g.real, g.imag, w)
+        else:
+            out = torch.addcmul(z.gather(-1, lo), dz.gather(-1, lo), w)
+        ctx.save_for_backward(z, positions)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        z, positions = ctx.saved_tensors
+        top = z.shape[-1] - 1
+        p = positions.clamp(max=top)
+        lo = p.long()
+        w = p.frac_()
+        gz = gp = None
+        if ctx.needs_input_grad[0]:
+            gw = grad * w
+            gz = torch.zeros_like(z).scatter_add_(-1, lo, grad - gw)
+            gz.scatter_add_(-1, (lo + 1).clamp_(max=top), gw)  # hi = ceil(p): weight w (0 if p is whole)
+        if ctx.needs_input_grad[1]:
+            dz = torch.diff(z, dim=-1, append=z[..., -1:])
+            # d/dp (z[ceil p] - z[floor p]) weight: 0 where p is whole (ceil = floor) or clamped
+            gp = grad * dz.gather(-1, lo)
+            gp.masked_fill_((w == 0) | (positions > top), 0.0)
+        return gz, gp
