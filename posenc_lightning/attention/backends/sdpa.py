@@ -253,7 +253,8 @@ class _ToeplitzAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, u: Tensor, causal: bool, q_offset: int, scale: float,
                 gqa: bool) -> Tensor:  # noqa: ANN001
         mask = AttentionMask(causal, q_offset, q.shape[-2], k.shape[-2])
-        out = _attend_toeplitz(q, k, v, u.to(q.dtype), mask, scale, gqa)
+        # detached: a mask that requires grad sends SDPA to its math kernel even in no-grad mode
+        out = _attend_toeplitz(q, k, v, u.detach().to(q.dtype), mask, scale, gqa)
         ctx.save_for_backward(q, k, v, u, out)
         ctx.causal, ctx.q_offset, ctx.scale = causal, q_offset, scale
         return out
@@ -263,36 +264,46 @@ class _ToeplitzAttention(torch.autograd.Function):
         q, k, v, u, out = ctx.saved_tensors
         scale, causal, q_offset = ctx.scale, ctx.causal, ctx.q_offset
         b, h, n_q, d = q.shape
-        h_kv, n_k, length = k.shape[1], k.shape[-2], u.shape[-1]
+        h_kv, n_k = k.shape[1], k.shape[-2]
+        g = h // h_kv  # query heads per kv head: blocks are [B, H_kv, g * rows, keys], no k/v copies
         wt = torch.promote_types(q.dtype, torch.float32)
-        qf, d_o = q.to(wt), d_out.to(wt)
-        kf, vf = (t.to(wt).repeat_interleave(h // h_kv, dim=1) for t in (k, v))
-        delta = (d_o * out.to(wt)).sum(-1, keepdim=True)  # [B, H, Nq, 1]
-        uf = u.detach().to(wt)
-        dq = torch.empty_like(qf)
+        kf, vf = k.to(wt), v.to(wt)
+        delta = (d_out.to(wt) * out.to(wt)).sum(-1, keepdim=True)  # [B, H, Nq, 1]
+        uf = u.detach().to(wt).contiguous()
+        length = uf.shape[-1]
+        dq = torch.empty(q.shape, dtype=wt, device=q.device)
         dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
         du = torch.zeros_like(uf)
         rows = max(16, min(n_q, BIAS_BLOCK_BYTES // (4 * 4 * b * h * max(n_k, 1))))
+
+        def grouped(t: Tensor, start: int, stop: int) -> Tensor:  # rows reversed, [B, H_kv, g*r, X]
+            return t[:, :, start:stop].flip(-2).to(wt).reshape(b, h_kv, g * (stop - start), t.shape[-1])
+
+        # Each block runs with its rows in reverse order, rr = stop - 1 - i: then its bias rows are
+        # the zero-copy view u[h, j + rr + n_q - stop] (both strides +1), as in the forward.
         for start in range(0, n_q, rows):
             stop = min(n_q, start + rows)
+            r = stop - start
             k_stop = min(n_k, q_offset + stop) if causal else n_k
-            # bias rows: u[:, j - i + n_q - 1] for i in [start, stop), j < k_stop
-            idx = (torch.arange(k_stop, device=q.device)[None, :]
-                   - torch.arange(start, stop, device=q.device)[:, None] + (n_q - 1))
-            s = torch.matmul(qf[:, :, start:stop], kf[:, :, :k_stop].transpose(-1, -2)).mul_(scale)
-            s.add_(uf[:, idx])
+            kb, vb = kf[:, :, :k_stop], vf[:, :, :k_stop]
+            qb, dob = grouped(q, start, stop), grouped(d_out, start, stop)
+            bias_rows = uf.as_strided((h_kv, g, r, k_stop), (g * length, length, 1, 1), n_q - stop)
+            s = torch.matmul(qb, kb.transpose(-1, -2)).mul_(scale)
+            s.view(b, h_kv, g, r, k_stop).add_(bias_rows)
             p = torch.softmax(s, dim=-1)
             del s
-            ds = torch.matmul(d_o[:, :, start:stop], vf[:, :, :k_stop].transpose(-1, -2))
-            ds.sub_(delta[:, :, start:stop]).mul_(p)
-            dv[:, :, :k_stop] += torch.matmul(p.transpose(-1, -2), d_o[:, :, start:stop])
+            ds = torch.matmul(dob, vb.transpose(-1, -2))
+            ds.sub_(grouped(delta, start, stop)).mul_(p)
+            dv[:, :, :k_stop] += torch.matmul(p.transpose(-1, -2), dob)
             del p
-            dq[:, :, start:stop] = torch.matmul(ds, kf[:, :, :k_stop]).mul_(scale)
-            dk[:, :, :k_stop] += torch.matmul(ds.transpose(-1, -2), qf[:, :, start:stop]).mul_(scale)
+            dq[:, :, start:stop] = torch.matmul(ds, kb).mul_(scale).view(b, h, r, d).flip(-2)
+            dk[:, :, :k_stop] += torch.matmul(ds.transpose(-1, -2), qb).mul_(scale)
             if ctx.needs_input_grad[3]:
-                du.index_add_(1, idx.flatten(), ds.sum(0).flatten(1))
-        if h_kv != h:
-            dk, dv = (t.view(b, h_kv, h // h_kv, n_k, d).sum(2) for t in (dk, dv))
+                # diagonal sums: pad each row with r zeros and re-read the rows with length
+                # k_stop + r - 1, which shifts row rr right by rr: column c = j + rr
+                w = k_stop + r - 1
+                skew = F.pad(ds.sum(0).view(h, r, k_stop), (0, r)).flatten(1)[:, :r * w].view(h, r, w)
+                du[:, n_q - stop: n_q - stop + w] += skew.sum(1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), du.to(u.dtype), None, None, None, None
 
 
