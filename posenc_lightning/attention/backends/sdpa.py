@@ -274,7 +274,8 @@ class _ToeplitzAttention(torch.autograd.Function):
         dq = torch.empty(q.shape, dtype=wt, device=q.device)
         dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
         du = torch.zeros_like(uf)
-        rows = max(16, min(n_q, BIAS_BLOCK_BYTES // (4 * 4 * b * h * max(n_k, 1))))
+        # an eighth of the forward's block: s, p, ds and the skew of [B, H, rows, keys] are alive together
+        rows = max(16, min(n_q, BIAS_BLOCK_BYTES // (8 * 4 * b * h * max(n_k, 1))))
 
         def grouped(t: Tensor, start: int, stop: int) -> Tensor:  # rows reversed, [B, H_kv, g*r, X]
             return t[:, :, start:stop].flip(-2).to(wt).reshape(b, h_kv, g * (stop - start), t.shape[-1])
@@ -302,7 +303,8 @@ class _ToeplitzAttention(torch.autograd.Function):
                 # diagonal sums: pad each row with r zeros and re-read the rows with length
                 # k_stop + r - 1, which shifts row rr right by rr: column c = j + rr
                 w = k_stop + r - 1
-                skew = F.pad(ds.sum(0).view(h, r, k_stop), (0, r)).flatten(1)[:, :r * w].view(h, r, w)
+                ds_b = ds[0] if b == 1 else ds.sum(0)
+                skew = F.pad(ds_b.view(h, r, k_stop), (0, r)).flatten(1)[:, :r * w].view(h, r, w)
                 du[:, n_q - stop: n_q - stop + w] += skew.sum(1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), du.to(u.dtype), None, None, None, None
 
