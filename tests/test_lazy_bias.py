@@ -138,10 +138,13 @@ def test_fire_lazy_bias_equals_the_dense_formula():
     assert not isinstance(enc.bias(None, None, AttentionContext(short, short)), DenseBias)
 
 
+@pytest.mark.parametrize("chunk", [1, 2**20])  # sub-blocks of one row (checkpointed), or none
 @pytest.mark.parametrize("causal", [True, False])
-def test_cope_lazy_bias_equals_the_dense_formula(causal):
+def test_cope_lazy_bias_equals_the_dense_formula(causal, chunk, monkeypatch):
     from posenc_lightning import build_encoding
+    from posenc_lightning.encodings.cope import CoPE
 
+    monkeypatch.setattr(CoPE, "CHUNK_BYTES", chunk)
     enc = build_encoding("cope", max_position=5, per_head=True, init_std=0.5).bind(n_heads=2, head_dim=4)
     q = torch.randn(2, 2, 9, 4, requires_grad=True)
     k = torch.randn(2, 2, 14, 4, requires_grad=True)  # 5 cached keys first: query i at key i + 5
@@ -188,6 +191,9 @@ def _dense_reference(enc, name):
 @pytest.mark.parametrize("name", list(ENCODINGS))
 def test_blockwise_sdpa_equals_eager_dense_formula_fwd_bwd(name, layout, monkeypatch):
     monkeypatch.setattr(sdpa, "BIAS_BLOCK_BYTES", 1)  # the minimum block: 64 query rows
+    from posenc_lightning.encodings.cope import CoPE
+
+    monkeypatch.setattr(CoPE, "CHUNK_BYTES", 4 * B * H * N * 10)  # cope: sub-blocks of 10 rows
     causal, pos, seg = LAYOUTS[layout]
     torch.manual_seed(2)
     attn = Attn(n_heads=H, head_dim=D)

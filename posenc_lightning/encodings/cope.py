@@ -66,7 +66,28 @@ class CoPE(Encoding):
 
     def bias_rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int) -> Tensor:
         """`bias_tensor` with the fused clamp + interpolation (`cope_lookup`): same values and
-        gradients, fewer passes and saved tensors."""
+        gradients. Computed by sub-blocks of about `CHUNK_BYTES` of rows, each recomputed in
+        backward (checkpoint), so that the gates and counts of a whole block never coexist."""
+        per_row = 4 * q.shape[0] * q.shape[1] * k.shape[-2]
+        step = max(1, self.CHUNK_BYTES // max(per_row, 1))
+        if q.shape[-2] <= step:
+            return self._rows(q, k, causal, q_offset)
+        grad = torch.is_grad_enabled()
+        pieces = []
+        for a in range(0, q.shape[-2], step):
+            args = (q[:, :, a:a + step], k, causal, q_offset + a)
+            if grad:
+                from torch.utils.checkpoint import checkpoint
+
+                pieces.append(checkpoint(self._rows, *args, use_reentrant=False))
+            else:
+                pieces.append(self._rows(*args))
+        return torch.cat(pieces, dim=-2)
+
+    #: bytes of one sub-block of rows in `bias_rows`
+    CHUNK_BYTES = 4 * 2**20
+
+    def _rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int) -> Tensor:
         pos = cope_positions(self.gates(q, k), causal, q_offset=q_offset)
         return cope_lookup(torch.matmul(q.float(), self.pos_emb.float()), pos)
 

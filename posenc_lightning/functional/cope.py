@@ -24,11 +24,13 @@ def cope_positions(gates: Tensor, causal: bool = True, q_offset: int = 0) -> Ten
     qi = torch.arange(nq, device=gates.device)[:, None] + q_offset
     kj = torch.arange(nk, device=gates.device)[None, :]
     after = kj > qi  # keys after the query
-    # reverse cumulative sum: sum_{t >= j, t <= i} g_it (in place on the flipped copy)
-    p_before = gates.flip(-1).masked_fill_(after.flip(-1), 0.0).cumsum_(-1).flip(-1)
+    # reverse cumulative sum: sum_{t >= j, t <= i} g_it, on the flipped copy in place; a product
+    # with the 0/1 mask (faster than a broadcast masked_fill on CPU); it is exactly 0 after the query
+    keep = (~after).to(gates.dtype).flip(-1)
+    p_before = gates.flip(-1).mul_(keep).cumsum_(-1).flip(-1)
     if causal:
-        return p_before.masked_fill_(after, 0.0)
-    p_after = gates.masked_fill(kj < qi, 0.0).cumsum_(-1)  # sum_{i <= t <= j} g_it
+        return p_before
+    p_after = gates.mul((kj >= qi).to(gates.dtype)).cumsum_(-1)  # sum_{i <= t <= j} g_it
     return torch.where(after, p_after, p_before)
 
 
