@@ -105,6 +105,9 @@ def test_cope_lookup_equals_clamp_then_interpolate(dtype):
     g = torch.randn_like(ref)
     for a, b in zip(torch.autograd.grad((out * g).sum(), [z2, p2]), torch.autograd.grad((ref * g).sum(), [z1, p1])):
         torch.testing.assert_close(a, b, **tol)
+    torch.testing.assert_close(cope_lookup(z, pos, max_position=3), cope_interpolate(z, pos.clamp(max=2)), **tol)
+    with pytest.raises(ValueError, match="max_position"):
+        cope_lookup(z, pos, max_position=7)
 
 
 # ------------------------------------------------------------------------------- bias level

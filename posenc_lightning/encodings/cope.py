@@ -89,7 +89,7 @@ class CoPE(Encoding):
 
     def _rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int) -> Tensor:
         pos = cope_positions(self.gates(q, k), causal, q_offset=q_offset)
-        return cope_lookup(torch.matmul(q.float(), self.pos_emb.float()), pos)
+        return cope_lookup(torch.matmul(q.float(), self.pos_emb.float()), pos, self.max_position)
 
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
         if self.pos_emb is None:

@@ -49,17 +49,20 @@ def cope_interpolate(z: Tensor, positions: Tensor) -> Tensor:
     return w * z_hi + (1 - w) * z_lo
 
 
-def cope_lookup(z: Tensor, positions: Tensor) -> Tensor:
-    """``cope_interpolate(z, positions.clamp(max=P - 1))`` (positions ``>= 0``), forward and
+def cope_lookup(z: Tensor, positions: Tensor, max_position: int | None = None) -> Tensor:
+    """``cope_interpolate(z, positions.clamp(max=max_position - 1))`` (positions ``>= 0``;
+    ``max_position`` at most ``P``, default ``P``), forward and
     backward, in fewer passes: one gather of ``(z[p], z[p + 1] - z[p])`` pairs at ``floor(p)``, and
     only ``positions`` and ``z`` kept for backward (not the indices, weights and clamp input)."""
-    return _CoPELookup.apply(z, positions)
+    top = z.shape[-1] - 1 if max_position is None else int(max_position) - 1
+    if not 0 <= top < z.shape[-1]:
+        raise ValueError(f"cope_lookup: max_position must be in [1, {z.shape[-1]}], got {max_position}")
+    return _CoPELookup.apply(z, positions, top)
 
 
 class _CoPELookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z: Tensor, positions: Tensor) -> Tensor:
-        top = z.shape[-1] - 1
+    def forward(ctx, z: Tensor, positions: Tensor, top: int) -> Tensor:
         p = positions.clamp(max=top)
         lo = p.long()  # floor: p >= 0
         w = p.frac_()
@@ -71,13 +74,14 @@ class _CoPELookup(torch.autograd.Function):
         else:
             out = torch.addcmul(z.gather(-1, lo), dz.gather(-1, lo), w)
         ctx.save_for_backward(z, positions)
+        ctx.top = top
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
         z, positions = ctx.saved_tensors
-        top = z.shape[-1] - 1
+        top = ctx.top
         p = positions.clamp(max=top)
         lo = p.long()
         w = p.frac_()
@@ -91,4 +95,4 @@ class _CoPELookup(torch.autograd.Function):
             # d/dp (z[ceil p] - z[floor p]) weight: 0 where p is whole (ceil = floor) or clamped
             gp = grad * dz.gather(-1, lo)
             gp.masked_fill_((w == 0) | (positions > top), 0.0)
-        return gz, gp
+        return gz, gp, None
