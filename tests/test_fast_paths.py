@@ -261,3 +261,29 @@ def test_learned_toeplitz_backward_and_flush_state(monkeypatch):
     for got in res:
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["sinusoidal", "learned"])
+@pytest.mark.parametrize("pos", list(POSITIONS))
+def test_absolute_embed_slice_equals_lookup_fwd_bwd(name, pos):
+    """Stage 1 at ``a + arange(N)`` positions reads a slice of the table (one fused op); any
+    other positions a gather: both equal ``sqrt(d) h + PE[pos]`` / ``h + P[pos]``."""
+    from posenc_lightning.encodings import build_encoding
+    from posenc_lightning.functional.positions import arange_offset
+    from posenc_lightning.functional.sinusoidal import sinusoidal_table
+
+    enc = build_encoding(name, **({"max_seq_len": 1100} if name == "learned" else {})).bind(d_model=16)
+    positions = POSITIONS[pos]
+    assert (arange_offset(positions) is not None) == (pos != "packed")
+    h = torch.randn(2, 13, 16, requires_grad=True)
+    out = enc.embed(h, positions)
+    if name == "sinusoidal":
+        ref = h * 4.0 + sinusoidal_table(positions, 16)
+    else:
+        ref = h + enc.table.detach()[positions]
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    if name == "learned":
+        g = torch.randn_like(out)
+        (gt,) = torch.autograd.grad(out, enc.table, g)
+        expected = torch.zeros_like(enc.table).index_put_((positions.flatten(),), g.flatten(0, 1), accumulate=True)
+        torch.testing.assert_close(gt, expected)

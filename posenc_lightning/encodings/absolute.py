@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 from posenc_lightning.encodings.registry import register
+from posenc_lightning.functional.positions import arange_offset
 from posenc_lightning.functional.sinusoidal import sinusoidal_table
 
 
@@ -51,13 +52,15 @@ class Sinusoidal(Encoding):
     def embed(self, h: Tensor, positions: Tensor) -> Tensor:
         if self.d_model is None:
             self.bind(d_model=h.shape[-1])
-        if self.scale_input:
-            h = h * math.sqrt(self.d_model)
-        if positions.dtype.is_floating_point:
+        alpha = math.sqrt(self.d_model) if self.scale_input else 1.0
+        a = arange_offset(positions)
+        if a is not None and a >= 0:  # the common case: a zero-copy slice of the table, one fused op
+            pe = self.table(a + positions.shape[1], h.device)[a:]
+        elif positions.dtype.is_floating_point:
             pe = sinusoidal_table(positions, self.d_model, self.base)
         else:
             pe = self.table(int(positions.max()) + 1, h.device)[positions]
-        return h + pe.to(h.dtype)
+        return torch.add(pe.to(h.dtype), h, alpha=alpha)  # sqrt(d) h + PE
 
 
 @register("learned", "embed", "Trainable absolute position table, at the input (GPT-2/BERT) or on the Q/K path")
@@ -108,7 +111,9 @@ class Learned(Encoding):
         if self.mode != "input":
             return h
         self.check_positions(positions)
-        return h + self.table[positions].to(h.dtype)
+        a = arange_offset(positions)
+        pe = self.table[a:a + positions.shape[1]] if a is not None else self.table[positions]
+        return h + pe.to(h.dtype)
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         if self.mode != "qk":

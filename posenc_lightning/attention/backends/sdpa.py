@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.functional.positions import arange_offset
 from posenc_lightning.encodings.base import (AttentionContext, Bias, BiasSum, DecayBias, Encoding, LinearBias,
                                              RelativeBias)
 
@@ -168,15 +169,6 @@ def _attend_decay_bias_channel(q: Tensor, k: Tensor, v: Tensor, bias: DecayBias,
     return out[..., :d]
 
 
-def _arange_offset(pos: Tensor) -> int | None:
-    """``a`` if every row of ``pos`` is ``a + arange(N)`` (integers), else None."""
-    if pos.dim() != 2 or pos.dtype.is_floating_point or pos.dtype == torch.bool or not pos.numel():
-        return None
-    a = pos[:1, :1]
-    ok = torch.equal(pos, (a + torch.arange(pos.shape[1], device=pos.device)).expand_as(pos))
-    return int(a.item()) if ok else None
-
-
 def _kind_at(bias: Bias, q_pos: Tensor, k_pos: Tensor) -> Bias | None:
     """The same bias at other positions, for the kinds that depend on ``i - j`` only."""
     if isinstance(bias, LinearBias):
@@ -200,7 +192,7 @@ def _toeplitz_template(bias: Bias, mask: AttentionMask, n_q: int, n_k: int,
         return None
     if not isinstance(bias, (LinearBias, RelativeBias, BiasSum)):
         return None
-    a, c = _arange_offset(ctx.q_pos), _arange_offset(ctx.k_pos)
+    a, c = arange_offset(ctx.q_pos), arange_offset(ctx.k_pos)
     if a is None or c is None or ctx.q_pos.shape[1] != n_q or ctx.k_pos.shape[1] != n_k:
         return None
     dev = ctx.q_pos.device
