@@ -15,6 +15,7 @@ from torch import Tensor
 
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 from posenc_lightning.encodings.registry import register
+from posenc_lightning.functional.positions import arange_offset
 from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin, rope_inv_freq
 
 
@@ -87,7 +88,14 @@ class RotaryEncoding(Encoding):
             pos = torch.arange(size, device=device)
             self._cos, self._sin = rope_cos_sin(self.positions_for_angles(pos), inv_freq, scaling)
             self._table_key = full_key
-        if self._cos.dim() == 3:  # per-head table [H, L, R/2]
+        a = arange_offset(positions)
+        if a is not None and a >= 0:  # zero-copy slices of the tables
+            b, n = positions.shape
+            sl = slice(a, a + n)
+            if self._cos.dim() == 3:  # per-head table [H, L, R/2]
+                return self._cos[None, :, sl].expand(b, -1, -1, -1), self._sin[None, :, sl].expand(b, -1, -1, -1)
+            return self._cos[None, sl].expand(b, -1, -1), self._sin[None, sl].expand(b, -1, -1)
+        if self._cos.dim() == 3:
             return self._cos[:, positions].transpose(0, 1), self._sin[:, positions].transpose(0, 1)
         return self._cos[positions], self._sin[positions]
 
