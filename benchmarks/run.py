@@ -137,7 +137,38 @@ def render(results: dict, a: argparse.Namespace, meta: dict) -> str:
                 f"{'-' if seed is None else f'{seed:.1%}'} | {mcell('layer_fwd')} | {mcell('layer_fwd_bwd')} | "
                 f"{mcell('gpt_fwd_bwd')} |")
         lines.append("")
+    lines += checks(results)
     return "\n".join(lines)
+
+
+def checks(results: dict) -> list[str]:
+    """The issue's bars at the longest length measured: the seed guide's overhead shares, and
+    bias encodings' peak memory (layer fwd+bwd) <= 1.2x nope's."""
+    n = max(results)
+    info, mem = results[n]
+    nope_t = info.get("nope", {}).get("layer_fwd")
+    out = [f"## Checks at N = {n}", "",
+           "| check | encoding | measured | bar | met |", "|---|---|---|---|---|"]
+    for name, seed in SEED_SHARE.items():
+        i = info.get(name, {})
+        if name == "nope" or not nope_t or "layer_fwd" not in i:
+            continue
+        share, stage = i["layer_fwd"] / nope_t - 1, i.get("stage", 0) / nope_t
+        out.append(f"| share of the forward (whole layer) | {name} | {share:+.1%} | {seed:.1%} | "
+                   f"{'yes' if share <= seed else 'no'} |")
+        out.append(f"| share of the forward (stage calls) | {name} | {stage:.1%} | {seed:.1%} | "
+                   f"{'yes' if stage <= seed else 'no'} |")
+    base = mem.get("nope", {}).get("layer_fwd_bwd")
+    for name, i in info.items():
+        if "bias" not in i.get("stages", "").split("+"):
+            continue
+        m = mem.get(name, {}).get("layer_fwd_bwd")
+        if base and m is not None:
+            out.append(f"| peak memory layer fwd+bwd / nope | {name} | {m / base:.2f}x | 1.20x | "
+                       f"{'yes' if m / base <= 1.2 else 'no'} |")
+        else:
+            out.append(f"| peak memory layer fwd+bwd / nope | {name} | not measured | 1.20x | no |")
+    return out + [""]
 
 
 def main(argv: list[str] | None = None) -> Path:
