@@ -287,3 +287,36 @@ def test_absolute_embed_slice_equals_lookup_fwd_bwd(name, pos):
         (gt,) = torch.autograd.grad(out, enc.table, g)
         expected = torch.zeros_like(enc.table).index_put_((positions.flatten(),), g.flatten(0, 1), accumulate=True)
         torch.testing.assert_close(gt, expected)
+
+
+def test_blockwise_own_backward_used_when_inputs_are_known(monkeypatch):
+    """A bias that names its inputs runs `_BlockwiseAttention` (SDPA forward, its own backward);
+    inputs computed from one another fall back to checkpointed blocks (same numbers either way)."""
+    w = torch.randn(3, requires_grad=True)
+    a, b = w * 2, w[:1].exp()
+    assert sdpa._independent([a, torch.randn(2, requires_grad=True)])
+    assert not sdpa._independent([w, a])  # a leaf and a tensor made from it
+    assert not sdpa._independent([a, a * 3])
+    assert sdpa._independent([a, b])  # siblings
+    n_q, n_k, qp, kp, causal, off, seg = CASES["packed"]
+    qp, seg = qp[None].expand(2, -1), seg[None].expand(2, -1)
+    table = torch.randn(4, 15, requires_grad=True)
+    mask, ctx = AttentionMask(causal, off, n_q, n_k, seg, seg), AttentionContext(qp, qp, causal)
+    q = torch.randn(2, 4, n_q, 16, requires_grad=True)
+    k, v = (torch.randn(2, 2, n_k, 16, requires_grad=True) for _ in range(2))
+    used = []
+    orig = sdpa._BlockwiseAttention.apply
+    monkeypatch.setattr(sdpa._BlockwiseAttention, "apply", lambda *a: (used.append(1), orig(*a))[1])
+    res = []
+    for tab in (table, table * 1.0):  # a leaf; then a table and ... nothing else: still independent
+        bias = RelativeBias(tab, qp, qp) + DenseBias(torch.zeros(1, 4, n_q, n_k))
+        out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=0.25, ctx=ctx)
+        res.append(torch.autograd.grad(out.square().sum(), (q, k, v, table)))
+    assert len(used) == 2
+    dep = RelativeBias(table * 1.0, qp, qp) + LinearBias(table[:, 0], qp, qp)  # both from `table`...
+    assert sdpa._independent([dep.parts[0].table, dep.parts[1].slopes])  # ...but neither from the other
+    for g0, g1 in zip(*res):
+        torch.testing.assert_close(g0, g1)
+    ref = eager.attend(q, k, v, bias=RelativeBias(table, qp, qp), mask=mask, scale=0.25, ctx=ctx)
+    for g0, g1 in zip(res[0], torch.autograd.grad(ref.square().sum(), (q, k, v, table))):
+        torch.testing.assert_close(g0, g1, rtol=1e-4, atol=1e-4)

@@ -223,7 +223,7 @@ def test_blockwise_sdpa_equals_eager_dense_formula_fwd_bwd(name, layout, monkeyp
     out = attn(q, k, v, **kw)
     g = torch.randn_like(out)
     grads = torch.autograd.grad((out * g).sum(), leaves)
-    assert requested and max(requested) == 64 and N not in requested
+    assert requested and max(requested) <= 64 and N not in requested
 
     monkeypatch.setattr(enc, "bias", _dense_reference(enc, name))
     attn.posenc_backend = "eager"

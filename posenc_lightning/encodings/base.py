@@ -49,6 +49,11 @@ class Bias:
         """``materialize()[..., start:stop, :k_stop]`` without building the rest (blockwise SDPA)."""
         return self.materialize()[..., start:stop, :k_stop]
 
+    def grad_inputs(self) -> tuple[Tensor, ...] | None:
+        """Every tensor the bias is computed from that may need a gradient (None: unknown).
+        Backends with their own backward recompute ``rows()`` and differentiate to these."""
+        return None
+
     @property
     def terms(self) -> list[Bias]:
         return [self]
@@ -81,6 +86,9 @@ class LinearBias(Bias):
     def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
         return LinearBias(self.slopes, self.q_pos[:, start:stop], self.k_pos[:, :k_stop]).materialize()
 
+    def grad_inputs(self) -> tuple[Tensor, ...]:
+        return (self.slopes,)
+
 
 @dataclass(eq=False)
 class RelativeBias(Bias):
@@ -103,6 +111,9 @@ class RelativeBias(Bias):
     def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
         return RelativeBias(self.table, self.q_pos[:, start:stop], self.k_pos[:, :k_stop]).materialize()
 
+    def grad_inputs(self) -> tuple[Tensor, ...]:
+        return (self.table,)
+
 
 @dataclass(eq=False)
 class DecayBias(Bias):
@@ -117,6 +128,9 @@ class DecayBias(Bias):
     def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
         return DecayBias(self.c_q[..., start:stop], self.c_k[..., :k_stop]).materialize()
 
+    def grad_inputs(self) -> tuple[Tensor, ...]:
+        return (self.c_q, self.c_k)
+
 
 @dataclass(eq=False)
 class DenseBias(Bias):
@@ -127,6 +141,7 @@ class DenseBias(Bias):
     tensor: Tensor | None = None
     fn: Callable[[int, int, int], Tensor] | None = field(default=None, repr=False)
     shape_qk: tuple[int, int] | None = None  # (Nq, Nk) of a lazy bias
+    inputs: tuple[Tensor, ...] | None = field(default=None, repr=False)  # what ``fn`` is computed from
 
     def __post_init__(self) -> None:
         if (self.tensor is None) == (self.fn is None) or (self.fn is not None and self.shape_qk is None):
@@ -134,9 +149,18 @@ class DenseBias(Bias):
                              "DenseBias(tensor) or DenseBias.lazy(fn, n_q, n_k)")
 
     @classmethod
-    def lazy(cls, fn: Callable[[int, int, int], Tensor], n_q: int, n_k: int) -> DenseBias:
-        """A bias computed only for the rows asked for (``materialize()`` = all rows)."""
-        return cls(fn=fn, shape_qk=(int(n_q), int(n_k)))
+    def lazy(cls, fn: Callable[[int, int, int], Tensor], n_q: int, n_k: int,
+             inputs: tuple[Tensor, ...] | None = None) -> DenseBias:
+        """A bias computed only for the rows asked for (``materialize()`` = all rows).
+
+        ``inputs``: every tensor ``fn`` reads that may need a gradient (parameters, q, k...). Given,
+        the SDPA backend differentiates recomputed rows to them in its own backward (no N x N
+        kept); omitted, it checkpoints each block instead. A tensor left out gets no gradient.
+        """
+        return cls(fn=fn, shape_qk=(int(n_q), int(n_k)), inputs=None if inputs is None else tuple(inputs))
+
+    def grad_inputs(self) -> tuple[Tensor, ...] | None:
+        return (self.tensor,) if self.tensor is not None else self.inputs
 
     @property
     def is_lazy(self) -> bool:
@@ -168,6 +192,10 @@ class BiasSum(Bias):
         for p in self.parts[1:]:
             out = out + p.materialize()
         return out
+
+    def grad_inputs(self) -> tuple[Tensor, ...] | None:
+        ins = [p.grad_inputs() for p in self.parts]
+        return None if any(i is None for i in ins) else tuple(t for i in ins for t in i)
 
     def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
         out = self.parts[0].rows(start, stop, k_stop)

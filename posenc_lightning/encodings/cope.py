@@ -102,4 +102,4 @@ class CoPE(Encoding):
             kn = min(n_k, max(ke, n_k - n_q + e))
             return self.bias_rows(q[:, :, s:e], k[:, :, :kn], causal, n_k - n_q + s)[..., :ke]
 
-        return DenseBias.lazy(rows, n_q, n_k)
+        return DenseBias.lazy(rows, n_q, n_k, inputs=(q, k, self.pos_emb))

@@ -91,4 +91,5 @@ class FIRE(Encoding):
         if self.mlp is None:
             raise RuntimeError("fire: n_heads unknown; call bind(n_heads=...) or inject() first")
         # computed one block of query rows at a time by the backends that can (never N x N)
-        return DenseBias.lazy(lambda s, e, ke: self.bias_rows(qp[:, s:e], kp[:, :ke]), qp.shape[1], kp.shape[1])
+        return DenseBias.lazy(lambda s, e, ke: self.bias_rows(qp[:, s:e], kp[:, :ke]), qp.shape[1], kp.shape[1],
+                              inputs=tuple(self.parameters()))

@@ -39,7 +39,9 @@ def scale_bias(bias: Bias, w: Tensor) -> Bias:
     if isinstance(bias, BiasSum):
         return BiasSum([scale_bias(p, w) for p in bias.parts])
     if isinstance(bias, DenseBias) and bias.is_lazy:  # stays lazy: rows of the bias times w
-        return DenseBias.lazy(lambda s, e, ke: bias.rows(s, e, ke) * w, *bias.shape_qk)
+        ins = bias.grad_inputs()
+        return DenseBias.lazy(lambda s, e, ke: bias.rows(s, e, ke) * w, *bias.shape_qk,
+                              inputs=None if ins is None else (*ins, w))
     return DenseBias(bias.materialize() * w)
 
 
@@ -189,7 +191,7 @@ class Mixture(CompositeEncoding):
                 qs, qrs, ks, krs = q[:, :, s:e], qr[:, :, s:e], kk[:, :, :ke], kkr[:, :, :ke]
                 return (qrs.float() @ krs.float().transpose(-1, -2) - qs.float() @ ks.float().transpose(-1, -2)) * scale
 
-            out = _sum([out, DenseBias.lazy(delta, q.shape[-2], k.shape[-2])])
+            out = _sum([out, DenseBias.lazy(delta, q.shape[-2], k.shape[-2], inputs=(q, qr, kk, kkr))])
         return out
 
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:

@@ -350,6 +350,13 @@ def _attend_blockwise(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attenti
     blocks skip the keys after their last query, which the float-mask kernel cannot know to skip.
     """
     n_q = q.shape[-2]
+    inputs = bias.grad_inputs() if torch.is_grad_enabled() else None
+    if inputs is not None:
+        seen: dict[int, Tensor] = {}
+        for t in (t for t in inputs if isinstance(t, Tensor) and t.requires_grad):
+            seen.setdefault(id(t), t)
+        if (seen or q.requires_grad or k.requires_grad or v.requires_grad) and _independent(list(seen.values())):
+            return _BlockwiseAttention.apply(q, k, v, (bias, mask, scale), *seen.values())
     rows = block_rows(q.shape[1], n_q, k.shape[-2])
     if rows >= n_q:
         return _attend_rows(q, k, v, bias, mask, scale, gqa, 0, n_q)
@@ -364,3 +371,103 @@ def _attend_blockwise(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attenti
         else:
             outs.append(_attend_rows(q, k, v, bias, mask, scale, gqa, start, stop))
     return torch.cat(outs, dim=-2)
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    """`_attend_blockwise` for a bias that names its inputs (`Bias.grad_inputs`), with its own
+    backward: SDPA's kernel forward (block by block, nothing saved but q, k, v and the output);
+    backward by blocks of query rows from the softmax attention gradient (as
+    `_ToeplitzAttention`), each block's bias rows recomputed with autograd on and differentiated
+    to the inputs with ``dS``. Memory: a few blocks, never ``H x N x N`` or a checkpoint's
+    recomputed SDPA."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: tuple, *inputs: Tensor) -> Tensor:  # noqa: ANN001
+        bias, mask, scale = spec
+        gqa = k.shape[1] != q.shape[1]
+        n_q = q.shape[-2]
+        # a quarter of the checkpointed path's blocks: content-dependent rows (CoPE's gates and
+        # counts) have several block-sized temporaries
+        rows = max(16, block_rows(q.shape[1], n_q, k.shape[-2]) // 4)
+        out = torch.cat([_attend_rows(q, k, v, bias, mask, scale, gqa, start, min(n_q, start + rows))
+                         for start in range(0, n_q, rows)], dim=-2)
+        ctx.save_for_backward(q, k, v, out, *inputs)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor):  # noqa: ANN001, ANN205
+        q, k, v, out, *inputs = ctx.saved_tensors
+        bias, mask, scale = ctx.spec
+        wanted = [t for t, need in zip(inputs, ctx.needs_input_grad[4:]) if need]
+        g_in: list[Tensor | None] = [None] * len(wanted)
+        b, h, n_q, d = q.shape
+        h_kv, n_k = k.shape[1], k.shape[-2]
+        g = h // h_kv
+        wt = torch.promote_types(q.dtype, torch.float32)
+        kf, vf = k.to(wt), v.to(wt)
+        delta = (d_out.to(wt) * out.to(wt)).sum(-1, keepdim=True)
+        dq = torch.empty(q.shape, dtype=wt, device=q.device)
+        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+        rows = max(16, min(n_q, BIAS_BLOCK_BYTES // (8 * 4 * b * h * max(n_k, 1))))
+
+        def grouped(t: Tensor, start: int, stop: int) -> Tensor:  # [B, H, r, X] -> [B, H_kv, g*r, X]
+            return t[:, :, start:stop].to(wt).reshape(b, h_kv, g * (stop - start), t.shape[-1])
+
+        for start in range(0, n_q, rows):
+            stop = min(n_q, start + rows)
+            r = stop - start
+            k_stop = min(n_k, mask.q_offset + stop) if mask.causal else n_k
+            kb, vb = kf[:, :, :k_stop], vf[:, :, :k_stop]
+            qb, dob = grouped(q, start, stop), grouped(d_out, start, stop)
+            with torch.enable_grad():
+                bias_rows = bias.rows(start, stop, k_stop)  # [B|1, H, r, K], its graph to the inputs
+            s = torch.matmul(qb, kb.transpose(-1, -2)).mul_(scale)
+            s5 = s.view(b, h_kv, g, r, k_stop)
+            s5.add_(bias_rows.detach().to(wt).view(-1, h_kv, g, r, k_stop))
+            allowed = _mask_rows(mask, start, stop, k_stop, q.device)
+            if allowed is not None:
+                s5.masked_fill_(~allowed[:, :, None], float("-inf"))
+            p = torch.softmax(s, dim=-1)
+            del s, s5
+            ds = torch.matmul(dob, vb.transpose(-1, -2))
+            ds.sub_(grouped(delta, start, stop)).mul_(p)
+            dv[:, :, :k_stop] += torch.matmul(p.transpose(-1, -2), dob)
+            del p
+            dq[:, :, start:stop] = torch.matmul(ds, kb).mul_(scale).view(b, h, r, d)
+            dk[:, :, :k_stop] += torch.matmul(ds.transpose(-1, -2), qb).mul_(scale)
+            if wanted and bias_rows.requires_grad:
+                d_rows = ds.view(b, h, r, k_stop)
+                if bias_rows.shape[0] == 1 and b > 1:
+                    d_rows = d_rows.sum(0, keepdim=True)
+                grads = torch.autograd.grad(bias_rows, wanted, d_rows.to(bias_rows.dtype), allow_unused=True)
+                for i, gi in enumerate(grads):
+                    if gi is not None:
+                        g_in[i] = gi if g_in[i] is None else g_in[i].add_(gi)
+                del grads
+            del ds, bias_rows
+        it = iter(g_in)
+        g_all = [next(it) if need else None for need in ctx.needs_input_grad[4:]]
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *g_all)
+
+
+def _independent(inputs: list[Tensor]) -> bool:
+    """No input is computed from another (``_BlockwiseAttention``'s backward differentiates the
+    recomputed rows to all of them at once: a path from one input through another would run,
+    and free, nodes of the model's own graph). Walks the graph above each non-leaf input."""
+    nodes = {t.grad_fn for t in inputs if t.grad_fn is not None}
+    leaves = {id(t) for t in inputs if t.grad_fn is None}
+    seen: set = set()
+    for t in inputs:
+        if t.grad_fn is None:
+            continue
+        stack = [n for n, _ in t.grad_fn.next_functions if n is not None]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in nodes or id(getattr(n, "variable", None)) in leaves:
+                return False
+            stack.extend(m for m, _ in n.next_functions if m is not None)
+    return True
