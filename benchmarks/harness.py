@@ -25,15 +25,21 @@ from posenc_lightning.models.tinygpt import CausalSelfAttention, TinyGPT
 
 
 class BenchLayer(nn.Module, PosEncEmbeddingMixin):
-    """Stage 1 (embed) followed by one TinyGPT attention layer (stages 2-4)."""
+    """Stage 1 (embed) followed by one pre-norm TinyGPT attention layer (stages 2-4).
+
+    The LayerNorm is what every pre-LN block has: without it, an embedding stage that scales
+    its input (sinusoidal's sqrt(d_model)) gives a random layer logits in the hundreds, whose
+    softmax gradients fall into the denormal range and slow the backward matmuls 3x: a cost
+    of the benchmark, not of the encoding."""
 
     def __init__(self, d_model: int, n_heads: int) -> None:
         super().__init__()
         self.d_model = d_model
+        self.norm = nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, n_heads)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.attn(self.embed_positions(x))
+        return self.attn(self.norm(self.embed_positions(x)))
 
 
 def layer_encoding(layer: BenchLayer):

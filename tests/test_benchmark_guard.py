@@ -24,13 +24,14 @@ from posenc_lightning.encodings.registry import available_encodings  # noqa: E40
 N, D_MODEL, HEADS = 512, 128, 4
 #: layer forward / nope's layer forward. Fast paths get their own (tighter) bounds.
 FWD_BOUND = {"rope": 1.8, "alibi": 1.8, "relative_bias": 2.5, "sinusoidal": 1.5, "learned": 1.5}
-#: content-dependent dense biases (an MLP or gates over every (i, j) pair) and learned rotations:
-#: no fast path yet, the bound only catches them getting much worse
-SLOW_BOUND = {"fire": 60.0, "cope": 60.0, "mixture": 60.0, "liere": 30.0}
+#: content-dependent biases (an MLP or gates over every (i, j) pair, computed by blocks of rows)
+#: and learned rotations (a matrix exponential per position): the bound catches them losing the
+#: blockwise path (fire/cope/mixture were 8-14x nope at N=1024 with a dense bias)
+SLOW_BOUND = {"fire": 12.0, "cope": 20.0, "mixture": 20.0, "liere": 30.0, "comrope": 12.0}
 #: everything else on the sdpa backend; and encodings that replace softmax (eager backend)
 DEFAULT_BOUND, EAGER_BOUND = 6.0, 40.0
 #: layer forward+backward / nope's
-FWD_BWD_BOUND = {"rope": 2.0, "alibi": 2.5, "relative_bias": 6.0}
+FWD_BWD_BOUND = {"rope": 2.0, "alibi": 2.5, "relative_bias": 4.0, "fox": 2.5}
 
 
 def _bound(name: str, stages: frozenset, metric: str) -> float:
@@ -106,3 +107,26 @@ def test_rotary_fast_path_beats_the_formula(one_thread):
         if all(r < 0.9 for r in ratios.values()):
             break
     assert all(r < 0.9 for r in ratios.values()), f"rotary fast path lost: fast/formula = {ratios}"
+
+
+#: peak memory of one attention layer's fwd+bwd at N=4096 (d_model 512, 8 heads) / nope's; the
+#: issue's bar is 1.2x (benchmarks/run.py checks it); the guard allows allocator noise on top
+MEMORY_BOUND = 1.25
+MEMORY_ENCODINGS = ["alibi", "relative_bias", "fox", "fire"]
+
+
+def test_bias_memory_stays_near_nope_at_4096():
+    """A fresh process (benchmarks/memory.py) measures the peak resident memory of one layer
+    step: losing a fast path (an N x N bias kept for backward) shows up as several x nope."""
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "benchmarks.memory", "--n", "4096", "--no-gpt",
+           "--encodings", "nope", *MEMORY_ENCODINGS]
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    mem = json.loads(r.stdout.strip().splitlines()[-1])
+    base = mem["nope"]["layer_fwd_bwd"]
+    ratios = {n: mem[n]["layer_fwd_bwd"] / base for n in MEMORY_ENCODINGS}
+    assert all(r <= MEMORY_BOUND for r in ratios.values()), f"peak memory / nope at N=4096: {ratios}"
