@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from posenc_lightning.attention.backends._block_grad import attention_backward_by_blocks
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.functional.positions import arange_offset
 from posenc_lightning.encodings.base import (AttentionContext, Bias, BiasSum, DecayBias, Encoding, LinearBias,
@@ -254,51 +255,32 @@ class _ToeplitzAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out: Tensor):  # noqa: ANN001, ANN205
         q, k, v, u, out = ctx.saved_tensors
-        scale, causal, q_offset = ctx.scale, ctx.causal, ctx.q_offset
-        b, h, n_q, d = q.shape
+        b, h, n_q, _ = q.shape
         h_kv, n_k = k.shape[1], k.shape[-2]
-        g = h // h_kv  # query heads per kv head: blocks are [B, H_kv, g * rows, keys], no k/v copies
-        wt = torch.promote_types(q.dtype, torch.float32)
-        kf, vf = k.to(wt), v.to(wt)
-        delta = (d_out.to(wt) * out.to(wt)).sum(-1, keepdim=True)  # [B, H, Nq, 1]
-        uf = u.detach().to(wt).contiguous()
+        g = h // h_kv
+        uf = u.detach().to(torch.promote_types(q.dtype, torch.float32)).contiguous()
         length = uf.shape[-1]
-        dq = torch.empty(q.shape, dtype=wt, device=q.device)
-        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
         du = torch.zeros_like(uf)
+
+        # rows in reverse order, rr = stop - 1 - i: the bias rows are the zero-copy view
+        # u[h, j + rr + n_q - stop] (both strides +1), as in the forward
+        def add_bias(start: int, stop: int, k_stop: int, s: Tensor) -> None:
+            s.add_(uf.as_strided((h_kv, g, stop - start, k_stop), (g * length, length, 1, 1), n_q - stop))
+
+        def diagonal_sums(start: int, stop: int, k_stop: int, ds: Tensor) -> None:
+            # pad each row with r zeros and re-read the rows with length k_stop + r - 1: that
+            # shifts row rr right by rr, so column c = j + rr, i.e. u's index minus (n_q - stop)
+            r, w = stop - start, k_stop + stop - start - 1
+            ds_b = (ds[0] if b == 1 else ds.sum(0)).reshape(h, r, k_stop)
+            skew = F.pad(ds_b, (0, r)).flatten(1)[:, :r * w].view(h, r, w)
+            du[:, n_q - stop: n_q - stop + w] += skew.sum(1)
+
         # an eighth of the forward's block: s, p, ds and the skew of [B, H, rows, keys] are alive together
         rows = max(16, min(n_q, BIAS_BLOCK_BYTES // (8 * 4 * b * h * max(n_k, 1))))
-
-        def grouped(t: Tensor, start: int, stop: int) -> Tensor:  # rows reversed, [B, H_kv, g*r, X]
-            return t[:, :, start:stop].flip(-2).to(wt).reshape(b, h_kv, g * (stop - start), t.shape[-1])
-
-        # Each block runs with its rows in reverse order, rr = stop - 1 - i: then its bias rows are
-        # the zero-copy view u[h, j + rr + n_q - stop] (both strides +1), as in the forward.
-        for start in range(0, n_q, rows):
-            stop = min(n_q, start + rows)
-            r = stop - start
-            k_stop = min(n_k, q_offset + stop) if causal else n_k
-            kb, vb = kf[:, :, :k_stop], vf[:, :, :k_stop]
-            qb, dob = grouped(q, start, stop), grouped(d_out, start, stop)
-            bias_rows = uf.as_strided((h_kv, g, r, k_stop), (g * length, length, 1, 1), n_q - stop)
-            s = torch.matmul(qb, kb.transpose(-1, -2)).mul_(scale)
-            s.view(b, h_kv, g, r, k_stop).add_(bias_rows)
-            p = torch.softmax(s, dim=-1)
-            del s
-            ds = torch.matmul(dob, vb.transpose(-1, -2))
-            ds.sub_(grouped(delta, start, stop)).mul_(p)
-            dv[:, :, :k_stop] += torch.matmul(p.transpose(-1, -2), dob)
-            del p
-            dq[:, :, start:stop] = torch.matmul(ds, kb).mul_(scale).view(b, h, r, d).flip(-2)
-            dk[:, :, :k_stop] += torch.matmul(ds.transpose(-1, -2), qb).mul_(scale)
-            if ctx.needs_input_grad[3]:
-                # diagonal sums: pad each row with r zeros and re-read the rows with length
-                # k_stop + r - 1, which shifts row rr right by rr: column c = j + rr
-                w = k_stop + r - 1
-                ds_b = ds[0] if b == 1 else ds.sum(0)
-                skew = F.pad(ds_b.view(h, r, k_stop), (0, r)).flatten(1)[:, :r * w].view(h, r, w)
-                du[:, n_q - stop: n_q - stop + w] += skew.sum(1)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), du.to(u.dtype), None, None, None, None
+        dq, dk, dv = attention_backward_by_blocks(
+            q, k, v, out, d_out, scale=ctx.scale, causal=ctx.causal, q_offset=ctx.q_offset, rows=rows,
+            add_bias=add_bias, on_ds=diagonal_sums if ctx.needs_input_grad[3] else None, reverse_rows=True)
+        return dq, dk, dv, du.to(u.dtype), None, None, None, None
 
 
 #: a bias is materialized one block of query rows at a time, about this many bytes per block
@@ -401,54 +383,37 @@ class _BlockwiseAttention(torch.autograd.Function):
         bias, mask, scale = ctx.spec
         wanted = [t for t, need in zip(inputs, ctx.needs_input_grad[4:]) if need]
         g_in: list[Tensor | None] = [None] * len(wanted)
-        b, h, n_q, d = q.shape
+        b, h, n_q, _ = q.shape
         h_kv, n_k = k.shape[1], k.shape[-2]
-        g = h // h_kv
-        wt = torch.promote_types(q.dtype, torch.float32)
-        kf, vf = k.to(wt), v.to(wt)
-        delta = (d_out.to(wt) * out.to(wt)).sum(-1, keepdim=True)
-        dq = torch.empty(q.shape, dtype=wt, device=q.device)
-        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-        rows = max(16, min(n_q, BIAS_BLOCK_BYTES // (8 * 4 * b * h * max(n_k, 1))))
+        block: dict[str, Tensor] = {}
 
-        def grouped(t: Tensor, start: int, stop: int) -> Tensor:  # [B, H, r, X] -> [B, H_kv, g*r, X]
-            return t[:, :, start:stop].to(wt).reshape(b, h_kv, g * (stop - start), t.shape[-1])
-
-        for start in range(0, n_q, rows):
-            stop = min(n_q, start + rows)
-            r = stop - start
-            k_stop = min(n_k, mask.q_offset + stop) if mask.causal else n_k
-            kb, vb = kf[:, :, :k_stop], vf[:, :, :k_stop]
-            qb, dob = grouped(q, start, stop), grouped(d_out, start, stop)
+        def add_bias(start: int, stop: int, k_stop: int, s: Tensor) -> None:
             with torch.enable_grad():
-                bias_rows = bias.rows(start, stop, k_stop)  # [B|1, H, r, K], its graph to the inputs
-            s = torch.matmul(qb, kb.transpose(-1, -2)).mul_(scale)
-            s5 = s.view(b, h_kv, g, r, k_stop)
-            s5.add_(bias_rows.detach().to(wt).view(-1, h_kv, g, r, k_stop))
+                block["rows"] = rows_ = bias.rows(start, stop, k_stop)  # [B|1, H, r, K], graph to the inputs
+            s.add_(rows_.detach().to(s.dtype).view(-1, *s.shape[1:]))
             allowed = _mask_rows(mask, start, stop, k_stop, q.device)
             if allowed is not None:
-                s5.masked_fill_(~allowed[:, :, None], float("-inf"))
-            p = torch.softmax(s, dim=-1)
-            del s, s5
-            ds = torch.matmul(dob, vb.transpose(-1, -2))
-            ds.sub_(grouped(delta, start, stop)).mul_(p)
-            dv[:, :, :k_stop] += torch.matmul(p.transpose(-1, -2), dob)
-            del p
-            dq[:, :, start:stop] = torch.matmul(ds, kb).mul_(scale).view(b, h, r, d)
-            dk[:, :, :k_stop] += torch.matmul(ds.transpose(-1, -2), qb).mul_(scale)
-            if wanted and bias_rows.requires_grad:
-                d_rows = ds.view(b, h, r, k_stop)
-                if bias_rows.shape[0] == 1 and b > 1:
-                    d_rows = d_rows.sum(0, keepdim=True)
-                grads = torch.autograd.grad(bias_rows, wanted, d_rows.to(bias_rows.dtype), allow_unused=True)
-                for i, gi in enumerate(grads):
-                    if gi is not None:
-                        g_in[i] = gi if g_in[i] is None else g_in[i].add_(gi)
-                del grads
-            del ds, bias_rows
+                s.masked_fill_(~allowed[:, :, None], float("-inf"))
+
+        def to_inputs(start: int, stop: int, k_stop: int, ds: Tensor) -> None:
+            rows_ = block.pop("rows")
+            if not rows_.requires_grad:
+                return
+            d_rows = ds.reshape(b, h, stop - start, k_stop)
+            if rows_.shape[0] == 1 and b > 1:
+                d_rows = d_rows.sum(0, keepdim=True)
+            grads = torch.autograd.grad(rows_, wanted, d_rows.to(rows_.dtype), allow_unused=True)
+            for i, gi in enumerate(grads):
+                if gi is not None:
+                    g_in[i] = gi if g_in[i] is None else g_in[i].add_(gi)
+
+        rows = max(16, min(n_q, BIAS_BLOCK_BYTES // (8 * 4 * b * h * max(n_k, 1))))
+        dq, dk, dv = attention_backward_by_blocks(
+            q, k, v, out, d_out, scale=scale, causal=mask.causal, q_offset=mask.q_offset, rows=rows,
+            add_bias=add_bias, on_ds=to_inputs if wanted else None)
         it = iter(g_in)
         g_all = [next(it) if need else None for need in ctx.needs_input_grad[4:]]
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *g_all)
+        return (dq, dk, dv, None, *g_all)
 
 
 def _independent(inputs: list[Tensor]) -> bool:
