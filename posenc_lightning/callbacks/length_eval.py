@@ -20,6 +20,14 @@ def token_nll(module: torch.nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")
 
 
+
+def base_length(base_len: int | None, trainer: pl.Trainer | None) -> int | None:
+    """``base_len``, else the trainer's datamodule's ``val_seq_len`` or ``seq_len`` (None if none)."""
+    if base_len is not None:
+        return base_len
+    dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+    return (getattr(dm, "val_seq_len", None) or getattr(dm, "seq_len", None)) if dm is not None else None
+
 class LengthEvalCallback(pl.Callback):
     """Validation perplexity at several lengths, logged as ``length_eval/ppl/<L>`` (and ``nll``),
     plus a perplexity-vs-length chart (TensorBoard image) and a markdown table (text).
@@ -61,10 +69,7 @@ class LengthEvalCallback(pl.Callback):
     def resolve_lengths(self, trainer: pl.Trainer | None) -> list[int]:
         if self.lengths:
             return self.lengths
-        base = self.base_len
-        dm = getattr(trainer, "datamodule", None) if trainer is not None else None
-        if base is None and dm is not None:
-            base = getattr(dm, "val_seq_len", None) or getattr(dm, "seq_len", None)
+        base = base_length(self.base_len, trainer)
         if base is None:
             raise ValueError("LengthEvalCallback: give lengths=[...] or base_len= (no datamodule with val_seq_len)")
         return [int(base) * m for m in self.multiples]

@@ -126,10 +126,9 @@ class PosEncVisualizer(pl.Callback):
     def _lengths(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule) -> list[int]:
         if self.lengths:
             return self.lengths
-        base = self.base_len
-        dm = getattr(trainer, "datamodule", None) if trainer is not None else None
-        if base is None and dm is not None:
-            base = getattr(dm, "val_seq_len", None) or getattr(dm, "seq_len", None)
+        from posenc_lightning.callbacks.length_eval import base_length
+
+        base = base_length(self.base_len, trainer)
         base = base or getattr(getattr(pl_module, "hparams", {}), "get", lambda *_: None)("max_seq_len") or 128
         return [int(base), 2 * int(base)]
 

@@ -342,16 +342,20 @@ def _attend_blockwise(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attenti
     rows = block_rows(q.shape[1], n_q, k.shape[-2])
     if rows >= n_q:
         return _attend_rows(q, k, v, bias, mask, scale, gqa, 0, n_q)
-    ckpt = CHECKPOINT_BLOCKS and torch.is_grad_enabled()
-    outs = []
-    for start in range(0, n_q, rows):
-        stop = min(n_q, start + rows)
-        if ckpt:
-            from torch.utils.checkpoint import checkpoint
+    return _attend_by_rows(q, k, v, bias, mask, scale, gqa, rows,
+                           checkpointed=CHECKPOINT_BLOCKS and torch.is_grad_enabled())
 
-            outs.append(checkpoint(_attend_rows, q, k, v, bias, mask, scale, gqa, start, stop, use_reentrant=False))
-        else:
-            outs.append(_attend_rows(q, k, v, bias, mask, scale, gqa, start, stop))
+
+def _attend_by_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,
+                    rows: int, checkpointed: bool = False) -> Tensor:
+    """`_attend_rows` over consecutive blocks of ``rows`` queries, each recomputed in backward
+    when ``checkpointed``."""
+    from torch.utils.checkpoint import checkpoint
+
+    outs = []
+    for start in range(0, q.shape[-2], rows):
+        args = (q, k, v, bias, mask, scale, gqa, start, min(q.shape[-2], start + rows))
+        outs.append(checkpoint(_attend_rows, *args, use_reentrant=False) if checkpointed else _attend_rows(*args))
     return torch.cat(outs, dim=-2)
 
 
@@ -371,8 +375,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         # a quarter of the checkpointed path's blocks: content-dependent rows (CoPE's gates and
         # counts) have several block-sized temporaries
         rows = max(16, block_rows(q.shape[1], n_q, k.shape[-2]) // 4)
-        out = torch.cat([_attend_rows(q, k, v, bias, mask, scale, gqa, start, min(n_q, start + rows))
-                         for start in range(0, n_q, rows)], dim=-2)
+        out = _attend_by_rows(q, k, v, bias, mask, scale, gqa, rows)
         ctx.save_for_backward(q, k, v, out, *inputs)
         ctx.spec = spec
         return out
