@@ -95,7 +95,7 @@ def test_apply_rotary_odd_storage_offset_interleaved():
 from posenc_lightning.attention.backends import eager, sdpa  # noqa: E402
 from posenc_lightning.attention.mask import AttentionMask  # noqa: E402
 from posenc_lightning.encodings.base import (  # noqa: E402
-    AttentionContext, BiasSum, DecayBias, DenseBias, LinearBias, RelativeBias)
+    AttentionContext, BiasSum, DecayBias, DenseBias, LinearBias, RelativeBias, span)
 from posenc_lightning.functional.alibi import alibi_slopes  # noqa: E402
 
 
@@ -237,11 +237,46 @@ def test_decay_bias_as_key_channel_equals_eager_fwd_bwd(case, dtype):
     assert not sdpa._decay_bias_is_key_channel(DecayBias(c, c), q.bfloat16())  # bf16 cannot hold c
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_key_only_bias_on_the_cpu_flash_kernel(monkeypatch, dtype):
+    """Causal ALiBi (fixed slopes) and FoX with gates that need no gradient reduce to a key-only
+    bias, given to SDPA's CPU flash kernel as a broadcast mask with its causal flag (no copies
+    of q/k): same outputs and q/k/v gradients as the float64 formula, batch 2, far-off
+    positions. Learned slopes / c that need a gradient, and grouped kv heads, keep the
+    extra-channel form."""
+    b, h, n, d = 2, 4, 300, 16
+    used = []
+    orig = sdpa._attend_key_bias
+    monkeypatch.setattr(sdpa, "_attend_key_bias", lambda *a: (used.append(1), orig(*a))[1])
+    pos = torch.arange(50_000, 50_000 + n)[None].expand(b, -1)
+    mask, ctx = AttentionMask(True, 0, n, n), AttentionContext(pos, pos, True)
+    slopes = alibi_slopes(h)
+    c = torch.cumsum(torch.nn.functional.logsigmoid(torch.randn(b, h, n, dtype=dtype) + 1), -1)
+    q, k, v = (torch.randn(b, h, n, d, dtype=dtype, requires_grad=True) for _ in range(3))
+    i = torch.arange(n)
+    for bias, dense in ((LinearBias(slopes, pos, pos), -slopes.double()[:, None, None] * (i[:, None] - i).abs()),
+                        (DecayBias(c, c), c.double()[..., :, None] - c.double()[..., None, :])):
+        out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx)
+        logits = (q.double() @ k.double().transpose(-1, -2)) * d ** -0.5 + dense
+        ref = torch.softmax(logits.masked_fill(i[None, :] > i[:, None], float("-inf")), -1) @ v.double()
+        tol = 1e-9 if dtype == torch.float64 else 2e-5
+        torch.testing.assert_close(out, ref.to(dtype), rtol=tol, atol=tol)
+        g = torch.randn_like(out)
+        for g0, g1 in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g.double())):
+            torch.testing.assert_close(g0, g1.to(dtype), rtol=10 * tol, atol=10 * tol)
+    assert used == [1, 1]
+    assert not sdpa._key_mask_works(q, k, c.requires_grad_(True))  # c's gradient: the channel form
+    assert not sdpa._key_mask_works(q, k[:, :2], slopes)  # grouped kv heads
+    with torch.no_grad():
+        assert sdpa._key_mask_works(q, k, c)
+
+
 def test_learned_toeplitz_backward_and_flush_state(monkeypatch):
     """A learned ``f(i - j)`` table at arange positions runs SDPA's kernel forward and its own
     backward (`_ToeplitzAttention`), equal to eager; flush-to-zero is off again after backward."""
     n, h, d = 301, 4, 16
-    monkeypatch.setattr(sdpa, "BIAS_BLOCK_BYTES", 4 * 4 * 2 * h * n * 40)  # 40-row blocks
+    monkeypatch.setattr(sdpa, "BIAS_BLOCK_BYTES", 2 * 4 * 2 * h * n * 40)  # 40-row backward blocks
+    assert sdpa.backward_rows(2, h, n, n) == 40
     pos = torch.arange(n)[None].expand(2, n)
     table = torch.randn(h, 2 * 9 + 1, requires_grad=True)
     bias = RelativeBias(table, pos, pos)
@@ -289,34 +324,53 @@ def test_absolute_embed_slice_equals_lookup_fwd_bwd(name, pos):
         torch.testing.assert_close(gt, expected)
 
 
-def test_blockwise_own_backward_used_when_inputs_are_known(monkeypatch):
-    """A bias that names its inputs runs `_BlockwiseAttention` (SDPA forward, its own backward);
-    inputs computed from one another fall back to checkpointed blocks (same numbers either way)."""
-    w = torch.randn(3, requires_grad=True)
-    a, b = w * 2, w[:1].exp()
-    assert sdpa._independent([a, torch.randn(2, requires_grad=True)])
-    assert not sdpa._independent([w, a])  # a leaf and a tensor made from it
-    assert not sdpa._independent([a, a * 3])
-    assert sdpa._independent([a, b])  # siblings
+def test_blockwise_own_backward_with_dependent_inputs(monkeypatch):
+    """A bias that can recompute its rows from stand-ins runs `_BlockwiseAttention` (SDPA forward,
+    its own backward), even when its inputs are computed from one another (a mixture's w and
+    slopes * w) or are q and k themselves (CoPE): rows are recomputed from detached, windowed
+    leaves, so every input gets its partial gradient and autograd sums the paths. Packed
+    documents, GQA, a batch-1 dense term; gradients equal eager's on the materialized bias."""
     n_q, n_k, qp, kp, causal, off, seg = CASES["packed"]
     qp, seg = qp[None].expand(2, -1), seg[None].expand(2, -1)
-    table = torch.randn(4, 15, requires_grad=True)
     mask, ctx = AttentionMask(causal, off, n_q, n_k, seg, seg), AttentionContext(qp, qp, causal)
+    table, w = torch.randn(4, 15, requires_grad=True), torch.tensor(0.7, requires_grad=True)
+    dense = torch.randn(1, 4, n_q, n_k, requires_grad=True)
     q = torch.randn(2, 4, n_q, 16, requires_grad=True)
     k, v = (torch.randn(2, 2, n_k, 16, requires_grad=True) for _ in range(2))
     used = []
     orig = sdpa._BlockwiseAttention.apply
     monkeypatch.setattr(sdpa._BlockwiseAttention, "apply", lambda *a: (used.append(1), orig(*a))[1])
-    res = []
-    for tab in (table, table * 1.0):  # a leaf; then a table and ... nothing else: still independent
-        bias = RelativeBias(tab, qp, qp) + DenseBias(torch.zeros(1, 4, n_q, n_k))
-        out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=0.25, ctx=ctx)
-        res.append(torch.autograd.grad(out.square().sum(), (q, k, v, table)))
-    assert len(used) == 2
-    dep = RelativeBias(table * 1.0, qp, qp) + LinearBias(table[:, 0], qp, qp)  # both from `table`...
-    assert sdpa._independent([dep.parts[0].table, dep.parts[1].slopes])  # ...but neither from the other
-    for g0, g1 in zip(*res):
-        torch.testing.assert_close(g0, g1)
-    ref = eager.attend(q, k, v, bias=RelativeBias(table, qp, qp), mask=mask, scale=0.25, ctx=ctx)
-    for g0, g1 in zip(res[0], torch.autograd.grad(ref.square().sum(), (q, k, v, table))):
+
+    def make_bias(q, k):
+        def qk_rows(s, e, ke, q_rows, k_head):  # 0.1 * q_i . k_j (kv heads repeated), a q/k-dependent bias
+            return 0.1 * q_rows @ k_head.repeat_interleave(2, 1).transpose(-1, -2)
+
+        content = DenseBias.lazy(qk_rows, n_q, n_k, inputs=(q, k),
+                                 window=lambda s, e, ke: (span(s, e, -2), span(0, ke, -2)))
+        return (RelativeBias(table * w, qp, qp) + LinearBias(table[:, 0].abs() * w, qp, qp)
+                + DenseBias(dense) + content)
+
+    wanted = (q, k, v, table, w, dense)
+    out = sdpa.attend(q, k, v, bias=make_bias(q, k), mask=mask, scale=0.25, ctx=ctx)
+    got = torch.autograd.grad(out.square().sum(), wanted)
+    assert used == [1]
+    ref = eager.attend(q, k, v, bias=make_bias(q, k), mask=mask, scale=0.25, ctx=ctx)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for g0, g1 in zip(got, torch.autograd.grad(ref.square().sum(), wanted)):
+        torch.testing.assert_close(g0, g1, rtol=1e-4, atol=1e-4)
+
+
+def test_blockwise_closure_bias_falls_back_to_checkpoints(monkeypatch):
+    """A lazy bias that does not name its inputs cannot be recomputed from stand-ins: checkpointed
+    blocks instead, gradients still reach what the closure reads."""
+    n_q, n_k, qp, kp, causal, off, seg = CASES["packed"]
+    mask, ctx = AttentionMask(causal, off, n_q, n_k), AttentionContext(qp[None], qp[None], causal)
+    table = torch.randn(1, 4, n_q, n_k, requires_grad=True)
+    q, k, v = (torch.randn(1, 4, n_q, 16, requires_grad=True) for _ in range(3))
+    monkeypatch.setattr(sdpa._BlockwiseAttention, "apply", lambda *a: pytest.fail("own backward used"))
+    bias = DenseBias.lazy(lambda s, e, ke: table[..., s:e, :ke] * 2, n_q, n_k)
+    assert not bias.recomputable
+    out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=0.25, ctx=ctx)
+    ref = eager.attend(q, k, v, bias=DenseBias(table * 2), mask=mask, scale=0.25, ctx=ctx)
+    for g0, g1 in zip(torch.autograd.grad(out.sum(), (q, table)), torch.autograd.grad(ref.sum(), (q, table))):
         torch.testing.assert_close(g0, g1, rtol=1e-4, atol=1e-4)

@@ -193,7 +193,7 @@ def _dense_reference(enc, name):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", list(ENCODINGS))
 def test_blockwise_sdpa_equals_eager_dense_formula_fwd_bwd(name, layout, monkeypatch):
-    monkeypatch.setattr(sdpa, "BIAS_BLOCK_BYTES", 1)  # the minimum block: 64 query rows
+    monkeypatch.setattr(sdpa, "BIAS_BLOCK_BYTES", 1)  # the minimum block: 16 query rows
     from posenc_lightning.encodings.cope import CoPE
 
     monkeypatch.setattr(CoPE, "CHUNK_BYTES", 4 * B * H * N * 10)  # cope: sub-blocks of 10 rows
@@ -216,7 +216,7 @@ def test_blockwise_sdpa_equals_eager_dense_formula_fwd_bwd(name, layout, monkeyp
             if isinstance(t, DenseBias):
                 assert t.is_lazy
                 fn = t.fn
-                t.fn = lambda s, e, ke, fn=fn: (requested.append(e - s), fn(s, e, ke))[1]
+                t.fn = lambda s, e, ke, *ins, fn=fn: (requested.append(e - s), fn(s, e, ke, *ins))[1]
         return bias
 
     monkeypatch.setattr(enc, "bias", spy)

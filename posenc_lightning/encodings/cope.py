@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding
+from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, span
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.functional.cope import cope_interpolate, cope_lookup, cope_positions
 
@@ -64,18 +64,20 @@ class CoPE(Encoding):
         z = torch.matmul(q.float(), self.pos_emb.float())  # [B, H, Nq, P]
         return cope_interpolate(z, pos)
 
-    def bias_rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int) -> Tensor:
+    def bias_rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int, pos_emb: Tensor | None = None) -> Tensor:
         """`bias_tensor` with the fused clamp + interpolation (`cope_lookup`): same values and
-        gradients. Computed by sub-blocks of about `CHUNK_BYTES` of rows, each recomputed in
-        backward (checkpoint), so that the gates and counts of a whole block never coexist."""
-        per_row = 4 * q.shape[0] * q.shape[1] * k.shape[-2]
-        step = max(1, self.CHUNK_BYTES // max(per_row, 1))
-        if q.shape[-2] <= step:
-            return self._rows(q, k, causal, q_offset)
+        gradients (``pos_emb``: a stand-in for the parameter). Computed by sub-blocks of about
+        `CHUNK_BYTES` of rows, each recomputed in backward (checkpoint), so that the gates and
+        counts of a whole block never coexist."""
+        pos_emb = self.pos_emb if pos_emb is None else pos_emb
         grad = torch.is_grad_enabled()
+        per_row = 4 * q.shape[0] * q.shape[1] * k.shape[-2]
+        step = max(1, (self.GRAD_CHUNK_BYTES if grad else self.CHUNK_BYTES) // max(per_row, 1))
+        if q.shape[-2] <= step:
+            return self._rows(q, k, causal, q_offset, pos_emb)
         pieces = []
         for a in range(0, q.shape[-2], step):
-            args = (q[:, :, a:a + step], k, causal, q_offset + a)
+            args = (q[:, :, a:a + step], k, causal, q_offset + a, pos_emb)
             if grad:
                 from torch.utils.checkpoint import checkpoint
 
@@ -84,22 +86,27 @@ class CoPE(Encoding):
                 pieces.append(self._rows(*args))
         return torch.cat(pieces, dim=-2)
 
-    #: bytes of one sub-block of rows in `bias_rows`
-    CHUNK_BYTES = 4 * 2**20
+    #: bytes of one sub-block of rows in `bias_rows` (its gates, counts and lookup indices are
+    #: several such blocks at once); with gradients, a sub-block is checkpointed, and larger
+    CHUNK_BYTES = 2**20
+    GRAD_CHUNK_BYTES = 4 * 2**20
 
-    def _rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int) -> Tensor:
+    def _rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int, pos_emb: Tensor) -> Tensor:
         pos = cope_positions(self.gates(q, k), causal, q_offset=q_offset)
-        return cope_lookup(torch.matmul(q.float(), self.pos_emb.float()), pos, self.max_position)
+        return cope_lookup(torch.matmul(q.float(), pos_emb.float()), pos, self.max_position)
 
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
         if self.pos_emb is None:
             raise RuntimeError("cope: head_dim unknown; call bind(head_dim=...) or inject() first")
         n_q, n_k, causal = q.shape[-2], k.shape[-2], ctx.causal
 
-        def rows(s: int, e: int, ke: int) -> Tensor:
+        def keys(e: int, ke: int) -> int:
             # p_ij counts the keys between j and i: rows [s, e) need q[s:e] and the keys up to
             # max(k_stop, their last query) only (what the blockwise backends ask for anyway)
-            kn = min(n_k, max(ke, n_k - n_q + e))
-            return self.bias_rows(q[:, :, s:e], k[:, :, :kn], causal, n_k - n_q + s)[..., :ke]
+            return min(n_k, max(ke, n_k - n_q + e))
 
-        return DenseBias.lazy(rows, n_q, n_k, inputs=(q, k, self.pos_emb))
+        def rows(s: int, e: int, ke: int, q_rows: Tensor, k_head: Tensor, pos_emb: Tensor) -> Tensor:
+            return self.bias_rows(q_rows, k_head, causal, n_k - n_q + s, pos_emb)[..., :ke]
+
+        return DenseBias.lazy(rows, n_q, n_k, inputs=(q, k, self.pos_emb),
+                              window=lambda s, e, ke: (span(s, e, -2), span(0, keys(e, ke), -2), None))

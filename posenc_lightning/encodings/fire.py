@@ -65,12 +65,18 @@ class FIRE(Encoding):
         x = self.normalized_distance(q_pos, k_pos).unsqueeze(-1)  # [B, Nq, Nk, 1]
         return self.mlp(x).float().permute(0, 3, 1, 2)
 
-    def bias_rows(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        """`bias_tensor` by `fire_mlp` (same values and gradients, no ``[.., W]`` hidden tensor)."""
-        x = self.normalized_distance(q_pos, k_pos)  # [B, Nq, Nk]
-        lin1, lin2 = self.mlp[0], self.mlp[2]
-        out = fire_mlp(x.flatten(1), lin1.weight[:, 0], lin1.bias, lin2.weight, lin2.bias)
+    def bias_rows(self, q_pos: Tensor, k_pos: Tensor, params: tuple[Tensor, ...] | None = None) -> Tensor:
+        """`bias_tensor` by `fire_mlp` (same values and gradients, no ``[.., W]`` hidden tensor).
+        ``params``: stand-ins for `bias_params` (same order)."""
+        c, l_mult, w1, b1, w2, b2 = self.bias_params() if params is None else params
+        x = fire_normalized_distance(q_pos, k_pos, c, (l_mult * self.init_L).abs(), self.eps)  # [B, Nq, Nk]
+        out = fire_mlp(x.flatten(1), w1[:, 0], b1, w2, b2)
         return out.float().view(x.shape[0], -1, *x.shape[1:])
+
+    def bias_params(self) -> tuple[Tensor, ...]:
+        """What the bias is computed from: ``(c, L_multiplier, W1, b1, W2, b2)``."""
+        lin1, lin2 = self.mlp[0], self.mlp[2]
+        return (self.c, self.L_multiplier, lin1.weight, lin1.bias, lin2.weight, lin2.bias)
 
     def relative_table(self, max_distance: int) -> Tensor:
         """``[H, 2R+1]`` bias of every distance ``i - j`` in ``[-R, R]`` for queries below ``L``
@@ -91,5 +97,5 @@ class FIRE(Encoding):
         if self.mlp is None:
             raise RuntimeError("fire: n_heads unknown; call bind(n_heads=...) or inject() first")
         # computed one block of query rows at a time by the backends that can (never N x N)
-        return DenseBias.lazy(lambda s, e, ke: self.bias_rows(qp[:, s:e], kp[:, :ke]), qp.shape[1], kp.shape[1],
-                              inputs=tuple(self.parameters()))
+        return DenseBias.lazy(lambda s, e, ke, *params: self.bias_rows(qp[:, s:e], kp[:, :ke], params),
+                              qp.shape[1], kp.shape[1], inputs=self.bias_params())

@@ -23,6 +23,7 @@ from posenc_lightning.encodings.base import (
     Encoding,
     LinearBias,
     RelativeBias,
+    span,
 )
 from posenc_lightning.encodings.registry import build_encoding, register
 from posenc_lightning.encodings.rope import RoPE, RotaryEncoding
@@ -40,8 +41,10 @@ def scale_bias(bias: Bias, w: Tensor) -> Bias:
         return BiasSum([scale_bias(p, w) for p in bias.parts])
     if isinstance(bias, DenseBias) and bias.is_lazy:  # stays lazy: rows of the bias times w
         ins = bias.grad_inputs()
-        return DenseBias.lazy(lambda s, e, ke: bias.rows(s, e, ke) * w, *bias.shape_qk,
-                              inputs=None if ins is None else (*ins, w))
+        if ins is None:
+            return DenseBias.lazy(lambda s, e, ke: bias.rows(s, e, ke) * w, *bias.shape_qk)
+        return DenseBias.lazy(lambda s, e, ke, *v: bias.rows_from(s, e, ke, v[:-1]) * v[-1], *bias.shape_qk,
+                              inputs=(*ins, w), window=lambda s, e, ke: (*bias.input_windows(s, e, ke), None))
     return DenseBias(bias.materialize() * w)
 
 
@@ -187,11 +190,14 @@ class Mixture(CompositeEncoding):
             kk, kkr = k.repeat_interleave(rep, 1), kr.repeat_interleave(rep, 1)
             scale = m.softmax_scale(q.shape[-1])
 
-            def delta(s: int, e: int, ke: int) -> Tensor:  # rows of scale * (q' k'^T - q k^T)
-                qs, qrs, ks, krs = q[:, :, s:e], qr[:, :, s:e], kk[:, :, :ke], kkr[:, :, :ke]
+            def delta(s: int, e: int, ke: int, qs: Tensor, qrs: Tensor, ks: Tensor, krs: Tensor) -> Tensor:
+                # rows of scale * (q' k'^T - q k^T), from the query rows and key prefixes
                 return (qrs.float() @ krs.float().transpose(-1, -2) - qs.float() @ ks.float().transpose(-1, -2)) * scale
 
-            out = _sum([out, DenseBias.lazy(delta, q.shape[-2], k.shape[-2], inputs=(q, qr, kk, kkr))])
+            def window(s: int, e: int, ke: int) -> tuple:
+                return (span(s, e, -2), span(s, e, -2), span(0, ke, -2), span(0, ke, -2))
+
+            out = _sum([out, DenseBias.lazy(delta, q.shape[-2], k.shape[-2], inputs=(q, qr, kk, kkr), window=window)])
         return out
 
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:

@@ -18,7 +18,8 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
                                  causal: bool, q_offset: int, rows: int,
                                  add_bias: Callable[[int, int, int, Tensor], None],
                                  on_ds: Callable[[int, int, int, Tensor], None] | None = None,
-                                 reverse_rows: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                                 reverse_rows: bool = False, dq: Tensor | None = None,
+                                 dk: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the dtypes of q, k, v, computed ``rows`` query rows at a time.
 
     ``add_bias(start, stop, k_stop, s)`` adds the block's bias (and ``-inf`` where masked) in
@@ -26,6 +27,8 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
     ``on_ds(start, stop, k_stop, ds)`` receives that block's ``dS`` in the same layout. Causal
     blocks stop at the keys their last query sees. ``reverse_rows``: each block's rows come in
     reverse order (``rr = stop - 1 - i``), for biases that are zero-copy views only that way.
+    ``dq``/``dk``: zero-filled accumulators to add into (float32 or wider, the shapes of q and k),
+    so that ``on_ds`` can add a bias's own gradients for q and k to them without more buffers.
     """
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[-2]
@@ -33,8 +36,10 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
     wt = torch.promote_types(q.dtype, torch.float32)
     kf, vf = k.to(wt), v.to(wt)
     delta = (d_out.to(wt) * out.to(wt)).sum(-1, keepdim=True)  # [B, H, Nq, 1]
-    dq = torch.empty(q.shape, dtype=wt, device=q.device)
-    dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+    add_dq = dq is not None
+    dq = torch.empty(q.shape, dtype=wt, device=q.device) if dq is None else dq
+    dk = torch.zeros_like(kf) if dk is None else dk
+    dv = torch.zeros_like(vf)
 
     def grouped(t: Tensor, start: int, stop: int) -> Tensor:  # [B, H, r, X] -> [B, H_kv, g*r, X]
         t = t[:, :, start:stop]
@@ -56,7 +61,11 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
         dv[:, :, :k_stop] += torch.matmul(p.transpose(-1, -2), dob)
         del p
         dq_b = torch.matmul(ds, kb).mul_(scale).view(b, h, r, d)
-        dq[:, :, start:stop] = dq_b.flip(-2) if reverse_rows else dq_b
+        dq_b = dq_b.flip(-2) if reverse_rows else dq_b
+        if add_dq:
+            dq[:, :, start:stop] += dq_b
+        else:
+            dq[:, :, start:stop] = dq_b
         dk[:, :, :k_stop] += torch.matmul(ds.transpose(-1, -2), qb).mul_(scale)
         if on_ds is not None:
             on_ds(start, stop, k_stop, ds.view(b, h_kv, g, r, k_stop))

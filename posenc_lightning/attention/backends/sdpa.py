@@ -5,7 +5,7 @@ causal case uses SDPA's ``is_causal`` fast path."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -14,8 +14,8 @@ from torch import Tensor
 from posenc_lightning.attention.backends._block_grad import attention_backward_by_blocks
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.functional.positions import arange_offset
-from posenc_lightning.encodings.base import (AttentionContext, Bias, BiasSum, DecayBias, Encoding, LinearBias,
-                                             RelativeBias)
+from posenc_lightning.encodings.base import (AttentionContext, Bias, BiasSum, DecayBias, DenseBias, Encoding,
+                                             LinearBias, RelativeBias)
 
 NAME = "sdpa"
 
@@ -35,30 +35,40 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         return F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, scale=scale, enable_gqa=gqa)
     if bias is not None:
         flush = _flush_in_backward(q, k, v)
+        given = (q, k)  # a bias computed from q or k names these (CoPE)
         if flush:
             q, k, v = _DenormalsOffAfterBackward.apply(q, k, v)
         with _flush_denormals(q.device):
-            out = _attend_biased(q, k, v, bias, mask, scale, gqa, ctx)
+            out = _attend_biased(q, k, v, bias, mask, scale, gqa, ctx, given)
         return _DenormalsOnForBackward.apply(out) if flush else out
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.materialize(q.device), scale=scale,
                                           enable_gqa=gqa)
 
 
 def _attend_biased(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,
-                   ctx: AttentionContext | None) -> Tensor:
+                   ctx: AttentionContext | None, given: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The cheapest exact form of a biased attention, in this order: the bias as one extra q/k
     channel on SDPA's causal kernel (ALiBi, FoX), a zero-copy Toeplitz view (``f(i - j)`` at
     arange positions; a learned table gets its own backward), blocks of query rows."""
     if _linear_bias_is_key_channel(bias, mask, q, ctx):
+        if _key_mask_works(q, k, bias.slopes):
+            pos = bias.k_pos.to(q.dtype)
+            centered = pos - (pos[:, :1] + pos[:, -1:]) / 2  # [B, Nk]
+            key_bias = bias.slopes.to(q.dtype)[None, :, None] * centered[:, None, :]
+            return _attend_key_bias(q, k, v, key_bias, True, scale)
         return _attend_linear_bias_channel(q, k, v, bias, ctx, scale, gqa)
     if _decay_bias_is_key_channel(bias, q):
+        if (mask.is_plain_causal or mask.is_trivial) and _key_mask_works(q, k, bias.c_k):
+            c_k = bias.c_k.to(q.dtype)
+            centre = (c_k.amax(-1, keepdim=True) + c_k.amin(-1, keepdim=True)) / 2
+            return _attend_key_bias(q, k, v, centre - c_k, mask.causal, scale)
         return _attend_decay_bias_channel(q, k, v, bias, mask, scale, gqa)
     u = _toeplitz_template(bias, mask, q.shape[-2], k.shape[-2], ctx)
     if u is not None:
         if u.requires_grad and torch.is_grad_enabled():
             return _ToeplitzAttention.apply(q, k, v, u, mask.causal, mask.q_offset, scale, gqa)
         return _attend_toeplitz(q, k, v, u.to(q.dtype), mask, scale, gqa)
-    return _attend_blockwise(q, k, v, bias, mask, scale, gqa)
+    return _attend_blockwise(q, k, v, bias, mask, scale, gqa, given)
 
 
 #: biased softmax weights decay into the denormal range (exp(-90)), where x86 CPU arithmetic
@@ -143,6 +153,27 @@ def _attend_linear_bias_channel(q: Tensor, k: Tensor, v: Tensor, bias: LinearBia
     return out[..., :d]
 
 
+def _key_mask_works(q: Tensor, k: Tensor, made_from: Tensor) -> bool:
+    """`_attend_key_bias` applies: CPU, one kv head per query head, and a bias that needs no
+    gradient (the kernel gives none to its mask)."""
+    return (q.device.type == "cpu" and k.shape[1] == q.shape[1] and q.dtype in (torch.float32, torch.float64)
+            and not (made_from.requires_grad and torch.is_grad_enabled()) and _CPU_FLASH is not None)
+
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_key_bias(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, causal: bool, scale: float) -> Tensor:
+    """Attention with a bias that depends on the key only, ``key_bias [B|1, H, Nk]`` (what ALiBi's
+    and FoX's ``f(i) - g(j)`` leave once softmax drops the per-row ``f(i)``), given to SDPA's
+    CPU flash kernel as a broadcast ``[B, H, 1, Nk]`` mask together with its causal flag: no
+    ``N x N`` mask, no copies of q and k (the extra-channel form costs two), same kernel
+    backward."""
+    b = max(q.shape[0], key_bias.shape[0])
+    mask = key_bias.to(q.dtype).unsqueeze(-2).expand(b, -1, -1, -1)
+    return _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[0]
+
+
 def _decay_bias_is_key_channel(bias: Bias, q: Tensor) -> bool:
     return isinstance(bias, DecayBias) and q.dtype in (torch.float32, torch.float64)
 
@@ -218,16 +249,18 @@ def _attend_toeplitz(q: Tensor, k: Tensor, v: Tensor, u: Tensor, mask: Attention
     """
     n_q, n_k, n_h, length = q.shape[-2], k.shape[-2], u.shape[0], u.shape[1]
     rows = max(128, -(-n_q // 8)) if mask.causal else n_q
-    outs = []
-    for start in range(0, n_q, rows):
-        stop = min(n_q, start + rows)
-        k_stop = min(n_k, mask.q_offset + stop) if mask.causal else n_k
-        m = u.as_strided((1, n_h, stop - start, k_stop), (n_h * length, length, 1, 1),
-                         u.storage_offset() + n_q - stop)
-        o = F.scaled_dot_product_attention(q[:, :, start:stop].flip(-2), k[:, :, :k_stop], v[:, :, :k_stop],
-                                           attn_mask=m, scale=scale, enable_gqa=gqa)
-        outs.append(o.flip(-2))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+    def blocks():
+        for start in range(0, n_q, rows):
+            stop = min(n_q, start + rows)
+            k_stop = min(n_k, mask.q_offset + stop) if mask.causal else n_k
+            m = u.as_strided((1, n_h, stop - start, k_stop), (n_h * length, length, 1, 1),
+                             u.storage_offset() + n_q - stop)
+            o = F.scaled_dot_product_attention(q[:, :, start:stop].flip(-2), k[:, :, :k_stop], v[:, :, :k_stop],
+                                               attn_mask=m, scale=scale, enable_gqa=gqa)
+            yield start, stop, o.flip(-2)
+
+    return _collect_rows(q, v, blocks())
 
 
 class _ToeplitzAttention(torch.autograd.Function):
@@ -275,8 +308,7 @@ class _ToeplitzAttention(torch.autograd.Function):
             skew = F.pad(ds_b, (0, r)).flatten(1)[:, :r * w].view(h, r, w)
             du[:, n_q - stop: n_q - stop + w] += skew.sum(1)
 
-        # an eighth of the forward's block: s, p, ds and the skew of [B, H, rows, keys] are alive together
-        rows = max(16, min(n_q, BIAS_BLOCK_BYTES // (8 * 4 * b * h * max(n_k, 1))))
+        rows = backward_rows(b, h, n_q, n_k)
         dq, dk, dv = attention_backward_by_blocks(
             q, k, v, out, d_out, scale=ctx.scale, causal=ctx.causal, q_offset=ctx.q_offset, rows=rows,
             add_bias=add_bias, on_ds=diagonal_sums if ctx.needs_input_grad[3] else None, reverse_rows=True)
@@ -284,8 +316,11 @@ class _ToeplitzAttention(torch.autograd.Function):
 
 
 #: a bias is materialized one block of query rows at a time, about this many bytes per block
-#: (``[B|1, H, rows, keys]`` float), never the whole ``[H, N, N]``
-BIAS_BLOCK_BYTES = 16 * 2**20
+#: (``[B|1, H, rows, keys]`` float), never the whole ``[H, N, N]``. Content-dependent rows
+#: (FIRE's MLP, CoPE's gates and counts) have several temporaries of this size, so it is kept
+#: small next to the attention's own memory (at N=4096, d_model=512: 48 MiB of activations);
+#: below it the per-call overhead of SDPA starts to show.
+BIAS_BLOCK_BYTES = 4 * 2**20
 #: recompute each block's bias in backward instead of keeping every block alive until then
 CHECKPOINT_BLOCKS = True
 
@@ -293,7 +328,13 @@ CHECKPOINT_BLOCKS = True
 def block_rows(n_heads: int, n_q: int, n_k: int) -> int:
     """Query rows per SDPA call so that one block of bias is about `BIAS_BLOCK_BYTES`."""
     rows = BIAS_BLOCK_BYTES // (4 * n_heads * max(n_k, 1))
-    return int(min(n_q, max(64, rows)))
+    return int(min(n_q, max(16, rows)))
+
+
+def backward_rows(b: int, n_heads: int, n_q: int, n_k: int) -> int:
+    """Query rows per block of the own backward passes: half a forward block, as the logits, the
+    weights, ``dS`` and the bias rows of a block are alive together."""
+    return int(min(n_q, max(16, BIAS_BLOCK_BYTES // (2 * 4 * b * n_heads * max(n_k, 1)))))
 
 
 def _mask_rows(mask: AttentionMask, start: int, stop: int, k_stop: int, device: torch.device) -> Tensor | None:
@@ -319,26 +360,58 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMas
     attn_mask = bias.rows(start, stop, k_stop).to(q.dtype)
     m = _mask_rows(mask, start, stop, k_stop, q.device)
     if m is not None:
-        attn_mask = attn_mask.masked_fill(~m, float("-inf"))
+        if _owned_rows(attn_mask, bias):
+            attn_mask.masked_fill_(~m, float("-inf"))
+        else:
+            attn_mask = attn_mask.masked_fill(~m, float("-inf"))
     return F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :k_stop], v[:, :, :k_stop],
                                           attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
 
 
+def _owned_rows(rows: Tensor, bias: Bias) -> bool:
+    """The rows were computed just now (not a view or one of the bias's own tensors), so the mask
+    may be written into them: one block-sized copy less. Only for the kinds that compute rows
+    (a lazy function that takes its inputs as arguments, the structured kinds)."""
+    parts = bias.terms
+    kinds_compute = all(isinstance(p, (LinearBias, RelativeBias, DecayBias)) or
+                        (isinstance(p, DenseBias) and p.is_lazy and p.inputs is not None) for p in parts)
+    if not kinds_compute or rows.requires_grad or rows._base is not None:
+        return False
+    ptr = rows.untyped_storage().data_ptr()
+    return all(t.untyped_storage().data_ptr() != ptr for t in bias.grad_inputs() or ())
+
+
 def _attend_blockwise(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float,
-                      gqa: bool) -> Tensor:
+                      gqa: bool, given: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """SDPA over blocks of query rows, each with its own slice of the bias (`Bias.rows`).
 
     Exact (softmax is per row). Memory is one block of bias instead of ``H x N x N``; causal
     blocks skip the keys after their last query, which the float-mask kernel cannot know to skip.
+    With gradients: our own backward (`_BlockwiseAttention`) when the bias can recompute its rows
+    from stand-in inputs (`Bias.recomputable`), else each block checkpointed. ``given``: the q
+    and k the caller was given, when ``q``/``k`` are identity stand-ins for them.
     """
     n_q = q.shape[-2]
     inputs = bias.grad_inputs() if torch.is_grad_enabled() else None
-    if inputs is not None:
-        seen: dict[int, Tensor] = {}
-        for t in (t for t in inputs if isinstance(t, Tensor) and t.requires_grad):
-            seen.setdefault(id(t), t)
-        if (seen or q.requires_grad or k.requires_grad or v.requires_grad) and _independent(list(seen.values())):
-            return _BlockwiseAttention.apply(q, k, v, (bias, mask, scale), *seen.values())
+    if inputs is not None and bias.recomputable:
+        # where each input's gradient goes: into dq / dk when it is q or k itself, else to the
+        # distinct other tensors that need one (passed to the Function), or nowhere (None)
+        uniq: dict[int, int] = {}
+        targets: list[str | int | None] = []
+        extra: list[Tensor] = []
+        q0, k0 = given if given is not None else (q, k)
+        for t in inputs:
+            if t is q or t is q0 or t is k or t is k0:
+                targets.append("q" if t is q or t is q0 else "k")
+            elif isinstance(t, Tensor) and t.requires_grad:
+                if id(t) not in uniq:
+                    uniq[id(t)] = len(extra)
+                    extra.append(t)
+                targets.append(uniq[id(t)])
+            else:
+                targets.append(None)
+        if extra or q.requires_grad or k.requires_grad or v.requires_grad:
+            return _BlockwiseAttention.apply(q, k, v, (bias, mask, scale, inputs, targets), *extra)
     rows = block_rows(q.shape[1], n_q, k.shape[-2])
     if rows >= n_q:
         return _attend_rows(q, k, v, bias, mask, scale, gqa, 0, n_q)
@@ -352,90 +425,102 @@ def _attend_by_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attention
     when ``checkpointed``."""
     from torch.utils.checkpoint import checkpoint
 
-    outs = []
-    for start in range(0, q.shape[-2], rows):
-        args = (q, k, v, bias, mask, scale, gqa, start, min(q.shape[-2], start + rows))
-        outs.append(checkpoint(_attend_rows, *args, use_reentrant=False) if checkpointed else _attend_rows(*args))
-    return torch.cat(outs, dim=-2)
+    n_q = q.shape[-2]
+
+    def blocks():
+        for start in range(0, n_q, rows):
+            args = (q, k, v, bias, mask, scale, gqa, start, min(n_q, start + rows))
+            yield args[-2:] + (checkpoint(_attend_rows, *args, use_reentrant=False) if checkpointed else _attend_rows(*args),)
+
+    return _collect_rows(q, v, blocks())
+
+
+def _collect_rows(q: Tensor, v: Tensor, blocks: Iterator[tuple[int, int, Tensor]]) -> Tensor:
+    """The attention output from its blocks of query rows ``(start, stop, out)``. Without autograd
+    each block is written into one buffer as it comes (never the list of blocks and their
+    concatenation together), laid out ``[B, N, H, D]`` as SDPA's own outputs are, so that the
+    usual ``out.transpose(1, 2).reshape(B, N, H * D)`` is a view."""
+    if torch.is_grad_enabled():
+        outs = [o for _, _, o in blocks]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+    out = q.new_empty(q.shape[0], q.shape[-2], q.shape[1], v.shape[-1]).transpose(1, 2)
+    for start, stop, o in blocks:
+        out[:, :, start:stop] = o
+    return out
 
 
 class _BlockwiseAttention(torch.autograd.Function):
-    """`_attend_blockwise` for a bias that names its inputs (`Bias.grad_inputs`), with its own
-    backward: SDPA's kernel forward (block by block, nothing saved but q, k, v and the output);
-    backward by blocks of query rows from the softmax attention gradient (as
-    `_ToeplitzAttention`), each block's bias rows recomputed with autograd on and differentiated
-    to the inputs with ``dS``. Memory: a few blocks, never ``H x N x N`` or a checkpoint's
-    recomputed SDPA."""
+    """`_attend_blockwise` for a bias that can recompute its rows from stand-ins for its inputs
+    (`Bias.rows_from`), with its own backward: SDPA's kernel forward (block by block, nothing
+    saved but q, k, v and the output); backward by blocks of query rows from the softmax
+    attention gradient (as `_ToeplitzAttention`). Each block's rows are recomputed from
+    detached leaves cut to what the rows read (`Bias.input_windows`) and differentiated to them
+    with ``dS``, so a bias input's gradient is built window by window (into dq / dk directly
+    when the input is q or k, as CoPE's). Memory: a few blocks, never ``H x N x N``, a
+    checkpoint's recomputed SDPA, or a full-size gradient per block."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: tuple, *inputs: Tensor) -> Tensor:  # noqa: ANN001
-        bias, mask, scale = spec
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: tuple, *extra: Tensor) -> Tensor:  # noqa: ANN001
+        bias, mask, scale, _inputs, _targets = spec
         gqa = k.shape[1] != q.shape[1]
         n_q = q.shape[-2]
-        # a quarter of the checkpointed path's blocks: content-dependent rows (CoPE's gates and
-        # counts) have several block-sized temporaries
-        rows = max(16, block_rows(q.shape[1], n_q, k.shape[-2]) // 4)
-        out = _attend_by_rows(q, k, v, bias, mask, scale, gqa, rows)
-        ctx.save_for_backward(q, k, v, out, *inputs)
+        out = _attend_by_rows(q, k, v, bias, mask, scale, gqa, block_rows(q.shape[1], n_q, k.shape[-2]))
+        ctx.save_for_backward(q, k, v, out)
         ctx.spec = spec
         return out
 
     @staticmethod
     def backward(ctx, d_out: Tensor):  # noqa: ANN001, ANN205
-        q, k, v, out, *inputs = ctx.saved_tensors
-        bias, mask, scale = ctx.spec
-        wanted = [t for t, need in zip(inputs, ctx.needs_input_grad[4:]) if need]
-        g_in: list[Tensor | None] = [None] * len(wanted)
+        q, k, v, out = ctx.saved_tensors
+        bias, mask, scale, inputs, targets = ctx.spec
+        need_extra = ctx.needs_input_grad[4:]
+        live = [tg if (tg == "q" and ctx.needs_input_grad[0]) or (tg == "k" and ctx.needs_input_grad[1])
+                or (isinstance(tg, int) and need_extra[tg]) else None for tg in targets]
         b, h, n_q, _ = q.shape
-        h_kv, n_k = k.shape[1], k.shape[-2]
-        block: dict[str, Tensor] = {}
+        n_k = k.shape[-2]
+        wt = torch.promote_types(q.dtype, torch.float32)
+        dq = torch.zeros(q.shape, dtype=wt, device=q.device)
+        dk = torch.zeros(k.shape, dtype=wt, device=k.device)
+        g_extra: list[Tensor | None] = [None] * len(need_extra)
+        block: dict[str, object] = {}
 
         def add_bias(start: int, stop: int, k_stop: int, s: Tensor) -> None:
+            views, leaves = [], []
+            for t, w, tg in zip(inputs, bias.input_windows(start, stop, k_stop), live):
+                view = t.detach() if w is None else t.detach()[w]
+                if tg is not None:
+                    view = view.requires_grad_()
+                    leaves.append((tg, w, view))
+                views.append(view)
             with torch.enable_grad():
-                block["rows"] = rows_ = bias.rows(start, stop, k_stop)  # [B|1, H, r, K], graph to the inputs
+                rows_ = bias.rows_from(start, stop, k_stop, views)  # [B|1, H, r, K]
+            block["rows"], block["leaves"] = rows_, leaves
             s.add_(rows_.detach().to(s.dtype).view(-1, *s.shape[1:]))
             allowed = _mask_rows(mask, start, stop, k_stop, q.device)
             if allowed is not None:
                 s.masked_fill_(~allowed[:, :, None], float("-inf"))
 
         def to_inputs(start: int, stop: int, k_stop: int, ds: Tensor) -> None:
-            rows_ = block.pop("rows")
-            if not rows_.requires_grad:
+            rows_, leaves = block.pop("rows"), block.pop("leaves")
+            if not leaves or not rows_.requires_grad:
                 return
             d_rows = ds.reshape(b, h, stop - start, k_stop)
             if rows_.shape[0] == 1 and b > 1:
                 d_rows = d_rows.sum(0, keepdim=True)
-            grads = torch.autograd.grad(rows_, wanted, d_rows.to(rows_.dtype), allow_unused=True)
-            for i, gi in enumerate(grads):
-                if gi is not None:
-                    g_in[i] = gi if g_in[i] is None else g_in[i].add_(gi)
+            grads = torch.autograd.grad(rows_, [lf for _, _, lf in leaves], d_rows.to(rows_.dtype), allow_unused=True)
+            for (tg, w, _), gi in zip(leaves, grads):
+                if gi is None:
+                    continue
+                if isinstance(tg, int) and g_extra[tg] is None:
+                    t = inputs[targets.index(tg)]
+                    g_extra[tg] = torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
+                acc = dq if tg == "q" else dk if tg == "k" else g_extra[tg]
+                (acc if w is None else acc[w]).add_(gi)
 
-        rows = max(16, min(n_q, BIAS_BLOCK_BYTES // (8 * 4 * b * h * max(n_k, 1))))
+        rows = backward_rows(b, h, n_q, n_k)
         dq, dk, dv = attention_backward_by_blocks(
             q, k, v, out, d_out, scale=scale, causal=mask.causal, q_offset=mask.q_offset, rows=rows,
-            add_bias=add_bias, on_ds=to_inputs if wanted else None)
-        it = iter(g_in)
-        g_all = [next(it) if need else None for need in ctx.needs_input_grad[4:]]
+            add_bias=add_bias, on_ds=to_inputs if any(tg is not None for tg in live) else None, dq=dq, dk=dk)
+        g_all = [None if g is None else g.to(t.dtype) for g, t in
+                 zip(g_extra, [inputs[targets.index(i)] for i in range(len(need_extra))])]
         return (dq, dk, dv, None, *g_all)
-
-
-def _independent(inputs: list[Tensor]) -> bool:
-    """No input is computed from another (``_BlockwiseAttention``'s backward differentiates the
-    recomputed rows to all of them at once: a path from one input through another would run,
-    and free, nodes of the model's own graph). Walks the graph above each non-leaf input."""
-    nodes = {t.grad_fn for t in inputs if t.grad_fn is not None}
-    leaves = {id(t) for t in inputs if t.grad_fn is None}
-    seen: set = set()
-    for t in inputs:
-        if t.grad_fn is None:
-            continue
-        stack = [n for n, _ in t.grad_fn.next_functions if n is not None]
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if n in nodes or id(getattr(n, "variable", None)) in leaves:
-                return False
-            stack.extend(m for m, _ in n.next_functions if m is not None)
-    return True
