@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.attention.kv_cache import LayerKVCache
 from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.attention.recompute import RotationRecompute
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 
 
@@ -29,6 +32,8 @@ class PosEncAttentionMixin:
     n_heads: int
     head_dim: int
     posenc_backend: str = "auto"
+    #: rotate q, k again in backward instead of keeping the rotated copies (`attention.recompute`)
+    posenc_recompute_rotation: bool = True
 
     @property
     def encoding(self) -> Encoding | None:
@@ -75,10 +80,14 @@ class PosEncAttentionMixin:
         fused_rotary = fused_rotary(enc) if fused_rotary is not None and "rotate" in stages else None
         rotate = "rotate" in stages and fused_rotary is None
 
+        recompute = None
         if cache is None:
             ctx = AttentionContext(positions, positions, causal, hidden, None, self)
             if rotate:
+                raw = (q, k)
                 q, k = enc.rotate(q, k, ctx)
+                if requires_grad and enc.cheap_rotation and getattr(self, "posenc_recompute_rotation", True):
+                    recompute = RotationRecompute(enc, raw, (q, k), ctx)
             q_seg = k_seg = segment_ids
         elif enc.dynamic or fused_rotary is not None:
             k, v, k_pos, k_seg = cache.update(k, v, positions, rotated=False, segments=segment_ids)
@@ -99,8 +108,9 @@ class PosEncAttentionMixin:
         mask = AttentionMask(causal, offset if cache is not None else 0, q.shape[-2], k.shape[-2],
                              q_seg, k_seg if q_seg is not None else None, key_padding_mask)
         normalize = enc.normalize if "normalize" in stages else None
-        return backend.attend(q, k, v, bias=bias, mask=mask, scale=enc.softmax_scale(q.shape[-1]),
-                              normalize=normalize, ctx=ctx)
+        with recompute.hooks() if recompute is not None else contextlib.nullcontext():
+            return backend.attend(q, k, v, bias=bias, mask=mask, scale=enc.softmax_scale(q.shape[-1]),
+                                  normalize=normalize, ctx=ctx)
 
 
 class PosEncEmbeddingMixin:

@@ -343,6 +343,9 @@ class Encoding(nn.Module):
     requires_hidden: ClassVar[bool] = False
     #: rotary encodings need an even head_dim
     needs_even_head_dim: ClassVar[bool] = False
+    #: ``rotate`` is a cheap, deterministic function of (q, k, ctx): attention recomputes it in
+    #: backward instead of keeping the rotated q, k for it (`attention.recompute`)
+    cheap_rotation: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

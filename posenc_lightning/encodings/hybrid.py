@@ -89,6 +89,10 @@ class CompositeEncoding(Encoding):
         return frozenset().union(*(m.stages for m in self.members))
 
     @property
+    def cheap_rotation(self) -> bool:  # type: ignore[override]
+        return all(m.cheap_rotation for m in self.members if "rotate" in m.stages)
+
+    @property
     def fused_rotary(self) -> Encoding | None:
         """The one rotary member, for backends that fuse the rotation (None if not exactly one)."""
         rot = [m for m in self.members if "rotate" in m.stages]

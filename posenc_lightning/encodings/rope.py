@@ -29,6 +29,7 @@ class RotaryEncoding(Encoding):
     """
 
     needs_even_head_dim = True
+    cheap_rotation = True  # cached cos/sin and elementwise ops
 
     def __init__(self, theta: float = 10000.0, layout: Literal["half", "interleaved"] = "half",
                  partial_rotary_factor: float = 1.0) -> None:
