@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posenc_lightning.attention.mixin import PosEncEmbeddingMixin
-from posenc_lightning.encodings.base import AttentionContext
+from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias
 from posenc_lightning.inject import inject
 from posenc_lightning.models.tinygpt import CausalSelfAttention, TinyGPT
 
@@ -49,17 +49,37 @@ def layer_encoding(layer: BenchLayer):
     return layer.attn.encoding or layer.encoding or NoPE()
 
 
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``"rope:layout=interleaved,theta=500000"`` -> ``("rope", {"layout": "interleaved", "theta": 500000})``
+    (values read as YAML scalars): a configured variant of a registered encoding."""
+    import yaml
+
+    name, _, rest = spec.partition(":")
+    cfg = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"encoding spec {spec!r}: write options as key=value, e.g. rope:layout=interleaved")
+        cfg[key.strip()] = yaml.safe_load(value)
+    return name, cfg
+
+
 def make_layer(name: str, d_model: int, n_heads: int, n: int, seed: int = 0) -> BenchLayer:
+    """``name``: a registered encoding or a `parse_spec` variant."""
     torch.manual_seed(seed)
     layer = BenchLayer(d_model, n_heads)
-    cfg = {"max_seq_len": n} if name == "learned" else {}
+    name, cfg = parse_spec(name)
+    if name == "learned":
+        cfg.setdefault("max_seq_len", n)
     inject(layer, name, **cfg)
     return layer
 
 
 def make_gpt(name: str, d_model: int, n_heads: int, n_layers: int, n: int, seed: int = 0) -> TinyGPT:
     torch.manual_seed(seed)
-    return TinyGPT(d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=n, encoding=name)
+    name, cfg = parse_spec(name)
+    return TinyGPT(d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=n, encoding=name,
+                   encoding_cfg=cfg or None)
 
 
 def layer_fns(layer: BenchLayer, x: Tensor) -> dict[str, Callable[[], None]]:
@@ -88,11 +108,28 @@ def gpt_fns(gpt: TinyGPT, ids: Tensor) -> dict[str, Callable[[], None]]:
     return {"fwd": fwd, "fwd_bwd": fwd_bwd}
 
 
-def stage_fn(layer: BenchLayer, x: Tensor) -> Callable[[], None]:
-    """Only the encoding's own stage calls (embed, rotate, bias description) on the layer's q/k.
+def realize_bias(bias: Bias | None, causal: bool = True, block: int = 256) -> None:
+    """Compute a bias's values the way a blockwise backend does, without the attention.
 
-    A bias is a lazy description; its materialization happens inside the backend and is only
-    visible in the whole-layer ratio."""
+    Lazy rows (FIRE past its threshold, CoPE, mixtures) are computed block by block and
+    dropped; the other kinds already hold what a backend reads after the description call
+    (ALiBi slopes, a Toeplitz table of ``2N - 1`` distances, FoX's cumulative log gates)."""
+    for term in bias.terms if bias is not None else []:
+        if isinstance(term, DenseBias) and term.is_lazy:
+            nq, nk = term.shape_qk
+            for s in range(0, nq, block):
+                e = min(nq, s + block)
+                term.rows(s, e, nk - nq + e if causal else nk)
+
+
+def stage_fn(layer: BenchLayer, x: Tensor, sync: Callable[[], None] = lambda: None) -> Callable[[], float]:
+    """The encoding's own work on the layer's q/k, self-timed: its stage calls (embed, rotate,
+    the bias description) plus the computation of the bias values (`realize_bias`), but not
+    the attention. The seed guide's "encoding time".
+
+    The callable runs the stage twice and returns the seconds of the second run: inside a
+    layer, q/k have just been written by the projection and are in cache; a cold first run
+    (after other encodings' work evicted them) would charge the encoding for a cache miss."""
     attn = layer.attn
     enc = layer_encoding(layer)
     b, n, _ = x.shape
@@ -101,24 +138,33 @@ def stage_fn(layer: BenchLayer, x: Tensor) -> Callable[[], None]:
                                       attn.n_kv_heads * attn.head_dim], dim=-1)
     q = q.view(b, n, attn.n_heads, attn.head_dim).transpose(1, 2)
     k = k.view(b, n, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-    pos = torch.arange(n).expand(b, n)
+    pos = torch.arange(n, device=x.device).expand(b, n)
     stages = enc.stages
 
-    def run() -> None:
+    def once() -> None:
         with torch.no_grad():
             if "embed" in stages:
                 enc.embed(x, pos)
             ctx = AttentionContext(pos, pos, True, x, None, attn)
             qq, kk = enc.rotate(q, k, ctx) if "rotate" in stages else (q, k)
             if "bias" in stages:
-                enc.bias(qq, kk, ctx)
+                realize_bias(enc.bias(qq, kk, ctx))
+
+    def run() -> float:
+        once()
+        sync()
+        t0 = time.perf_counter()
+        once()
+        sync()
+        return time.perf_counter() - t0
 
     return run
 
 
-def interleaved_medians(fns: dict[tuple, Callable[[], None]], reps: int, warmup: int = 1,
+def interleaved_medians(fns: dict[tuple, Callable[[], float | None]], reps: int, warmup: int = 1,
                         budget_s: float | None = None) -> dict[tuple, float]:
-    """Median seconds of each callable, the callables interleaved in every repetition."""
+    """Median seconds of each callable, the callables interleaved in every repetition (a
+    callable that returns a float has timed itself: that is its time)."""
     for f in fns.values():
         for _ in range(warmup):
             f()
@@ -127,8 +173,8 @@ def interleaved_medians(fns: dict[tuple, Callable[[], None]], reps: int, warmup:
     for r in range(reps):
         for key, f in fns.items():
             t0 = time.perf_counter()
-            f()
-            times[key].append(time.perf_counter() - t0)
+            own = f()
+            times[key].append(own if isinstance(own, float) else time.perf_counter() - t0)
         if budget_s is not None and r >= 2 and time.perf_counter() - t_start > budget_s:
             break
     return {key: statistics.median(v) for key, v in times.items()}
