@@ -31,8 +31,10 @@ from posenc_lightning.encodings.registry import available_encodings  # noqa: E40
 #: the seed guide's "encoding time as a share of the forward" at seq 4096 (000, "Computational Overhead")
 SEED_SHARE = {"nope": 0.0, "sinusoidal": 0.008, "learned": 0.008, "rope": 0.024, "alibi": 0.016,
               "fire": 0.041, "yarn": 0.024, "clex": 0.098}
-#: configured variants timed beside the registered encodings by default
-VARIANTS = ["rope:layout=interleaved"]
+#: configured variants timed beside the registered encodings by default: rope in the RoFormer /
+#: Meta layout (one complex multiply), FIRE with its threshold at 4096 (every query below L: the
+#: bias is a function of i - j, a table of 2N - 1 distances instead of N x N MLP calls)
+VARIANTS = ["rope:layout=interleaved", "fire:init_L=4096"]
 
 
 def time_length(names: list[str], n: int, a: argparse.Namespace, log) -> dict[str, dict]:
@@ -178,8 +180,9 @@ def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="N=256, 512; 5 reps; small model (a smoke run)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
-    p.add_argument("--encodings", nargs="+", default=None, help="default: every registered encoding and VARIANTS; a configured variant as name:key=value,... "
-                        "(e.g. rope:layout=interleaved)")
+    p.add_argument("--encodings", nargs="+", default=None,
+                   help="default: every registered encoding and VARIANTS; a configured variant as "
+                        "name:key=value,... (e.g. rope:layout=interleaved)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--budget", type=float, default=None, help="seconds per length before stopping repetitions")
     p.add_argument("--d-model", type=int, default=512)

@@ -80,32 +80,6 @@ def test_apply_rotary_gradcheck_incl_learned_frequencies(layout):
     assert torch.autograd.gradgradcheck(lambda x: apply_rotary(x, c, s, layout), (x,))
 
 
-@pytest.mark.parametrize("per_head", [False, True])
-@pytest.mark.parametrize("partial", [1.0, 0.5])
-def test_apply_rotary_half_in_position_slices(monkeypatch, per_head, partial):
-    """The half layout rotates a slice of positions at a time: with slices of 3 positions
-    (13 = 4 * 3 + 1, the last one short), per-batch packed positions and per-head tables, it
-    equals the formula forward and backward, and a single-position table still broadcasts."""
-    import posenc_lightning.functional.rope as rope_fn
-
-    b, h, n, d = 2, 3, 13, 16
-    monkeypatch.setattr(rope_fn, "ROTARY_CHUNK_ELEMENTS", b * h * 3 * d)
-    r = int(d * partial)
-    inv = torch.stack([rope_inv_freq(r, 100.0 * (i + 1)) for i in range(h)]) if per_head else rope_inv_freq(r)
-    cos, sin = rope_cos_sin(POSITIONS["packed"], inv)
-    x = _qk_like(b, h, n, d).requires_grad_(True)
-    x_ref = x.detach().clone().requires_grad_(True)
-    y, y_ref = apply_rotary(x, cos, sin, "half"), apply_rotary_reference(x_ref, cos, sin, "half")
-    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
-    g = torch.randn_like(y)
-    y.backward(g)
-    y_ref.backward(g)
-    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
-    one_c, one_s = cos[..., 5:6, :], sin[..., 5:6, :]  # one position for all n (decode-style broadcast)
-    torch.testing.assert_close(apply_rotary(x.detach(), one_c, one_s, "half"),
-                               apply_rotary_reference(x.detach(), one_c, one_s, "half"), rtol=1e-6, atol=1e-6)
-
-
 def test_apply_rotary_odd_storage_offset_interleaved():
     """A view at an odd storage offset cannot be viewed as complex: falls back to a copy."""
     buf = torch.randn(1 + 2 * 5 * 8)

@@ -56,31 +56,19 @@ def _compute_dtype(x: Tensor, cos: Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), torch.float32)
 
 
-#: elements of ``x`` rotated per step of `_rotate_half_into` (~1 MiB of float32: a step's four
-#: passes over its slice then run in the core's L2 cache instead of main memory)
-ROTARY_CHUNK_ELEMENTS = 1 << 18
-
-
 def _rotate_half_into(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Half layout written into one preallocated buffer: no chunk/cat temporaries (on CPU each
-    temporary is a fresh allocation, which costs more than the arithmetic), a slice of positions
-    at a time (``ROTARY_CHUNK_ELEMENTS``), so the four passes stay in cache."""
+    temporary is a fresh allocation, which costs more than the arithmetic)."""
     h = cos.shape[-1]
     r = 2 * h
     wdt = _compute_dtype(x, cos)
     cos, sin = cos.to(wdt), sin.to(wdt)
     out = torch.empty(x.shape, dtype=wdt, device=x.device)
-    n = x.shape[-2]
-    step = n if x.device.type != "cpu" else max(1, ROTARY_CHUNK_ELEMENTS * n // max(1, x.numel()))
-    for s in range(0, n, step):
-        xs, os_ = x[..., s:s + step, :], out[..., s:s + step, :]
-        c = cos[..., s:s + step, :] if cos.shape[-2] > 1 else cos
-        sn = sin[..., s:s + step, :] if sin.shape[-2] > 1 else sin
-        x1, x2, o1, o2 = xs[..., :h], xs[..., h:r], os_[..., :h], os_[..., h:r]
-        torch.mul(x1, c, out=o1)
-        o1.addcmul_(x2, sn, value=-1.0)  # x1 cos - x2 sin
-        torch.mul(x2, c, out=o2)
-        o2.addcmul_(x1, sn)  # x2 cos + x1 sin
+    x1, x2, o1, o2 = x[..., :h], x[..., h:r], out[..., :h], out[..., h:r]
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1.0)  # x1 cos - x2 sin
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)  # x2 cos + x1 sin
     if x.shape[-1] > r:
         out[..., r:].copy_(x[..., r:])
     return out if out.dtype == x.dtype else out.to(x.dtype)
