@@ -442,6 +442,8 @@ class _BlockwiseAttention(torch.autograd.Function):
                 (acc if w is None else acc[w]).add_(gi)
 
         rows = backward_rows(b, h, n_q, n_k)
+        if "q" in targets or "k" in targets:  # rows computed from q, k (CoPE): more row-sized state
+            rows = max(8, 3 * rows // 4)
         dq, dk, dv = attention_backward_by_blocks(
             q, k, v, out, d_out, scale=scale, causal=mask.causal, q_offset=mask.q_offset, rows=rows,
             add_bias=add_bias, on_ds=to_inputs if any(tg is not None for tg in live) else None, dq=dq, dk=dk)
