@@ -291,6 +291,13 @@ def test_learned_toeplitz_backward_and_flush_state(monkeypatch):
         res.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v, table))))
         # a denormal survives, i.e. flush-to-zero is off again
         assert torch.tensor(1e-39) * torch.tensor(1.0) != 0
+    # a gradient to the table only skips the q/k/v node that turns flush-to-zero off: the end
+    # of the backward pass turns it off
+    monkeypatch.setattr(sdpa, "FLUSH_DENORMALS", True)
+    out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx)
+    (g_table,) = torch.autograd.grad(out.square().sum(), (table,))
+    assert torch.tensor(1e-39) * torch.tensor(1.0) != 0
+    torch.testing.assert_close(g_table, res[-1][-1], rtol=1e-5, atol=1e-5)
     ref_out = eager.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx)
     ref = (ref_out, *torch.autograd.grad(ref_out.square().sum(), (q, k, v, table)))
     for got in res:

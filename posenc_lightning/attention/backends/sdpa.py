@@ -88,7 +88,10 @@ def _flush_in_backward(*xs: Tensor) -> bool:
 
 class _DenormalsOnForBackward(torch.autograd.Function):
     """Identity on the attention output; in backward it turns flush-to-zero on, before the
-    SDPA backward runs (the autograd engine runs CPU nodes on the calling thread)."""
+    SDPA backward runs (the autograd engine runs CPU nodes on the calling thread). It is turned
+    off by `_DenormalsOffAfterBackward` once the gradients of q, k, v are in, and, should that
+    node not run (``autograd.grad`` to a bias parameter only, an error in between), at the end
+    of the backward pass at the latest (an engine callback)."""
 
     @staticmethod
     def forward(ctx, out: Tensor) -> Tensor:  # noqa: ANN001
@@ -97,6 +100,7 @@ class _DenormalsOnForBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:  # noqa: ANN001
         torch.set_flush_denormal(True)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: torch.set_flush_denormal(False))
         return grad
 
 
