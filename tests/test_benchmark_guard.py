@@ -131,3 +131,28 @@ def test_bias_memory_stays_near_nope_at_4096():
     mem = json.loads(r.stdout.strip().splitlines()[-1])
     ratios = {(n, m): mem[n][m] / mem["nope"][m] for n in MEMORY_ENCODINGS for m in ("layer_fwd", "layer_fwd_bwd")}
     assert all(r <= MEMORY_BOUND for r in ratios.values()), f"peak memory / nope at N=4096: {ratios}"
+
+
+def test_variant_specs_and_stage_measure_compute_the_bias_values():
+    """``name:key=value`` variants build the configured encoding; the stage measure computes the
+    bias values a backend reads (FIRE past its threshold: every row of its MLP), self-timed."""
+    from benchmarks.harness import parse_spec, realize_bias, stage_fn
+    from posenc_lightning.encodings.base import AttentionContext
+
+    assert parse_spec("rope:layout=interleaved,theta=500000") == ("rope", {"layout": "interleaved", "theta": 500000})
+    assert parse_spec("fire") == ("fire", {})
+    with pytest.raises(ValueError, match="key=value"):
+        parse_spec("rope:interleaved")
+    assert layer_encoding(make_layer("rope:layout=interleaved", D_MODEL, HEADS, 64)).layout == "interleaved"
+
+    layer = make_layer("fire:init_L=16", D_MODEL, HEADS, 64)
+    enc = layer_encoding(layer)
+    pos = torch.arange(64)[None]
+    bias = enc.bias(torch.zeros(1, HEADS, 64, 8), torch.zeros(1, HEADS, 64, 8), AttentionContext(pos, pos, True))
+    seen = []
+    rows = bias.rows
+    bias.rows = lambda s, e, ke: seen.append((s, e, ke)) or rows(s, e, ke)
+    realize_bias(bias, causal=True, block=24)
+    assert seen == [(0, 24, 24), (24, 48, 48), (48, 64, 64)]  # every query row, keys up to the last query
+    t = stage_fn(layer, torch.randn(1, 64, D_MODEL))()
+    assert isinstance(t, float) and t > 0
