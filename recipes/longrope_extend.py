@@ -71,8 +71,11 @@ def main(args: list[str] | None = None) -> dict[str, float]:
                              search_windows=ext.search_windows, seed=cli.config.get("seed_everything") or 0)
     res = cur.search(model, tokens, n, s, "long")
     cur.found[0] = list(res.best)
-    set_factors(model, long=cur.found[0])
+    n_hat, n_hat_ppl = cur.search_n_hat(model, tokens, n, cur.found[0])  # on the same search windows
+    cur.found_n_hat[0] = n_hat
+    set_factors(model, long=cur.found[0], n_hat=n_hat)
     r["longrope_search_ppl_on_search_windows"] = res.best_score
+    r["n_hat"], r["n_hat_search_ppl"] = n_hat, n_hat_ppl  # type: ignore[assignment]
     r["longrope_ppl_sL"], r["longrope_ppl_L"] = ppl(n), ppl(L)
     r["longrope_vs_pi_sL"] = r["longrope_ppl_sL"] / r["pi_ppl_sL"] - 1
     r["longrope_vs_yarn_sL"] = r["longrope_ppl_sL"] / r["yarn_ppl_sL"] - 1
@@ -96,6 +99,8 @@ def main(args: list[str] | None = None) -> dict[str, float]:
              f"{ext.search_windows} windows of {n}; all rows evaluated on {ext.eval_tokens} other validation tokens. "
              f"long_rope vs pi at {n}: {100 * r['longrope_vs_pi_sL']:+.2f}%, vs yarn: "
              f"{100 * r['longrope_vs_yarn_sL']:+.2f}%.\n\nlong_factor: {[round(x, 2) for x in cur.found[0]]}\n\n"
+             f"n_hat (initial positions not interpolated, chosen after the factors on the search windows): "
+             f"{n_hat}; search-window ppl by n_hat: {', '.join(f'{k}: {v:.3f}' for k, v in n_hat_ppl.items())}\n\n"
              f"short_factor: {[round(x, 2) for x in cur.short] if cur.short else None}")
     write_results(ft, "longrope_extend", r, table, ("model", f"ppl @ L={L}", f"ppl @ {n}"), notes,
                   ext.results_dir or None, cli.recipe_command)

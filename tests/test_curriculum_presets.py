@@ -91,13 +91,20 @@ def test_longrope_curriculum_searches_each_long_stage_saves_and_resumes(tmp_path
         assert len(f) == 8 and f == sorted(f) and all(1.0 <= x <= 1.25 * cur.stages[k].scale for x in f)
         h = cur.histories[f"long_{cur.stages[k].seq_len}"]
         assert h[-1]["best"] <= h[0]["best"]
+    for k in (0, 1):  # n_hat: the candidate below the stage length with the least perplexity
+        tried = {int(r["n_hat"]): r["ppl"] for r in cur.histories[f"n_hat_{cur.stages[k].seq_len}"]}
+        assert sorted(tried) == [n for n in (0, 1, 2, 4, 8, 12, 16, 20, 24, 28, 32) if n < cur.stages[k].seq_len]
+        assert cur.found_n_hat[k] == min(tried, key=lambda n: (tried[n], n))
     enc = encodings_of(model)[0]
     assert enc.long_factor == cur.found[1] and enc.short_factor == cur.short and enc.factor == 4.0
+    assert enc.n_hat == cur.found_n_hat[1]
     assert [r["seq_len"] for r in rec.rows] == [32, 32, 32, 64, 64, 64]
     ckpt = torch.load(next(tmp_path.glob("*step=4*.ckpt")), weights_only=False)
     state = next(v for k, v in ckpt["callbacks"].items() if "LongRoPE" in k)
     assert state["found"][0] == cur.found[0] and state["found"][1] == cur.found[1]
     assert ckpt["posenc_lightning"]["config"]["long_factor"] == cur.found[1]  # reload rebuilds the factors
+    assert state["found_n_hat"] == {0: cur.found_n_hat[0], 1: cur.found_n_hat[1]}
+    assert ckpt["posenc_lightning"]["config"]["n_hat"] == cur.found_n_hat[1]
     # resume at step 4 (inside stage 1): the factors come from the checkpoint, no new long search
     CountingLongRoPE.searches = 0
     cur2 = _lr_cur()
@@ -106,11 +113,14 @@ def test_longrope_curriculum_searches_each_long_stage_saves_and_resumes(tmp_path
                                                       tiny_data(max_val_windows=None),
                                                       ckpt_path=str(next(tmp_path.glob("*step=4*.ckpt"))))
     assert CountingLongRoPE.searches == 0 and cur2.found == {0: cur.found[0], 1: cur.found[1]}
+    assert cur2.found_n_hat == cur.found_n_hat
 
 
 def test_longrope_curriculum_needs_long_rope():
     with pytest.raises(ValueError, match="long_rope"):
         trainer(1, [_lr_cur()]).fit(tiny_model("rope"), tiny_data(max_val_windows=None))
+    with pytest.raises(ValueError, match="n_hat_candidates must be whole numbers"):
+        LongRoPECurriculum(original_length=16, target_length=64, steps_per_stage=3, n_hat_candidates=[-1])
 
 
 def test_clex_curriculum_samples_t_per_step_and_evaluates_at_length_ratio():

@@ -280,6 +280,38 @@ def test_long_rope_set_factors_and_switch():
         enc.set_factors(short_factor=[1.0, 1.0])
 
 
+@pytest.mark.parametrize("seq_len", [16, 40])
+def test_long_rope_n_hat_keeps_the_first_positions_uninterpolated(seq_len):
+    """LongRoPE sec. 3.2: angle ``n I(lambda_i, n_hat) theta_i`` with ``I = 1`` for ``n < n_hat``
+    and ``1 / lambda_i`` after, at any positions (offsets, unsorted, a decode step), cos/sin
+    scaled alike; n_hat is part of the cache key and of config(); 0 is HF's longrope."""
+    short, long = [1.0, 1.2, 1.5, 2.0], [1.0, 2.0, 3.0, 4.0]
+    enc = LongRoPE(factor=4.0, short_factor=short, long_factor=long, original_max_position_embeddings=16,
+                   n_hat=5).bind(n_heads=2, head_dim=8)
+    lam = torch.tensor(short if seq_len <= 16 else long, dtype=torch.float64)
+    theta = 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    sc = math.sqrt(1 + math.log(4.0) / math.log(16))
+    positions = (torch.arange(seq_len)[None], torch.tensor([[7, 0, 4, 5, 30, 2]]),
+                 torch.tensor([[4]]), torch.tensor([[5]]))
+    for pos in positions:
+        n = pos[..., None].double()
+        ang = torch.where(n < 5, n * theta, n * theta / lam)
+        cos, sin = enc.cos_sin(pos, seq_len)
+        torch.testing.assert_close(cos.double(), ang.cos() * sc, rtol=0, atol=2e-6)
+        torch.testing.assert_close(sin.double(), ang.sin() * sc, rtol=0, atol=2e-6)
+    key = enc.frequencies_key(seq_len)
+    enc.set_factors(n_hat=0)
+    assert enc.frequencies_key(seq_len) != key
+    hf_like = LongRoPE(factor=4.0, short_factor=short, long_factor=long,
+                       original_max_position_embeddings=16).bind(n_heads=2, head_dim=8)
+    pos = torch.arange(seq_len)[None]
+    assert all(torch.equal(a, b) for a, b in zip(enc.cos_sin(pos, seq_len), hf_like.cos_sin(pos, seq_len)))
+    enc.set_factors(n_hat=3)
+    assert build_encoding("long_rope", **enc.config()).n_hat == 3
+    with pytest.raises(ValueError, match="n_hat must be a whole number"):
+        enc.set_factors(n_hat=-1)
+
+
 @pytest.mark.parametrize("name", ["pi", "yarn", "long_rope", "dynamic_ntk"])
 def test_config_records_run_time_scale_and_factors(name):
     """config() (logged, saved) rebuilds the encoding as it is *now*, after set_scale/set_factors."""

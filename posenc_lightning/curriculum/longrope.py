@@ -4,7 +4,9 @@ Stages double the length from ``start_length`` to ``target_length``; a stage lon
 pre-training length ``original_length`` has scale ``s = seq_len / original_length``. At its first
 step the evolutionary search (`posenc_lightning.curriculum.search`) finds the ``long_factor``
 that minimises validation perplexity at the stage length (with the candidate set on the model),
-then the stage fine-tunes with it. After training the ``short_factor`` is re-searched at
+then ``n_hat``, the initial positions kept un-interpolated, is chosen from the paper's candidate
+set with those factors (the paper searches both together; here one after the other), and the
+stage fine-tunes with them. After training the ``short_factor`` is re-searched at
 ``original_length``. Found factors are logged, kept in the callback's ``state_dict`` (so they are
 in the checkpoint and a resume never searches again) and written into the model's injected
 encoding config (so ``TinyGPT.load_from_checkpoint`` rebuilds long_rope with them).
@@ -33,13 +35,20 @@ def long_rope_encodings(module: torch.nn.Module) -> list[Any]:
     return encs
 
 
-def set_factors(module: torch.nn.Module, short: Any = None, long: Any = None) -> None:
-    """Set long_rope factors on every long_rope encoding of ``module`` and in its checkpoint spec."""
+#: LongRoPE's search space for n_hat (Ding et al., 2024, sec. 3.2)
+N_HAT_CANDIDATES = (0, 1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 64, 128, 256)
+
+
+def set_factors(module: torch.nn.Module, short: Any = None, long: Any = None, n_hat: int | None = None) -> None:
+    """Set long_rope factors (and ``n_hat``) on every long_rope encoding of ``module`` and in its
+    checkpoint spec."""
     for e in long_rope_encodings(module):
-        e.set_factors(short_factor=short, long_factor=long)
+        e.set_factors(short_factor=short, long_factor=long, n_hat=n_hat)
     spec = injected_spec(module)
     if spec is not None:
         cfg = spec.setdefault("config", {})
+        if n_hat is not None:
+            cfg["n_hat"] = int(n_hat)
         if short is not None:
             cfg["short_factor"] = [float(x) for x in short]
         if long is not None:
@@ -62,14 +71,16 @@ class LongRoPECurriculum(ContextCurriculum):
         search_windows: validation windows scored per candidate (the first ones; evaluate on others).
         max_factor_ratio: factors searched in ``[1, max_factor_ratio * s]`` (paper: 1.25).
         research_short: re-search ``short_factor`` at ``original_length`` after training.
+        n_hat_candidates: the ``n_hat`` values tried after each long search (those below the
+            stage length); default `N_HAT_CANDIDATES`, ``[]`` keeps ``n_hat`` at 0.
         keep_tokens_per_batch, lr_warmup_steps, seed: as in `ContextCurriculum`.
     """
 
     def __init__(self, original_length: int, target_length: int, steps_per_stage: int, start_length: int | None = None,
                  growth: int = 2, population: int = 12, parents: int = 4, iterations: int = 3,
                  mutation_prob: float = 0.3, search_windows: int = 4, max_factor_ratio: float = 1.25,
-                 research_short: bool = True, keep_tokens_per_batch: bool = False, lr_warmup_steps: int = 0,
-                 seed: int = 0) -> None:
+                 research_short: bool = True, n_hat_candidates: list[int] | None = None,
+                 keep_tokens_per_batch: bool = False, lr_warmup_steps: int = 0, seed: int = 0) -> None:
         start = start_length or original_length
         lengths = [start]
         while lengths[-1] < target_length:
@@ -82,7 +93,12 @@ class LongRoPECurriculum(ContextCurriculum):
                               mutation_prob=mutation_prob, seed=seed)
         self.search_windows, self.max_factor_ratio = search_windows, max_factor_ratio
         self.research_short = research_short
+        cands = N_HAT_CANDIDATES if n_hat_candidates is None else n_hat_candidates
+        if any(int(n) != n or n < 0 for n in cands):
+            raise ValueError(f"LongRoPECurriculum: n_hat_candidates must be whole numbers >= 0, got {cands}")
+        self.n_hat_candidates = sorted({int(n) for n in cands})
         self.found: dict[int, list[float]] = {}  # stage index -> long factors
+        self.found_n_hat: dict[int, int] = {}  # stage index -> n_hat
         self.short: list[float] | None = None
         self.histories: dict[str, list[dict[str, float]]] = {}
 
@@ -134,6 +150,25 @@ class LongRoPECurriculum(ContextCurriculum):
         self.histories[f"{which}_{seq_len}"] = res.history
         return res
 
+    def search_n_hat(self, pl_module: pl.LightningModule, tokens: torch.Tensor, seq_len: int,
+                     long: list[float]) -> tuple[int, dict[int, float]]:
+        """``n_hat`` with the least perplexity at ``seq_len`` given the ``long`` factors (ties: the
+        smallest), and the perplexity of every candidate tried."""
+        enc = long_rope_encodings(pl_module)[0]
+        before = (enc.long_factor, enc.n_hat)
+        ppl: dict[int, float] = {}
+        try:
+            set_factors(pl_module, long=long)
+            for n in [c for c in self.n_hat_candidates if c < seq_len] or [0]:
+                set_factors(pl_module, n_hat=n)
+                ppl[n] = math.exp(windows_nll(pl_module, tokens, seq_len, self.search_windows))
+        finally:
+            set_factors(pl_module, long=before[0], n_hat=before[1])
+        best = min(ppl, key=lambda n: (ppl[n], n))
+        rank_zero_info(f"LongRoPE n_hat at length {seq_len}: {best} (ppl {ppl[best]:.4f}; n_hat=0: "
+                       f"{ppl.get(0, float('nan')):.4f})")
+        return best, ppl
+
     def _logger_fn(self, trainer: pl.Trainer) -> Any:
         def log(metrics: dict[str, float], step: int) -> None:
             if trainer.is_global_zero:
@@ -158,13 +193,21 @@ class LongRoPECurriculum(ContextCurriculum):
         best = trainer.strategy.broadcast(list(res.best), src=0)
         self.found[k] = [float(x) for x in best]
         self._log_factors(trainer, f"long_factor_stage{k}", self.found[k])
+        n_hat = 0
+        if self.n_hat_candidates:
+            n_hat, ppl = self.search_n_hat(pl_module, self._tokens(trainer), stage.seq_len, self.found[k])
+            self.histories[f"n_hat_{stage.seq_len}"] = [{"n_hat": float(n), "ppl": p} for n, p in ppl.items()]
+        self.found_n_hat[k] = int(trainer.strategy.broadcast(n_hat, src=0))
+        if trainer.is_global_zero:
+            for lg in trainer.loggers:
+                lg.log_metrics({f"longrope/n_hat_stage{k}": float(self.found_n_hat[k])}, step=trainer.global_step)
 
     # ---------------------------------------------------------------- hooks
     def _apply_factors(self, pl_module: pl.LightningModule, step: int) -> None:
         k = self.stage_index(step)
         done = [i for i in self.found if i <= k]
         if done:
-            set_factors(pl_module, long=self.found[max(done)])
+            set_factors(pl_module, long=self.found[max(done)], n_hat=self.found_n_hat.get(max(done), 0))
         if self.short is not None:
             set_factors(pl_module, short=self.short)
 
@@ -193,9 +236,10 @@ class LongRoPECurriculum(ContextCurriculum):
 
     def state_dict(self) -> dict[str, Any]:
         return {"found": {int(k): v for k, v in self.found.items()}, "short": self.short,
-                "histories": self.histories}
+                "found_n_hat": {int(k): v for k, v in self.found_n_hat.items()}, "histories": self.histories}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.found = {int(k): list(v) for k, v in state_dict.get("found", {}).items()}
         self.short = state_dict.get("short")
+        self.found_n_hat = {int(k): int(v) for k, v in state_dict.get("found_n_hat", {}).items()}
         self.histories = dict(state_dict.get("histories", {}))

@@ -73,21 +73,23 @@ class RotaryEncoding(Encoding):
         return positions
 
     # ---------------------------------------------------------------- cos / sin
+    def cos_sin_of(self, positions: Tensor, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
+        """cos/sin of these positions, computed (`cos_sin` caches a table of them per length)."""
+        inv_freq, scaling = self.frequencies(seq_len, positions.device)
+        return rope_cos_sin(self.positions_for_angles(positions), inv_freq, scaling)
+
     def cos_sin(self, positions: Tensor, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
         """cos/sin ``[B, N, R/2]`` (or per head ``[B, H, N, R/2]``), float32."""
         device = positions.device
         key = self.frequencies_key(seq_len)
         if key is None or positions.dtype.is_floating_point or not positions.numel():
-            inv_freq, scaling = self.frequencies(seq_len, device)
-            return rope_cos_sin(self.positions_for_angles(positions), inv_freq, scaling)
+            return self.cos_sin_of(positions, seq_len)
         need = int(positions.max()) + 1
         have = self._cos.shape[-2] if self._cos.dim() >= 2 else 0
         full_key = (key, device)
         if full_key != self._table_key or need > have:
             size = max(need, 2 * have if full_key == self._table_key else need, 256)
-            inv_freq, scaling = self.frequencies(seq_len, device)
-            pos = torch.arange(size, device=device)
-            self._cos, self._sin = rope_cos_sin(self.positions_for_angles(pos), inv_freq, scaling)
+            self._cos, self._sin = self.cos_sin_of(torch.arange(size, device=device), seq_len)
             self._table_key = full_key
         a = arange_offset(positions)
         if a is not None and a >= 0:  # zero-copy slices of the tables

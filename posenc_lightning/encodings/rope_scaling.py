@@ -22,6 +22,7 @@ from torch import Tensor
 
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.encodings.rope import RotaryEncoding
+from posenc_lightning.functional.rope import rope_cos_sin
 from posenc_lightning.functional.rope_scaling import (
     dynamic_ntk_inv_freq,
     llama3_inv_freq,
@@ -174,13 +175,16 @@ class LongRoPE(ScaledRotary):
     """LongRoPE (Ding et al., 2024, eq. 4), HF ``longrope`` semantics (Phi-3).
 
     ``theta_i / lambda_i`` with ``short_factor`` while the length is ``<= L_orig`` and
-    ``long_factor`` beyond; cos/sin scaled by ``sqrt(1 + ln s / ln L_orig)``.
+    ``long_factor`` beyond; cos/sin scaled by ``sqrt(1 + ln s / ln L_orig)``. The first ``n_hat``
+    positions keep the original angles ``n theta_i`` (the paper's ``I(lambda_i, n_hat)``: 1 for
+    ``n < n_hat``, ``1 / lambda_i`` after; section 3.2). ``n_hat=0`` is HF's ``longrope``.
 
     Args:
         factor: the extension ratio s; None -> ``max_position_embeddings / original_max_position_embeddings``.
         short_factor, long_factor: ``rotary_dim/2`` rescale factors each; None -> all 1 (short) and
             all ``factor`` (long, i.e. position interpolation, following later `set_scale` calls).
         attention_factor: explicit cos/sin scale.
+        n_hat: initial positions left un-interpolated (searched by `LongRoPECurriculum`).
     """
 
     dynamic = True
@@ -188,19 +192,24 @@ class LongRoPE(ScaledRotary):
     def __init__(self, factor: float | None = None, short_factor: list[float] | None = None,
                  long_factor: list[float] | None = None, original_max_position_embeddings: int = 512,
                  max_position_embeddings: int = 2048, theta: float = 10000.0, attention_factor: float | None = None,
-                 layout: Layout = "half", partial_rotary_factor: float = 1.0) -> None:
+                 layout: Layout = "half", partial_rotary_factor: float = 1.0, n_hat: int = 0) -> None:
         self.max_position_embeddings = int(max_position_embeddings)
         self.attention_factor = attention_factor
         self._short: list[float] | None = None
         self._long: list[float] | None = None
+        self.n_hat = 0
         if factor is None:
             factor = self.max_position_embeddings / int(original_max_position_embeddings)
         super().__init__(factor, original_max_position_embeddings, theta, layout, partial_rotary_factor)
-        self.set_factors(short_factor, long_factor)
+        self.set_factors(short_factor, long_factor, n_hat)
 
     def set_factors(self, short_factor: Sequence[float] | Tensor | None = None,
-                    long_factor: Sequence[float] | Tensor | None = None) -> None:
-        """Replace the short and/or long rescale factors (None keeps the current set)."""
+                    long_factor: Sequence[float] | Tensor | None = None, n_hat: int | None = None) -> None:
+        """Replace the short and/or long rescale factors and/or ``n_hat`` (None keeps the current)."""
+        if n_hat is not None:
+            if int(n_hat) != n_hat or n_hat < 0:
+                raise ValueError(f"long_rope: n_hat must be a whole number >= 0, got {n_hat!r}")
+            self.n_hat = int(n_hat)
         for attr, val in (("short_factor", short_factor), ("long_factor", long_factor)):
             if val is None:
                 continue
@@ -229,7 +238,17 @@ class LongRoPE(ScaledRotary):
         return None if self.head_dim is None else [self.factor] * (self.rotary_dim // 2)
 
     def config(self) -> dict[str, Any]:
-        return {**super().config(), "short_factor": self._short, "long_factor": self._long}
+        return {**super().config(), "short_factor": self._short, "long_factor": self._long, "n_hat": self.n_hat}
+
+    def cos_sin_of(self, positions: Tensor, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
+        cos, sin = super().cos_sin_of(positions, seq_len)
+        if self.n_hat > 0:
+            keep = (positions < self.n_hat)[..., None]  # I(lambda, n_hat) = 1 for n < n_hat
+            ones = [1.0] * (self.rotary_dim // 2)
+            inv_freq = longrope_inv_freq(self.rotary_dim, self.theta, ones, positions.device)
+            cos0, sin0 = rope_cos_sin(self.positions_for_angles(positions), inv_freq, self.attention_scaling())
+            cos, sin = torch.where(keep, cos0, cos), torch.where(keep, sin0, sin)
+        return cos, sin
 
     def attention_scaling(self) -> float:
         return longrope_attention_factor(self.factor, self.original_max_position_embeddings, self.attention_factor)
@@ -246,4 +265,5 @@ class LongRoPE(ScaledRotary):
 
     def frequencies_key(self, seq_len: int | None) -> Any:
         long = bool(seq_len and seq_len > self.original_max_position_embeddings)
-        return super().frequencies_key(seq_len) + (long, tuple(self.factors(seq_len)), self.attention_factor)
+        return super().frequencies_key(seq_len) + (long, tuple(self.factors(seq_len)), self.attention_factor,
+                                                   self.n_hat)
