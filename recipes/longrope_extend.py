@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from posenc_lightning.curriculum import LongRoPECurriculum
+from posenc_lightning.curriculum import N_HAT_CANDIDATES, LongRoPECurriculum
 from posenc_lightning.curriculum.extend import finetune_trainer, make_cli, perplexity, write_results
 from posenc_lightning.curriculum.longrope import set_factors
 from posenc_lightning.inject import inject, restore_from_checkpoint
@@ -68,15 +68,18 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     inject(model, "long_rope", factor=s, original_max_position_embeddings=L, max_position_embeddings=n, theta=theta)
     cur = LongRoPECurriculum(original_length=L, target_length=n, steps_per_stage=max(1, ft_steps), start_length=n,
                              population=ext.population, parents=ext.parents, iterations=ext.iterations,
-                             search_windows=ext.search_windows, seed=cli.config.get("seed_everything") or 0)
+                             search_windows=ext.search_windows, seed=cli.config.get("seed_everything") or 0,
+                             n_hat_candidates=list(N_HAT_CANDIDATES))
     res = cur.search(model, tokens, n, s, "long")
     cur.found[0] = list(res.best)
+    set_factors(model, long=cur.found[0])
+    r["longrope_search_ppl_on_search_windows"] = res.best_score
+    r["longrope_ppl_sL"], r["longrope_ppl_L"] = ppl(n), ppl(L)
     n_hat, n_hat_ppl = cur.search_n_hat(model, tokens, n, cur.found[0])  # on the same search windows
     cur.found_n_hat[0] = n_hat
-    set_factors(model, long=cur.found[0], n_hat=n_hat)
-    r["longrope_search_ppl_on_search_windows"] = res.best_score
+    set_factors(model, n_hat=n_hat)
     r["n_hat"], r["n_hat_search_ppl"] = n_hat, n_hat_ppl  # type: ignore[assignment]
-    r["longrope_ppl_sL"], r["longrope_ppl_L"] = ppl(n), ppl(L)
+    r["longrope_nhat_ppl_sL"], r["longrope_nhat_ppl_L"] = ppl(n), ppl(L)
     r["longrope_vs_pi_sL"] = r["longrope_ppl_sL"] / r["pi_ppl_sL"] - 1
     r["longrope_vs_yarn_sL"] = r["longrope_ppl_sL"] / r["yarn_ppl_sL"] - 1
 
@@ -93,8 +96,11 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     table = [("rope (pre-trained)", f("rope_ppl_L"), f("rope_ppl_sL")),
              (f"pi s={s:g} zero-shot", f("pi_ppl_L"), f("pi_ppl_sL")),
              (f"yarn s={s:g} zero-shot", f("yarn_ppl_L"), f("yarn_ppl_sL")),
-             (f"long_rope searched s={s:g} zero-shot", f("longrope_ppl_L"), f("longrope_ppl_sL")),
-             (f"long_rope + {ft_steps} fine-tune steps + short re-search", f("finetuned_ppl_L"), f("finetuned_ppl_sL"))]
+             (f"long_rope searched s={s:g} zero-shot (n_hat=0)", f("longrope_ppl_L"), f("longrope_ppl_sL")),
+             (f"long_rope searched s={s:g} zero-shot, n_hat={n_hat}", f("longrope_nhat_ppl_L"),
+              f("longrope_nhat_ppl_sL")),
+             (f"long_rope (n_hat={n_hat}) + {ft_steps} fine-tune steps + short re-search", f("finetuned_ppl_L"),
+              f("finetuned_ppl_sL"))]
     notes = (f"Search: population {ext.population}, {ext.parents} parents, {ext.iterations} iterations, scored on "
              f"{ext.search_windows} windows of {n}; all rows evaluated on {ext.eval_tokens} other validation tokens. "
              f"long_rope vs pi at {n}: {100 * r['longrope_vs_pi_sL']:+.2f}%, vs yarn: "

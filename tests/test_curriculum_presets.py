@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from posenc_lightning.callbacks.curriculum import encodings_of
 from posenc_lightning.curriculum import (
+    N_HAT_CANDIDATES,
     CLEXCurriculum,
     ContextCurriculum,
     EvolutionarySearch,
@@ -75,7 +76,8 @@ class CountingLongRoPE(LongRoPECurriculum):
 
 def _lr_cur():
     return CountingLongRoPE(original_length=16, target_length=64, steps_per_stage=3, start_length=32,
-                            population=4, parents=2, iterations=2, search_windows=2, seed=0)
+                            population=4, parents=2, iterations=2, search_windows=2, seed=0,
+                            n_hat_candidates=list(N_HAT_CANDIDATES))
 
 
 def test_longrope_curriculum_searches_each_long_stage_saves_and_resumes(tmp_path):

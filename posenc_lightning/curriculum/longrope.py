@@ -4,12 +4,14 @@ Stages double the length from ``start_length`` to ``target_length``; a stage lon
 pre-training length ``original_length`` has scale ``s = seq_len / original_length``. At its first
 step the evolutionary search (`posenc_lightning.curriculum.search`) finds the ``long_factor``
 that minimises validation perplexity at the stage length (with the candidate set on the model),
-then ``n_hat``, the initial positions kept un-interpolated, is chosen from the paper's candidate
-set with those factors (the paper searches both together; here one after the other), and the
-stage fine-tunes with them. After training the ``short_factor`` is re-searched at
-``original_length``. Found factors are logged, kept in the callback's ``state_dict`` (so they are
-in the checkpoint and a resume never searches again) and written into the model's injected
-encoding config (so ``TinyGPT.load_from_checkpoint`` rebuilds long_rope with them).
+then, when ``n_hat_candidates`` are given (the paper's set: `N_HAT_CANDIDATES`), ``n_hat``, the
+initial positions kept un-interpolated, is chosen among them with those factors (the paper
+searches both together; here one after the other), and the stage fine-tunes with them. The
+``n_hat`` search is off by default: in the recorded `recipes/longrope_extend.py` run (4 search
+windows) the ``n_hat`` it chose raised held-out perplexity at 8L by 3.2%. After training the
+``short_factor`` is re-searched at ``original_length``. Found factors are logged, kept in the
+callback's ``state_dict`` (so they are in the checkpoint and a resume never searches again) and
+written into the model's injected encoding config (so ``TinyGPT.load_from_checkpoint`` rebuilds long_rope with them).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class LongRoPECurriculum(ContextCurriculum):
         max_factor_ratio: factors searched in ``[1, max_factor_ratio * s]`` (paper: 1.25).
         research_short: re-search ``short_factor`` at ``original_length`` after training.
         n_hat_candidates: the ``n_hat`` values tried after each long search (those below the
-            stage length); default `N_HAT_CANDIDATES`, ``[]`` keeps ``n_hat`` at 0.
+            stage length), e.g. `N_HAT_CANDIDATES`; None or ``[]``: no search, ``n_hat`` as injected.
         keep_tokens_per_batch, lr_warmup_steps, seed: as in `ContextCurriculum`.
     """
 
@@ -93,7 +95,7 @@ class LongRoPECurriculum(ContextCurriculum):
                               mutation_prob=mutation_prob, seed=seed)
         self.search_windows, self.max_factor_ratio = search_windows, max_factor_ratio
         self.research_short = research_short
-        cands = N_HAT_CANDIDATES if n_hat_candidates is None else n_hat_candidates
+        cands = n_hat_candidates or []
         if any(int(n) != n or n < 0 for n in cands):
             raise ValueError(f"LongRoPECurriculum: n_hat_candidates must be whole numbers >= 0, got {cands}")
         self.n_hat_candidates = sorted({int(n) for n in cands})
@@ -193,10 +195,10 @@ class LongRoPECurriculum(ContextCurriculum):
         best = trainer.strategy.broadcast(list(res.best), src=0)
         self.found[k] = [float(x) for x in best]
         self._log_factors(trainer, f"long_factor_stage{k}", self.found[k])
-        n_hat = 0
-        if self.n_hat_candidates:
-            n_hat, ppl = self.search_n_hat(pl_module, self._tokens(trainer), stage.seq_len, self.found[k])
-            self.histories[f"n_hat_{stage.seq_len}"] = [{"n_hat": float(n), "ppl": p} for n, p in ppl.items()]
+        if not self.n_hat_candidates:
+            return
+        n_hat, ppl = self.search_n_hat(pl_module, self._tokens(trainer), stage.seq_len, self.found[k])
+        self.histories[f"n_hat_{stage.seq_len}"] = [{"n_hat": float(n), "ppl": p} for n, p in ppl.items()]
         self.found_n_hat[k] = int(trainer.strategy.broadcast(n_hat, src=0))
         if trainer.is_global_zero:
             for lg in trainer.loggers:
@@ -207,7 +209,7 @@ class LongRoPECurriculum(ContextCurriculum):
         k = self.stage_index(step)
         done = [i for i in self.found if i <= k]
         if done:
-            set_factors(pl_module, long=self.found[max(done)], n_hat=self.found_n_hat.get(max(done), 0))
+            set_factors(pl_module, long=self.found[max(done)], n_hat=self.found_n_hat.get(max(done)))
         if self.short is not None:
             set_factors(pl_module, short=self.short)
 
