@@ -381,3 +381,33 @@ def test_blockwise_closure_bias_falls_back_to_checkpoints(monkeypatch):
     ref = eager.attend(q, k, v, bias=DenseBias(table * 2), mask=mask, scale=0.25, ctx=ctx)
     for g0, g1 in zip(torch.autograd.grad(out.sum(), (q, table)), torch.autograd.grad(ref.sum(), (q, table))):
         torch.testing.assert_close(g0, g1, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["arange_causal", "decode_cache", "bidirectional"])
+@pytest.mark.parametrize("form", ["lazy_inputs", "lazy_closure", "dense_tensor"])
+def test_blockwise_causal_fills_only_the_diagonal_part(case, form, monkeypatch):
+    """A purely causal mask is applied to the block's diagonal keys only (the keys before its
+    first query are visible to all its rows): blocks of rows that do not divide n, a KV-cache
+    offset, rows computed just now (written in place) or read from the bias's own tensor (left
+    untouched); forward and backward equal eager's."""
+    monkeypatch.setattr(sdpa, "BIAS_BLOCK_BYTES", 4 * 4 * 300 * 23)  # ~23-row blocks of 4 heads
+    n_q, n_k, qp, _, causal, off, _ = CASES[case]
+    mask, ctx = AttentionMask(causal, off, n_q, n_k), AttentionContext(qp[None], torch.arange(n_k)[None], causal)
+    base = torch.randn(1, 4, n_q, n_k)
+    table = base.clone().requires_grad_(True)
+    q = torch.randn(1, 4, n_q, 16, requires_grad=True)
+    k, v = (torch.randn(1, 4, n_k, 16, requires_grad=True) for _ in range(2))
+    if form == "lazy_inputs":
+        bias = DenseBias.lazy(lambda s, e, ke, t: t * 2, n_q, n_k, inputs=(table,),
+                              window=lambda s, e, ke: ((Ellipsis, slice(s, e), slice(0, ke)),))
+    elif form == "lazy_closure":
+        bias = DenseBias.lazy(lambda s, e, ke: table[..., s:e, :ke] * 2, n_q, n_k)
+    else:
+        bias = DenseBias(table * 2)
+    out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=0.25, ctx=ctx)
+    ref = eager.attend(q, k, v, bias=DenseBias(table * 2), mask=mask, scale=0.25, ctx=ctx)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for g0, g1 in zip(torch.autograd.grad(out.square().sum(), (q, k, v, table)),
+                      torch.autograd.grad(ref.square().sum(), (q, k, v, table))):
+        torch.testing.assert_close(g0, g1, rtol=1e-4, atol=1e-5)
+    assert torch.equal(table.detach(), base)  # no -inf written into the bias's own tensor

@@ -281,12 +281,35 @@ def _mask_rows(mask: AttentionMask, start: int, stop: int, k_stop: int, device: 
     return m
 
 
+def _causal_diagonal(mask: AttentionMask, start: int, stop: int, k_stop: int,
+                     device: torch.device) -> tuple[int, Tensor] | None:
+    """For a purely causal mask: ``(c0, hidden)``, the keys ``[c0, k_stop)`` that some query of
+    ``[start, stop)`` may not see and where (``hidden [r, k_stop - c0]``); the keys before ``c0``
+    are visible to every query of the block, so only this diagonal part needs ``-inf``. None for
+    other masks, or when nothing is hidden."""
+    if not mask.causal or mask.q_segments is not None or mask.k_valid is not None:
+        return None
+    c0 = min(k_stop, max(0, start + mask.q_offset))
+    if k_stop - 1 <= start + mask.q_offset:  # the last key is visible to the first query: none hidden
+        return None
+    qi = torch.arange(start, stop, device=device)[:, None] + mask.q_offset
+    return c0, torch.arange(c0, k_stop, device=device)[None, :] > qi
+
+
 def _attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,
                  start: int, stop: int) -> Tensor:
     # causal by index: the queries [start, stop) see keys [0, q_offset + stop) only
     k_stop = min(k.shape[-2], mask.q_offset + stop) if mask.causal else k.shape[-2]
     attn_mask = bias.rows(start, stop, k_stop).to(q.dtype)
-    m = _mask_rows(mask, start, stop, k_stop, q.device)
+    diag = _causal_diagonal(mask, start, stop, k_stop, q.device)
+    if diag is not None:  # -inf on the block's diagonal part only, not on all its rows x keys
+        if not _owned_rows(attn_mask, bias):
+            attn_mask = attn_mask.clone()
+        attn_mask[..., diag[0]:].masked_fill_(diag[1], float("-inf"))
+        return F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :k_stop], v[:, :, :k_stop],
+                                              attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
+    m = None if mask.causal and mask.q_segments is None and mask.k_valid is None else \
+        _mask_rows(mask, start, stop, k_stop, q.device)
     if m is not None:
         if _owned_rows(attn_mask, bias):
             attn_mask.masked_fill_(~m, float("-inf"))
@@ -424,9 +447,13 @@ class _BlockwiseAttention(torch.autograd.Function):
                 rows_ = bias.rows_from(start, stop, k_stop, views)  # [B|1, H, r, K]
             block["rows"], block["leaves"] = rows_, leaves
             s.add_(rows_.detach().to(s.dtype).view(-1, *s.shape[1:]))
-            allowed = _mask_rows(mask, start, stop, k_stop, q.device)
-            if allowed is not None:
-                s.masked_fill_(~allowed[:, :, None], float("-inf"))
+            diag = _causal_diagonal(mask, start, stop, k_stop, q.device)
+            if diag is not None:
+                s[..., diag[0]:].masked_fill_(diag[1], float("-inf"))
+            elif not (mask.causal and mask.q_segments is None and mask.k_valid is None):
+                allowed = _mask_rows(mask, start, stop, k_stop, q.device)
+                if allowed is not None:
+                    s.masked_fill_(~allowed[:, :, None], float("-inf"))
 
         def to_inputs(start: int, stop: int, k_stop: int, ds: Tensor) -> None:
             rows_, leaves = block.pop("rows"), block.pop("leaves")
