@@ -281,19 +281,26 @@ def _mask_rows(mask: AttentionMask, start: int, stop: int, k_stop: int, device: 
     return m
 
 
-def _causal_diagonal(mask: AttentionMask, start: int, stop: int, k_stop: int,
-                     device: torch.device) -> tuple[int, Tensor] | None:
-    """For a purely causal mask: ``(c0, hidden)``, the keys ``[c0, k_stop)`` that some query of
-    ``[start, stop)`` may not see and where (``hidden [r, k_stop - c0]``); the keys before ``c0``
-    are visible to every query of the block, so only this diagonal part needs ``-inf``. None for
-    other masks, or when nothing is hidden."""
-    if not mask.causal or mask.q_segments is not None or mask.k_valid is not None:
-        return None
-    c0 = min(k_stop, max(0, start + mask.q_offset))
-    if k_stop - 1 <= start + mask.q_offset:  # the last key is visible to the first query: none hidden
-        return None
-    qi = torch.arange(start, stop, device=device)[:, None] + mask.q_offset
-    return c0, torch.arange(c0, k_stop, device=device)[None, :] > qi
+def _masked(t: Tensor, mask: AttentionMask, start: int, stop: int, k_stop: int, inplace: bool,
+            group_dim: bool = False) -> Tensor:
+    """``t [..., r, k_stop]`` with ``-inf`` where query ``start + r`` may not see the key, in place
+    or on a copy. A purely causal mask writes only the block's diagonal keys (those before its
+    first query are visible to every row of it); other masks go through `_mask_rows`
+    (``group_dim``: ``t`` has a query-group dim after the heads, as in the own backward)."""
+    if mask.causal and mask.q_segments is None and mask.k_valid is None:
+        first = start + mask.q_offset
+        if k_stop - 1 <= first:  # the last key is visible to the first query: nothing hidden
+            return t
+        c0 = max(0, first)
+        qi = torch.arange(start, stop, device=t.device)[:, None] + mask.q_offset
+        t = t if inplace else t.clone()
+        t[..., c0:k_stop].masked_fill_(torch.arange(c0, k_stop, device=t.device)[None, :] > qi, float("-inf"))
+        return t
+    m = _mask_rows(mask, start, stop, k_stop, t.device)
+    if m is None:
+        return t
+    hidden = ~(m[:, :, None] if group_dim else m)
+    return t.masked_fill_(hidden, float("-inf")) if inplace else t.masked_fill(hidden, float("-inf"))
 
 
 def _attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,
@@ -301,20 +308,7 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMas
     # causal by index: the queries [start, stop) see keys [0, q_offset + stop) only
     k_stop = min(k.shape[-2], mask.q_offset + stop) if mask.causal else k.shape[-2]
     attn_mask = bias.rows(start, stop, k_stop).to(q.dtype)
-    diag = _causal_diagonal(mask, start, stop, k_stop, q.device)
-    if diag is not None:  # -inf on the block's diagonal part only, not on all its rows x keys
-        if not _owned_rows(attn_mask, bias):
-            attn_mask = attn_mask.clone()
-        attn_mask[..., diag[0]:].masked_fill_(diag[1], float("-inf"))
-        return F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :k_stop], v[:, :, :k_stop],
-                                              attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
-    m = None if mask.causal and mask.q_segments is None and mask.k_valid is None else \
-        _mask_rows(mask, start, stop, k_stop, q.device)
-    if m is not None:
-        if _owned_rows(attn_mask, bias):
-            attn_mask.masked_fill_(~m, float("-inf"))
-        else:
-            attn_mask = attn_mask.masked_fill(~m, float("-inf"))
+    attn_mask = _masked(attn_mask, mask, start, stop, k_stop, inplace=_owned_rows(attn_mask, bias))
     return F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :k_stop], v[:, :, :k_stop],
                                           attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
 
@@ -447,13 +441,7 @@ class _BlockwiseAttention(torch.autograd.Function):
                 rows_ = bias.rows_from(start, stop, k_stop, views)  # [B|1, H, r, K]
             block["rows"], block["leaves"] = rows_, leaves
             s.add_(rows_.detach().to(s.dtype).view(-1, *s.shape[1:]))
-            diag = _causal_diagonal(mask, start, stop, k_stop, q.device)
-            if diag is not None:
-                s[..., diag[0]:].masked_fill_(diag[1], float("-inf"))
-            elif not (mask.causal and mask.q_segments is None and mask.k_valid is None):
-                allowed = _mask_rows(mask, start, stop, k_stop, q.device)
-                if allowed is not None:
-                    s.masked_fill_(~allowed[:, :, None], float("-inf"))
+            _masked(s, mask, start, stop, k_stop, inplace=True, group_dim=True)
 
         def to_inputs(start: int, stop: int, k_stop: int, ds: Tensor) -> None:
             rows_, leaves = block.pop("rows"), block.pop("leaves")
