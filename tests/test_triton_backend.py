@@ -53,11 +53,15 @@ def _compare(name, positions=None, segment_ids=None, n=21, hkv=2, **cfg):
         outs.append(out)
         grads.append(gs)
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
-    for a, b in zip(grads[1], grads[0]):
+    for i, (a, b) in enumerate(zip(grads[1], grads[0])):
         if b is None:
             assert a is None
             continue
-        torch.testing.assert_close(a, b, atol=1e-5 * max(1.0, b.abs().max().item()), rtol=1e-5)
+        # q/k/v gradients sum a row of terms; an encoding parameter's gradient sums every (b, h, i, j)
+        # term of the score gradient, in fp32 per-tile partial sums in the kernel: measured 1.3e-5 of
+        # the largest component for rse's penalty (eager fp32 vs fp64: 1.5e-7), hence 3e-5 for them
+        tol = 1e-5 if i < 3 else 3e-5
+        torch.testing.assert_close(a, b, atol=tol * max(1.0, b.abs().max().item()), rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["nope", "rope", "alibi", "relative_bias", "fox", "sba", "rse", "yarn"])
