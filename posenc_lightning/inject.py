@@ -58,20 +58,25 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
     """
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + BACKENDS}")
-    if isinstance(encoding, Encoding):
-        if cfg:
-            raise TypeError(f"got an Encoding instance and extra arguments {sorted(cfg)}: "
-                            f"configure the instance itself, or pass its name")
-        proto = encoding
-    elif isinstance(encoding, str):
-        proto = build_encoding(encoding, **_defaults_from_model(model, encoding, cfg))
-    else:
+    if not isinstance(encoding, (str, Encoding)):
         raise TypeError(f"encoding must be a name or an Encoding, got {type(encoding).__name__}")
-
+    if isinstance(encoding, Encoding) and cfg:
+        raise TypeError(f"got an Encoding instance and extra arguments {sorted(cfg)}: "
+                        f"configure the instance itself, or pass its name")
     attn, emb = find_mixin_modules(model)
     if not attn and not emb:
-        raise ValueError(f"{type(model).__name__} has no module that inherits PosEncAttentionMixin or "
-                         f"PosEncEmbeddingMixin: inherit them in your attention / embedding modules")
+        from posenc_lightning.adapters import hf
+
+        models = hf.find_hf_models(model)
+        if not models:
+            raise ValueError(f"{type(model).__name__} has no module that inherits PosEncAttentionMixin or "
+                             f"PosEncEmbeddingMixin, and holds no Hugging Face PreTrainedModel: inherit the "
+                             f"mixins in your attention / embedding modules")
+        return _inject_adapted(model, models, encoding, backend, share_across_layers, cfg)
+    if isinstance(encoding, Encoding):
+        proto = encoding
+    else:
+        proto = build_encoding(encoding, **_defaults_from_model(model, encoding, cfg))
     for m in attn + emb:  # replace entirely
         if getattr(m, "posenc", None) is not None:
             del m.posenc
@@ -108,11 +113,32 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
             encs.append(enc)
     if not encs:
         encs.append(proto)
-    setattr(model, SPEC_ATTR, {
-        "encoding": proto.name, "config": proto.config(), "backend": backend,
-        "share_across_layers": share_across_layers,
-    })
+    setattr(model, SPEC_ATTR, _spec(proto, backend, share_across_layers))
     return encs[0]
+
+
+def _inject_adapted(model: nn.Module, models: list[nn.Module], encoding: str | Encoding, backend: str,
+                    share_across_layers: bool, cfg: dict[str, Any]) -> Encoding:
+    """`inject` into Hugging Face models found inside ``model`` (`posenc_lightning.adapters.hf`)."""
+    from posenc_lightning.adapters import hf
+
+    first: Encoding | None = None
+    for i, m in enumerate(models):
+        if isinstance(encoding, Encoding):
+            proto = encoding if i == 0 else _fresh_copy(encoding)
+        else:
+            proto = build_encoding(encoding, **hf.defaults_for(m, encoding_class(encoding), cfg))
+        encs = hf.adapt(m, proto, backend, share_across_layers, _fresh_copy)
+        first = first or encs[0]
+        if m is not model:
+            setattr(m, SPEC_ATTR, _spec(proto, backend, share_across_layers))
+    setattr(model, SPEC_ATTR, _spec(first, backend, share_across_layers))
+    return first
+
+
+def _spec(proto: Encoding, backend: str, share_across_layers: bool) -> dict[str, Any]:
+    return {"encoding": proto.name, "config": proto.config(), "backend": backend,
+            "share_across_layers": share_across_layers}
 
 
 def _fresh_copy(proto: Encoding) -> Encoding:

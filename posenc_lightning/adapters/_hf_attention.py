@@ -1,0 +1,216 @@
+"""The attention functions the Hugging Face adapter registers with transformers' ``AttentionInterface``.
+
+transformers (>= 5) calls ``fn(module, query, key, value, attention_mask, scaling=, dropout=,
+position_ids=, ...)`` with ``query [B, H, Nq, D]`` and ``key, value [B, Hkv, Nk, D]`` after its own
+KV-cache update. With the model's own positions neutralized (RoPE's cos = 1, sin = 0; GPT-2's
+``wpe`` = 0) q and k arrive un-rotated, so the cache holds un-rotated keys and every stage of the
+injected encoding applies here, at the keys' true positions:
+
+- query positions are transformers' ``position_ids`` (left padding included);
+- key positions follow from the cache: a forward pre-hook on the attention module records how
+  many tokens the layer had seen before this call (``Cache.get_seq_length``), so dynamic,
+  sliding-window and static caches all give each key its token's position.
+
+Two functions:
+
+- ``posenc_wrap_<impl>`` (encodings that only rotate, or nothing at all): rotate q and k, then
+  call the attention the user had chosen (``sdpa``, ``eager``, ``flex_attention``) with its own mask.
+- ``posenc_fused`` (encodings with a bias or a normalizer): a posenc backend (`attention.backends`)
+  that fuses the bias block by block; transformers builds no 4-D mask for it (the registered mask
+  function hands the 2-D padding mask through), padding becomes segments (pads attend only pads,
+  so no query row is empty) and a sliding window a lazy bias.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from posenc_lightning.attention.backends import resolve_backend
+from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias
+
+FUSED = "posenc_fused"
+WRAP_PREFIX = "posenc_wrap_"
+
+
+@dataclass
+class LayerCall:
+    """What the pre-hook saw for one call of an attention module."""
+
+    hidden: Tensor | None
+    cache: Any  # transformers Cache or None
+    seen: int  # tokens this layer had cached before the call
+
+
+def record_call(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook (``with_kwargs=True``) on each attention module: layer input and cache length."""
+    from transformers.cache_utils import Cache
+
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    cache = next((v for v in list(kwargs.values()) + list(args[1:]) if isinstance(v, Cache)), None)
+    seen = int(cache.get_seq_length(module.layer_idx)) if cache is not None else 0
+    module._posenc_call = LayerCall(hidden, cache, seen)
+
+
+def positions(module: nn.Module, query: Tensor, key: Tensor, position_ids: Tensor | None
+              ) -> tuple[Tensor, Tensor, int, int]:
+    """``(q_pos [B, Nq], k_pos [B, Nk], seen, first)``: positions of queries and keys, the tokens
+    seen before this call and the token index of key 0 (> 0 once a sliding window evicted keys)."""
+    call: LayerCall = module._posenc_call
+    b, _, n_q, _ = query.shape
+    n_k = key.shape[-2]
+    if position_ids is None:
+        q_pos = torch.arange(call.seen, call.seen + n_q, device=query.device).expand(b, n_q)
+    else:
+        q_pos = position_ids.to(query.device).expand(b, n_q)
+    total = call.seen + n_q
+    first = max(total - n_k, 0)
+    if call.seen == 0 and n_k == n_q:
+        return q_pos, q_pos, 0, 0
+    tok = torch.arange(first, first + n_k, device=query.device)
+    k_pos = (q_pos[:, -1:] - (total - 1 - tok)).clamp_min(0)  # masked keys (pads, empty slots) only clamp
+    return q_pos, k_pos, call.seen, first
+
+
+def _encoding(module: nn.Module) -> Any:
+    enc = getattr(module, "posenc", None)
+    if enc is None:
+        raise ValueError(f"{type(module).__name__}: the config names a posenc attention implementation but no "
+                         f"encoding is injected here (a model built from an injected model's config?): call "
+                         f"posenc_lightning.inject(model, ...) on it, or model.set_attn_implementation('sdpa')")
+    return enc
+
+
+def _cache_state(module: nn.Module) -> SimpleNamespace | None:
+    """Per-layer state an encoding keeps beside the keys (FoX's cumulative gates), held on the
+    transformers cache object so that a new generation starts clean."""
+    cache = module._posenc_call.cache
+    if cache is None:
+        return None
+    store = cache.__dict__.setdefault("_posenc_state", {})
+    return store.setdefault(module.layer_idx, SimpleNamespace(extra={}))
+
+
+def _align_state(state: SimpleNamespace, name: str, cache_type: str, n_prev: int, keys_are_tokens: bool) -> None:
+    """Keep the per-token state of the cached keys only: a sliding window evicted the oldest keys
+    (cumulative quantities stay valid: only differences are read). A static cache's key buffer is
+    longer than the tokens seen, which per-token state cannot follow."""
+    if not keys_are_tokens:
+        raise ValueError(f"{name} keeps per-token state beside the cached keys and needs a dynamic cache "
+                         f"(DynamicCache, sliding windows included); got {cache_type}, whose keys are a "
+                         f"fixed-size buffer: generate(..., cache_implementation='dynamic')")
+    for key, value in list(state.extra.items()):
+        if isinstance(value, Tensor) and value.shape[-1] > n_prev:
+            state.extra[key] = value[..., value.shape[-1] - n_prev:]
+
+
+def _original_function(module: nn.Module, impl: str) -> Callable[..., Any]:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if impl == "eager":  # each model file has its own eager function
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is not None:
+            return fn
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[impl]
+
+
+def wrap_function(impl: str) -> Callable[..., Any]:
+    """``posenc_wrap_<impl>``: the encoding's rotation, then the user's attention ``impl``."""
+
+    def posenc_wrap(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                    **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        enc = _encoding(module)
+        if "rotate" in enc.stages:
+            q_pos, k_pos, _, _ = positions(module, query, key, kwargs.get("position_ids"))
+            ctx = AttentionContext(q_pos, k_pos, True, None, None, module)
+            query, key = enc.rotate(query, key, ctx)
+            query, key = query.to(value.dtype), key.to(value.dtype)
+        return _original_function(module, impl)(module, query, key, value, attention_mask, **kwargs)
+
+    posenc_wrap.__name__ = f"{WRAP_PREFIX}{impl}"
+    return posenc_wrap
+
+
+def pass_padding_mask(*, attention_mask: Tensor | None = None, **_: Any) -> Tensor | None:
+    """The mask function of ``posenc_fused``: no ``[B, 1, Nq, Nk]`` mask, only the 2-D padding mask
+    (bool ``[B, tokens so far]``), or None when nothing is padded."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return attention_mask
+    return None if bool(attention_mask.all()) else attention_mask
+
+
+def _segments(padding: Tensor | None, q_pos: Tensor, seen: int, first: int, n_q: int, n_k: int
+              ) -> tuple[Tensor | None, Tensor | None]:
+    """Query and key segment ids: padding (pads attend only pads), or packed documents (positions
+    restarting, when nothing is cached and nothing padded, as transformers detects them)."""
+    if padding is not None:
+        if padding.dim() != 2:
+            raise ValueError(f"attention_mask: posenc's fused attention takes a 2-D padding mask [B, N], "
+                             f"got shape {tuple(padding.shape)}")
+        pad = padding.to(torch.long)
+        tok = torch.arange(first, first + n_k, device=pad.device)
+        k_seg = torch.zeros(pad.shape[0], n_k, dtype=torch.long, device=pad.device)
+        inside = tok < pad.shape[1]
+        k_seg[:, inside] = pad[:, tok[inside]]
+        return pad[:, seen:seen + n_q], k_seg
+    if seen == 0 and n_q == n_k and n_q > 1:
+        step = q_pos[:, 1:] - q_pos[:, :-1]
+        if bool((step != 1).any()):
+            seg = torch.nn.functional.pad((step != 1).long().cumsum(-1), (1, 0))
+            return seg, seg
+    return None, None
+
+
+def _window_bias(window: int, seen: int, first: int, n_q: int, n_k: int, device: torch.device) -> Bias:
+    """``-inf`` where key token ``<=`` query token ``- window`` (Mistral's sliding window), lazily by rows."""
+
+    def rows(start: int, stop: int, k_stop: int) -> Tensor:
+        qt = torch.arange(seen + start, seen + stop, device=device)[:, None]
+        kt = torch.arange(first, first + k_stop, device=device)[None, :]
+        out = torch.zeros(stop - start, k_stop, device=device)
+        return out.masked_fill(qt - kt >= window, float("-inf"))[None, None]
+
+    return DenseBias.lazy(rows, n_q, n_k, inputs=(), window=lambda s, e, k: ())
+
+
+def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                    scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
+                    ) -> tuple[Tensor, Tensor | None]:
+    """``posenc_fused``: every stage of the encoding and a posenc backend."""
+    enc = _encoding(module)
+    call: LayerCall = module._posenc_call
+    if dropout and module.training and not getattr(module, "_posenc_warned_dropout", False):
+        warnings.warn(f"{type(module).__name__}: attention dropout ({dropout}) is not applied by posenc's "
+                      f"fused attention (encoding {enc.name!r})", stacklevel=2)
+        module._posenc_warned_dropout = True
+    n_q, n_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
+    q_pos, k_pos, seen, first = positions(module, query, key, kwargs.get("position_ids"))
+    state = _cache_state(module)
+    if state is not None and state.extra:
+        _align_state(state, enc.name, type(call.cache).__name__, n_k - n_q, seen + n_q - first == n_k)
+    ctx = AttentionContext(q_pos, k_pos, True, call.hidden, state, module)
+    stages = enc.stages
+    if "rotate" in stages:
+        query, key = enc.rotate(query, key, ctx)
+    bias = enc.bias(query, key, ctx) if "bias" in stages else None
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    if window is not None and seen + n_q - first > int(window):
+        bias = _window_bias(int(window), seen, first, n_q, n_k, query.device) + bias
+    q_seg, k_seg = _segments(attention_mask, q_pos, seen, first, n_q, n_k)
+    mask = AttentionMask(True, seen - first, n_q, n_k, q_seg, k_seg)
+    requires_grad = torch.is_grad_enabled() and (query.requires_grad or any(p.requires_grad for p in enc.parameters()))
+    backend = resolve_backend(getattr(module, "posenc_backend", "auto"), enc, query.device, requires_grad)
+    scale = (scaling if scaling is not None else d ** -0.5) * enc.softmax_scale(d) * d ** 0.5
+    normalize = enc.normalize if "normalize" in stages else None
+    out = backend.attend(query, key, value, bias=bias, mask=mask, scale=scale, normalize=normalize, ctx=ctx)
+    return out.transpose(1, 2).to(value.dtype), None

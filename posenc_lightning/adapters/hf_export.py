@@ -1,0 +1,171 @@
+"""Export a Hugging Face model with an injected encoding, and load it back.
+
+`export_pretrained` writes a ``save_pretrained`` directory:
+
+- rope-family laws transformers knows (rope, ntk as a new base, pi = ``linear``, dynamic_ntk =
+  ``dynamic``, yarn, llama3, long_rope = ``longrope``) become ``rope_parameters`` in config.json:
+  the directory loads in plain ``transformers`` with no posenc_lightning installed, same logits;
+- any other encoding keeps the model's own weights in the usual files (GPT-2's original ``wpe``
+  included, so transformers loads it without warnings) and adds ``posenc_lightning.json`` (the
+  encoding's spec) and ``posenc_lightning.pt`` (its parameters): reload with `load_pretrained`.
+  Plain transformers would load the model *without* the encoding: `export_pretrained` says so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from posenc_lightning.adapters import hf as adapter
+from posenc_lightning.encodings.base import Encoding
+
+SPEC_FILE, STATE_FILE = "posenc_lightning.json", "posenc_lightning.pt"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+
+
+def to_rope_parameters(enc: Encoding) -> tuple[dict[str, Any], int | None] | None:
+    """``(rope_parameters, max_position_embeddings or None)`` equal to ``enc`` in transformers'
+    ``ROPE_INIT_FUNCTIONS`` (the inverse of `posenc_lightning.encodings.hf.from_hf`), or None."""
+    from posenc_lightning.encodings.rope import RoPE
+    from posenc_lightning.encodings.rope_scaling import (
+        DynamicNTK, Llama3, LongRoPE, NTKAware, PositionInterpolation, YaRN,
+    )
+
+    if getattr(enc, "layout", None) != "half" or type(enc) not in (RoPE, NTKAware, PositionInterpolation, DynamicNTK,
+                                                                   YaRN, Llama3, LongRoPE):
+        return None
+    p: dict[str, Any] = {"rope_theta": enc.theta}
+    if enc.partial_rotary_factor != 1.0:
+        p["partial_rotary_factor"] = enc.partial_rotary_factor
+    orig = getattr(enc, "original_max_position_embeddings", None)
+    if type(enc) is RoPE:
+        return {**p, "rope_type": "default"}, None
+    if isinstance(enc, NTKAware):  # a new base: b' = b s^(d/(d-2)) (bloc97)
+        d = enc.rotary_dim
+        return {**p, "rope_type": "default", "rope_theta": enc.theta * enc.factor ** (d / (d - 2))}, None
+    if isinstance(enc, PositionInterpolation):
+        return {**p, "rope_type": "linear", "factor": enc.factor}, None
+    if isinstance(enc, DynamicNTK):  # transformers measures the length against max_position_embeddings
+        return {**p, "rope_type": "dynamic", "factor": enc.factor}, orig
+    longest = int(round(enc.factor * orig))
+    if isinstance(enc, YaRN):
+        c = enc.config()
+        return {**p, "rope_type": "yarn", "factor": enc.factor, "original_max_position_embeddings": orig,
+                "beta_fast": c["beta_fast"], "beta_slow": c["beta_slow"], "mscale": c["mscale"],
+                "mscale_all_dim": c["mscale_all_dim"], "attention_factor": c["attention_factor"],
+                "truncate": c["truncate"]}, longest
+    if isinstance(enc, Llama3):
+        c = enc.config()
+        return {**p, "rope_type": "llama3", "factor": enc.factor, "original_max_position_embeddings": orig,
+                "low_freq_factor": c["low_freq_factor"], "high_freq_factor": c["high_freq_factor"]}, longest
+    if enc.n_hat:  # LongRoPE's kept initial positions have no transformers equivalent
+        return None
+    return {**p, "rope_type": "longrope", "short_factor": enc.short_factor, "long_factor": enc.long_factor,
+            "original_max_position_embeddings": orig, "attention_factor": enc.attention_factor,
+            "factor": enc.factor}, enc.max_position_embeddings
+
+
+def _single_hf(module: nn.Module) -> nn.Module:
+    models = adapter.find_hf_models(module)
+    if len(models) != 1:
+        raise ValueError(f"export_pretrained: {type(module).__name__} holds {len(models)} Hugging Face models; "
+                         f"pass the PreTrainedModel to export")
+    return models[0]
+
+
+def injected_encoding(hf: nn.Module) -> Encoding | None:
+    """The encoding the adapter placed in ``hf`` (the first layer's), or None."""
+    table = getattr(hf.base_model, "rotary_emb", None)
+    if isinstance(table, adapter.RotaryTable):
+        return table.encoding
+    wpe = getattr(hf.base_model, "wpe", None)
+    for m in adapter.attention_modules(hf):
+        if getattr(m, "posenc", None) is not None:
+            return m.posenc
+    return getattr(wpe, "encoding", None)
+
+
+def _is_posenc_key(key: str) -> bool:
+    return ".posenc." in key or key.startswith("posenc.") or ".rotary_emb.encoding." in key \
+        or ".wpe.encoding." in key
+
+
+def export_pretrained(module: nn.Module, out_dir: str, tokenizer_dir: str | None = None) -> dict[str, Any]:
+    """Write ``module``'s Hugging Face model with its injected encoding to ``out_dir``.
+
+    Returns ``{"format": "transformers" | "posenc_lightning", "rope_parameters": ...}``; the
+    second format needs `load_pretrained` (a warning says so)."""
+    from posenc_lightning.inject import injected_spec
+
+    hf = _single_hf(module)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    enc = injected_encoding(hf)
+    spec = injected_spec(hf) or injected_spec(module)
+    originals = getattr(hf, adapter.ORIGINALS, None) or {}
+    state = {k: v for k, v in hf.state_dict().items() if not _is_posenc_key(k)}
+    has_rope = adapter.rotary_module(hf) is not None
+    rope = to_rope_parameters(enc) if enc is not None and has_rope and enc.stages == frozenset({"rotate"}) else None
+    config = hf.config.__class__.from_dict(hf.config.to_dict())
+    if "wpe" in originals:  # the model's own table, so that transformers loads the files cleanly
+        state[_wpe_key(hf)] = originals["wpe"].weight.detach()
+    hf.save_pretrained(str(out), state_dict=state)
+    result: dict[str, Any] = {"format": "transformers", "rope_parameters": None}
+    if spec is None:
+        pass
+    elif rope is not None:
+        params, max_pos = rope
+        config.rope_parameters = params
+        if max_pos is not None:
+            config.max_position_embeddings = int(max_pos)
+        result["rope_parameters"] = params
+    else:
+        torch.save({k: v.detach().clone() for k, v in hf.state_dict().items() if _is_posenc_key(k)}, out / STATE_FILE)
+        (out / SPEC_FILE).write_text(json.dumps(spec, indent=2, default=str))
+        result["format"] = "posenc_lightning"
+        warnings.warn(f"{spec['encoding']} is not a transformers rope law: {out} needs "
+                      f"posenc_lightning.load_pretrained({str(out)!r}) to load with its encoding "
+                      f"(plain transformers would load the model without it)", stacklevel=2)
+    config._attn_implementation = originals.get("attn_implementation", config._attn_implementation)
+    config.save_pretrained(str(out))
+    src = tokenizer_dir or getattr(module, "tokenizer_dir", None)
+    if src:
+        for name in _TOKENIZER_FILES:
+            if (Path(src) / name).is_file():
+                shutil.copy(Path(src) / name, out / name)
+    return result
+
+
+def _wpe_key(hf: nn.Module) -> str:
+    for name, m in hf.named_modules():
+        if m is hf.base_model.wpe:
+            return f"{name}.weight"
+    return "transformer.wpe.weight"
+
+
+def load_pretrained(path: str, **kwargs: Any) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(path)`` (local files only) with the encoding an
+    `export_pretrained` directory names re-injected and its parameters loaded."""
+    from transformers import AutoModelForCausalLM
+
+    from posenc_lightning.inject import inject
+
+    hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+    spec_file = Path(path) / SPEC_FILE
+    if spec_file.is_file():
+        spec = json.loads(spec_file.read_text())
+        inject(hf, spec["encoding"], backend=spec.get("backend", "auto"),
+               share_across_layers=spec.get("share_across_layers", True), **spec.get("config", {}))
+        saved = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+        missing = set(k for k in hf.state_dict() if _is_posenc_key(k)) - set(saved)
+        if missing:
+            raise ValueError(f"load_pretrained: {STATE_FILE} in {path} lacks {sorted(missing)[:4]}")
+        hf.load_state_dict(saved, strict=False)
+    return hf
