@@ -62,7 +62,7 @@ def build(arch: str, seed: int = 0):
     from posenc_lightning.models.hf import HFCausalLM
 
     torch.manual_seed(seed)
-    return HFCausalLM(config=copy.deepcopy(config(arch)))
+    return HFCausalLM(config=copy.deepcopy(config(arch))).eval()
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:

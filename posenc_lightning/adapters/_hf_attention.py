@@ -196,7 +196,7 @@ def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     n_q, n_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
     q_pos, k_pos, seen, first = positions(module, query, key, kwargs.get("position_ids"))
     state = _cache_state(module)
-    if state is not None and state.extra:
+    if state is not None and (state.extra or enc.keeps_cache_state):
         _align_state(state, enc.name, type(call.cache).__name__, n_k - n_q, seen + n_q - first == n_k)
     ctx = AttentionContext(q_pos, k_pos, True, call.hidden, state, module)
     stages = enc.stages

@@ -341,6 +341,9 @@ class Encoding(nn.Module):
     position_dims: ClassVar[int] = 1
     #: needs the layer's hidden state in ``attend(..., hidden=...)`` (FoX gates)
     requires_hidden: ClassVar[bool] = False
+    #: keeps per-token state beside the cached keys (``ctx.cache.extra``: FoX's cumulative gates),
+    #: so its cache must hold exactly the tokens seen (no fixed-size static buffer)
+    keeps_cache_state: ClassVar[bool] = False
     #: rotary encodings need an even head_dim
     needs_even_head_dim: ClassVar[bool] = False
     #: ``rotate`` is a cheap, deterministic function of (q, k, ctx): attention recomputes it in

@@ -31,6 +31,7 @@ class ForgettingAttention(Encoding):
     """
 
     requires_hidden = True
+    keeps_cache_state = True
 
     def __init__(self, gate_bias_init: float = 0.0, rope: bool = False, theta: float = 10000.0,
                  layout: Literal["half", "interleaved"] = "half") -> None:
