@@ -43,17 +43,22 @@ def find_mixin_modules(model: nn.Module) -> tuple[list[nn.Module], list[nn.Modul
 
 
 def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
-           share_across_layers: bool = True, **cfg: Any) -> Encoding:
+           share_across_layers: bool = True, reset: bool = False, **cfg: Any) -> Encoding:
     """Put ``encoding`` into every `PosEncAttentionMixin` / `PosEncEmbeddingMixin` of ``model``.
 
-    Replaces whatever was injected before (all four stages together: no table of an earlier
-    encoding stays behind). Returns the encoding (the first layer's when not shared).
+    Injecting what is already there (same name, same resolved config, same sharing; or the very
+    `Encoding` instance already held) is a no-op that returns the injected encoding with its
+    (possibly trained) parameters; when only ``backend`` differs the backend is switched and the
+    parameters are kept. Anything else replaces whatever was injected before (all four stages
+    together: no table of an earlier encoding stays behind). Returns the encoding (the first
+    layer's when not shared).
 
     Args:
         model: any ``nn.Module`` whose attention (and optionally embedding) modules use the mixins.
         encoding: a registered name (``posenc list``) or an `Encoding` instance.
         backend: ``auto``, ``eager``, ``sdpa``, ``flex`` or ``triton``.
         share_across_layers: one encoding (and its parameters) for every layer, or one per layer.
+        reset: build a fresh encoding (new initialisation) even when the same one is injected.
         **cfg: the encoding's ``__init__`` arguments when ``encoding`` is a name.
     """
     if backend != "auto" and backend not in BACKENDS:
@@ -67,6 +72,9 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
         proto = build_encoding(encoding, **_defaults_from_model(model, encoding, cfg))
     else:
         raise TypeError(f"encoding must be a name or an Encoding, got {type(encoding).__name__}")
+    kept = None if reset else _same_spec(model, proto, share_across_layers, by_name=isinstance(encoding, str))
+    if kept is not None:
+        return _switch_backend(model, kept, backend)
 
     attn, emb = find_mixin_modules(model)
     if not attn and not emb:
@@ -113,6 +121,46 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
         "share_across_layers": share_across_layers,
     })
     return encs[0]
+
+
+def _normalized(v: Any) -> Any:
+    """Config values as a checkpoint or YAML round trip may give them back (tuples as lists)."""
+    if isinstance(v, (list, tuple)):
+        return [_normalized(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _normalized(x) for k, x in v.items()}
+    return v
+
+
+def _same_spec(model: nn.Module, proto: Encoding, share_across_layers: bool, by_name: bool) -> Encoding | None:
+    """The encoding ``model`` already holds when ``proto`` is the same spec, else None: the same
+    instance, or (``by_name``: the user gave a name) the same name, resolved config and sharing."""
+    held = [m.posenc for m in model.modules() if isinstance(getattr(m, "posenc", None), Encoding)]
+    spec = injected_spec(model)
+    if not held or spec is None:
+        return None
+    if any(h is proto for h in held):
+        return held[0]
+    if by_name and spec.get("encoding") == proto.name \
+            and spec.get("share_across_layers", True) == share_across_layers \
+            and _normalized(spec.get("config", {})) == _normalized(proto.config()) \
+            and all(type(h) is type(proto) for h in held):
+        return held[0]
+    return None
+
+
+def _switch_backend(model: nn.Module, enc: Encoding, backend: str) -> Encoding:
+    """Keep ``enc`` (and its parameters); point the attention modules at ``backend``."""
+    spec = injected_spec(model)
+    if spec.get("backend") == backend:
+        return enc
+    attn = [m for m in model.modules() if isinstance(m, PosEncAttentionMixin) and m.encoding is not None]
+    for m in attn:
+        resolve_backend(backend, m.encoding, _module_device(m), requires_grad=False)
+    for m in attn:
+        m.posenc_backend = backend
+    setattr(model, SPEC_ATTR, {**spec, "backend": backend})
+    return enc
 
 
 def _fresh_copy(proto: Encoding) -> Encoding:
