@@ -27,6 +27,15 @@ def _module_device(m: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _module_dtype(m: nn.Module) -> torch.dtype | None:
+    """The floating dtype of ``m``'s own weights (else its submodules'), None if it has none."""
+    for ts in (list(m.parameters(recurse=False)), list(m.parameters())):
+        for t in ts:
+            if t.is_floating_point():
+                return t.dtype
+    return None
+
+
 def _defaults_from_model(model: nn.Module, name: str, cfg: dict[str, Any]) -> dict[str, Any]:
     params = inspect.signature(encoding_class(name).__init__).parameters
     out = dict(cfg)
@@ -99,7 +108,7 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
                                  f"an integer `{attr}` attribute; set self.{attr} in its __init__")
         enc = proto if (share_across_layers or i == 0) else _fresh_copy(proto)
         enc.bind(n_heads=m.n_heads, head_dim=m.head_dim, d_model=d_model)
-        enc.to(_module_device(m))
+        enc.to(device=_module_device(m), dtype=_module_dtype(m))
         resolve_backend(backend, enc, _module_device(m), requires_grad=False)
         m.posenc = enc
         m.posenc_backend = backend
@@ -111,7 +120,7 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
         for m in emb:
             enc = encs[0] if encs else proto
             enc.bind(d_model=int(getattr(m, "d_model", d_model) or d_model))
-            enc.to(_module_device(m))
+            enc.to(device=_module_device(m), dtype=_module_dtype(m))
             m.posenc = enc
             encs.append(enc)
     if not encs:
