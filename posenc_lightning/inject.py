@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from posenc_lightning.attention.mixin import PosEncAttentionMixin, PosEncEmbeddingMixin
 from posenc_lightning.attention.backends import BACKENDS, resolve_backend
+from posenc_lightning.attention.mixin import PosEncAttentionMixin, PosEncEmbeddingMixin
 from posenc_lightning.encodings.base import Encoding
 from posenc_lightning.encodings.registry import build_encoding, encoding_class
 
@@ -104,7 +104,7 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
     for i, m in enumerate(attn if use_attn else []):
         for attr in ("n_heads", "head_dim"):
             if not isinstance(getattr(m, attr, None), int):
-                raise ValueError(f"{type(m).__name__} inherits PosEncAttentionMixin but does not declare "
+                raise ValueError(f"{type(m).__name__} inherits PosEncAttentionMixin but does not declare "  # noqa: TRY004
                                  f"an integer `{attr}` attribute; set self.{attr} in its __init__")
         enc = proto if (share_across_layers or i == 0) else _fresh_copy(proto)
         enc.bind(n_heads=m.n_heads, head_dim=m.head_dim, d_model=d_model)

@@ -18,8 +18,9 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
