@@ -22,13 +22,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-from benchmarks.harness import interleaved_medians, loadavg, machine  # noqa: E402
-from posenc_lightning.attention.mixin import PosEncAttentionMixin  # noqa: E402
-from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin, rope_inv_freq  # noqa: E402
-from posenc_lightning.inject import inject  # noqa: E402
+from benchmarks.harness import interleaved_medians, loadavg, machine
+from posenc_lightning.attention.mixin import PosEncAttentionMixin
+from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin, rope_inv_freq
+from posenc_lightning.inject import inject
 
 
 class _Attn(nn.Module, PosEncAttentionMixin):
@@ -72,10 +72,14 @@ def rotary_cases(n: int, h: int, d: int, dev: torch.device) -> dict[tuple, objec
     cos, sin = rope_cos_sin(pos, rope_inv_freq(d, device=dev))
     cos_hf, sin_hf = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)  # HF's [B, N, D] tables
     freqs = RotaryEmbedding(dim=d).to(dev)(torch.arange(n, device=dev))  # [N, D] interleaved angles
-    ours_h = lambda: (apply_rotary(q, cos, sin, "half"), apply_rotary(k, cos, sin, "half"))  # noqa: E731
-    hf = lambda: apply_rotary_pos_emb(q, k, cos_hf, sin_hf)  # noqa: E731
-    ours_i = lambda: (apply_rotary(q, cos, sin, "interleaved"), apply_rotary(k, cos, sin, "interleaved"))  # noqa: E731
-    ret = lambda: (apply_rotary_emb(freqs, q), apply_rotary_emb(freqs, k))  # noqa: E731
+    def ours_h():
+        return (apply_rotary(q, cos, sin, "half"), apply_rotary(k, cos, sin, "half"))
+    def hf():
+        return apply_rotary_pos_emb(q, k, cos_hf, sin_hf)
+    def ours_i():
+        return (apply_rotary(q, cos, sin, "interleaved"), apply_rotary(k, cos, sin, "interleaved"))
+    def ret():
+        return (apply_rotary_emb(freqs, q), apply_rotary_emb(freqs, k))
     # same numbers first: a comparison of different results would mean nothing
     for a, b in zip(ours_h(), hf()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -105,8 +109,10 @@ def bias_cases(n: int, h: int, d: int, dev: torch.device) -> dict[tuple, object]
         if enc == "relative_bias":  # the same table values, so that the outputs can be compared
             with torch.no_grad():
                 ours_mod.posenc.relative_attention_bias.weight.copy_(xt.relative_attention_bias.weight)
-        ours = lambda m=ours_mod: m.attend(q, k, v)  # noqa: E731
-        xtf = lambda xt=xt: attend(q, k, v, attn_bias=xt(n, n))[0]  # noqa: E731
+        def ours(m=ours_mod):
+            return m.attend(q, k, v)
+        def xtf(xt=xt):
+            return attend(q, k, v, attn_bias=xt(n, n))[0]
         torch.testing.assert_close(ours(), xtf(), rtol=2e-4, atol=2e-4)
         params = [p for m in (ours_mod, xt) for p in m.parameters()]
         for name, f in ((f"ours {enc}", ours), (f"x-transformers {enc}", xtf)):
@@ -141,9 +147,9 @@ def main(argv: list[str] | None = None) -> Path:
     lines = [f"# Ours vs the libraries ({dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC})", "",
              f"- machine: {machine()}", f"- load average before: {loadavg()}",
              f"- command: `python benchmarks/compare_libraries.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
-             f"- B=1, {a.heads} heads, head_dim {a.head_dim}, fp32, q/k/v strided views of a fused projection; "
+             (f"- B=1, {a.heads} heads, head_dim {a.head_dim}, fp32, q/k/v strided views of a fused projection; "
              f"{a.reps} interleaved reps ({rotary_reps(a.reps)} for the rotary calls, timed among themselves), "
-             f"medians; outputs checked equal before timing", "",
+             f"medians; outputs checked equal before timing"), "",
              "| N | what | ours | theirs | fwd ms ours / theirs | fwd ratio | fwd+bwd ms ours / theirs | fwd+bwd ratio |",
              "|---|---|---|---|---|---|---|---|"]
     for n in a.lengths:

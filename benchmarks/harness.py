@@ -12,7 +12,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -194,6 +194,6 @@ def machine() -> str:
 
 def loadavg() -> str:
     try:
-        return "%.1f / %.1f / %.1f" % os.getloadavg()
+        return "{:.1f} / {:.1f} / {:.1f}".format(*os.getloadavg())
     except OSError:
         return "n/a"

@@ -128,7 +128,7 @@ def check(arch: str, name: str, fit: bool = True) -> dict[str, Any]:
     with torch.no_grad():
         logits = hf(ids).logits
         gen = generate_error(hf, ids, mask)
-    params = {n: p for n, p in module.named_parameters() if "posenc" in n or ".encoding." in n}
+    params = {n: p for n, p in module.named_parameters() if "posenc" in n}
     hf.train()
     hf(ids, attention_mask=mask).logits.float().square().mean().backward()
     grads = {n: (p.grad is not None and bool(p.grad.isfinite().all()) and p.grad.abs().sum().item() > 0)

@@ -21,12 +21,21 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.harness import (  # noqa: E402
-    gpt_fns, interleaved_medians, layer_encoding, layer_fns, loadavg, machine, make_gpt, make_layer, stage_fn)
-from posenc_lightning.attention.backends import resolve_backend  # noqa: E402
-from posenc_lightning.encodings.registry import available_encodings  # noqa: E402
+from benchmarks.harness import (
+    gpt_fns,
+    interleaved_medians,
+    layer_encoding,
+    layer_fns,
+    loadavg,
+    machine,
+    make_gpt,
+    make_layer,
+    stage_fn,
+)
+from posenc_lightning.attention.backends import resolve_backend
+from posenc_lightning.encodings.registry import available_encodings
 
 #: the seed guide's "encoding time as a share of the forward" at seq 4096 (000, "Computational Overhead")
 SEED_SHARE = {"nope": 0.0, "sinusoidal": 0.008, "learned": 0.008, "rope": 0.024, "alibi": 0.016,
@@ -83,7 +92,7 @@ def memory_length(names: list[str], n: int, a: argparse.Namespace) -> dict[str, 
            "--n-heads", str(a.n_heads), "--n-layers", str(a.n_layers), "--encodings", *names]
     if a.no_gpt or a.no_gpt_memory:
         cmd.append("--no-gpt")
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    r = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if r.returncode:
         return {nm: {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "failed"} for nm in names}
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -102,21 +111,21 @@ def render(results: dict, a: argparse.Namespace, meta: dict) -> str:
              f"- machine: {meta['machine']}",
              f"- command: `{meta['command']}`",
              f"- load average (1/5/15 min) before: {meta['load_before']}, after: {meta['load_after']}",
-             f"- shapes: B=1, d_model={a.d_model}, {a.n_heads} heads (head_dim {a.d_model // a.n_heads}); "
-             f"TinyGPT {a.n_layers} layers; reps={a.reps} interleaved, medians; backend `auto`",
+             (f"- shapes: B=1, d_model={a.d_model}, {a.n_heads} heads (head_dim {a.d_model // a.n_heads}); "
+             f"TinyGPT {a.n_layers} layers; reps={a.reps} interleaved, medians; backend `auto`"),
              "- time columns: median time / median time of `nope` in the same process (1.00 = free).",
-             "- share = layer fwd ratio - 1: the encoding's time as a share of the no-encoding attention "
+             ("- share = layer fwd ratio - 1: the encoding's time as a share of the no-encoding attention "
              "forward; stage = the encoding's own work alone (embed, rotate, the bias description and the "
              "computation of the bias values a backend reads, not the attention; q/k in cache as inside "
-             "the layer) / nope layer fwd: the seed guide's 'encoding time / attention time'.",
-             "- memory: peak extra resident memory of one step in a fresh process (benchmarks/memory.py; "
-             "MiB, and x nope).", ""]
+             "the layer) / nope layer fwd: the seed guide's 'encoding time / attention time'."),
+             ("- memory: peak extra resident memory of one step in a fresh process (benchmarks/memory.py; "
+             "MiB, and x nope)."), ""]
     for n, (info, mem) in results.items():
         nope_t = info.get("nope", {}).get("layer_fwd")
         lines += [f"## N = {n}", "",
                   f"nope: layer fwd {1e3 * nope_t:.1f} ms" if nope_t else "", "",
-                  "| encoding | stages | backend | layer fwd | layer fwd+bwd | gpt fwd | gpt fwd+bwd | share | "
-                  "stage | seed share | mem layer fwd | mem layer fwd+bwd | mem gpt fwd+bwd |",
+                  ("| encoding | stages | backend | layer fwd | layer fwd+bwd | gpt fwd | gpt fwd+bwd | share | "
+                  "stage | seed share | mem layer fwd | mem layer fwd+bwd | mem gpt fwd+bwd |"),
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name in info:
             i = info[name]
@@ -129,7 +138,7 @@ def render(results: dict, a: argparse.Namespace, meta: dict) -> str:
             mm = mem.get(name, {})
             mn = mem.get("nope", {})
 
-            def mcell(metric: str) -> str:
+            def mcell(metric: str, mm: dict = mm, mn: dict = mn) -> str:
                 if metric not in mm:
                     return mm.get("error", "-")[:40] if metric == "layer_fwd" else "-"
                 r = f" ({mm[metric] / mn[metric]:.2f}x)" if mn.get(metric) else ""
@@ -203,7 +212,8 @@ def main(argv: list[str] | None = None) -> Path:
         a.lengths, a.reps, a.d_model, a.n_heads = [256, 512], 5, 128, 4
     names = a.encodings or available_encodings() + VARIANTS
     names = ["nope"] + [nm for nm in names if nm != "nope"]
-    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    def log(s):
+        return print(s, file=sys.stderr, flush=True)
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
             "command": "python benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "load_before": loadavg()}
@@ -223,8 +233,8 @@ def main(argv: list[str] | None = None) -> Path:
         log(f"N={n}: timing {len(run_names)} encodings")
         info = time_length(run_names, n, a, log)
         mem = {} if a.no_memory else memory_length([nm for nm in run_names if "error" not in info[nm]], n, a)
-        for nm in skipped:
-            info[nm] = {"error": skipped[nm]}
+        for nm, why in skipped.items():
+            info[nm] = {"error": why}
         results[n] = (info, mem)
         if partial_out is not None:  # a long run leaves what it has measured so far
             meta["load_after"] = loadavg()

@@ -2,7 +2,15 @@
 
 from posenc_lightning.attention import KVCache, LayerKVCache, PosEncAttentionMixin, PosEncEmbeddingMixin
 from posenc_lightning.encodings import (
-    Bias, BiasSum, DecayBias, DenseBias, Encoding, LinearBias, RelativeBias, available_encodings, build_encoding,
+    Bias,
+    BiasSum,
+    DecayBias,
+    DenseBias,
+    Encoding,
+    LinearBias,
+    RelativeBias,
+    available_encodings,
+    build_encoding,
 )
 from posenc_lightning.inject import inject, injected_spec, restore_from_checkpoint
 
@@ -20,8 +28,26 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'posenc_lightning' has no attribute {name!r}")
 
 __all__ = [
-    "Bias", "BiasSum", "ContextCurriculum", "Stage", "DecayBias", "DenseBias", "Encoding", "KVCache", "LayerKVCache", "LinearBias",
-    "PosEncAttentionMixin", "PosEncCallback", "PosEncEmbeddingMixin", "RelativeBias", "available_encodings",
-    "build_encoding", "inject", "injected_spec", "restore_from_checkpoint",
-    "LMEvalCallback", "LengthEvalCallback", "PosEncVisualizer",
+    "Bias",
+    "BiasSum",
+    "ContextCurriculum",
+    "DecayBias",
+    "DenseBias",
+    "Encoding",
+    "KVCache",
+    "LMEvalCallback",
+    "LayerKVCache",
+    "LengthEvalCallback",
+    "LinearBias",
+    "PosEncAttentionMixin",
+    "PosEncCallback",
+    "PosEncEmbeddingMixin",
+    "PosEncVisualizer",
+    "RelativeBias",
+    "Stage",
+    "available_encodings",
+    "build_encoding",
+    "inject",
+    "injected_spec",
+    "restore_from_checkpoint",
 ]

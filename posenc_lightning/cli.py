@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -69,7 +69,7 @@ def recipe_command(recipe: str, overrides: Sequence[str]) -> list[str]:
             if val is None:
                 raise SystemExit(f"posenc run: {a} needs a value")
             devices, config = (val, config) if a == "--devices" else (devices, val)
-        elif a.startswith("--devices=") or a.startswith("--config="):
+        elif a.startswith(("--devices=", "--config=")):
             key, val = a.split("=", 1)
             devices, config = (val, config) if key == "--devices" else (devices, val)
         else:

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from posenc_lightning.attention.mixin import PosEncAttentionMixin, PosEncEmbeddingMixin
 from posenc_lightning.attention.backends import BACKENDS, resolve_backend
+from posenc_lightning.attention.mixin import PosEncAttentionMixin, PosEncEmbeddingMixin
 from posenc_lightning.encodings.base import Encoding
 from posenc_lightning.encodings.registry import build_encoding, encoding_class
 
@@ -25,6 +25,15 @@ def _module_device(m: nn.Module) -> torch.device:
     for t in m.parameters():
         return t.device
     return torch.device("cpu")
+
+
+def _module_dtype(m: nn.Module) -> torch.dtype | None:
+    """The floating dtype of ``m``'s own weights (else its submodules'), None if it has none."""
+    for ts in (list(m.parameters(recurse=False)), list(m.parameters())):
+        for t in ts:
+            if t.is_floating_point():
+                return t.dtype
+    return None
 
 
 def _defaults_from_model(model: nn.Module, name: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -43,17 +52,22 @@ def find_mixin_modules(model: nn.Module) -> tuple[list[nn.Module], list[nn.Modul
 
 
 def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
-           share_across_layers: bool = True, **cfg: Any) -> Encoding:
+           share_across_layers: bool = True, reset: bool = False, **cfg: Any) -> Encoding:
     """Put ``encoding`` into every `PosEncAttentionMixin` / `PosEncEmbeddingMixin` of ``model``.
 
-    Replaces whatever was injected before (all four stages together: no table of an earlier
-    encoding stays behind). Returns the encoding (the first layer's when not shared).
+    Injecting what is already there (same name, same resolved config, same sharing; or the very
+    `Encoding` instance already held) is a no-op that returns the injected encoding with its
+    (possibly trained) parameters; when only ``backend`` differs the backend is switched and the
+    parameters are kept. Anything else replaces whatever was injected before (all four stages
+    together: no table of an earlier encoding stays behind). Returns the encoding (the first
+    layer's when not shared).
 
     Args:
         model: any ``nn.Module`` whose attention (and optionally embedding) modules use the mixins.
         encoding: a registered name (``posenc list``) or an `Encoding` instance.
         backend: ``auto``, ``eager``, ``sdpa``, ``flex`` or ``triton``.
         share_across_layers: one encoding (and its parameters) for every layer, or one per layer.
+        reset: build a fresh encoding (new initialisation) even when the same one is injected.
         **cfg: the encoding's ``__init__`` arguments when ``encoding`` is a name.
     """
     if backend != "auto" and backend not in BACKENDS:
@@ -64,6 +78,7 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
         raise TypeError(f"got an Encoding instance and extra arguments {sorted(cfg)}: "
                         f"configure the instance itself, or pass its name")
     attn, emb = find_mixin_modules(model)
+    models: list[nn.Module] = []
     if not attn and not emb:
         from posenc_lightning.adapters import hf
 
@@ -72,11 +87,17 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
             raise ValueError(f"{type(model).__name__} has no module that inherits PosEncAttentionMixin or "
                              f"PosEncEmbeddingMixin, and holds no Hugging Face PreTrainedModel: inherit the "
                              f"mixins in your attention / embedding modules")
-        return _inject_adapted(model, models, encoding, backend, share_across_layers, cfg)
     if isinstance(encoding, Encoding):
         proto = encoding
+    elif models:
+        proto = build_encoding(encoding, **hf.defaults_for(models[0], encoding_class(encoding), cfg))
     else:
         proto = build_encoding(encoding, **_defaults_from_model(model, encoding, cfg))
+    kept = None if reset else _same_spec(model, proto, share_across_layers, by_name=isinstance(encoding, str))
+    if kept is not None:
+        return _switch_backend(model, kept, backend)
+    if models:
+        return _inject_adapted(model, models, proto, backend, share_across_layers)
     for m in attn + emb:  # replace entirely
         if getattr(m, "posenc", None) is not None:
             del m.posenc
@@ -92,11 +113,11 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
     for i, m in enumerate(attn if use_attn else []):
         for attr in ("n_heads", "head_dim"):
             if not isinstance(getattr(m, attr, None), int):
-                raise ValueError(f"{type(m).__name__} inherits PosEncAttentionMixin but does not declare "
+                raise ValueError(f"{type(m).__name__} inherits PosEncAttentionMixin but does not declare "  # noqa: TRY004
                                  f"an integer `{attr}` attribute; set self.{attr} in its __init__")
         enc = proto if (share_across_layers or i == 0) else _fresh_copy(proto)
         enc.bind(n_heads=m.n_heads, head_dim=m.head_dim, d_model=d_model)
-        enc.to(_module_device(m))
+        enc.to(device=_module_device(m), dtype=_module_dtype(m))
         resolve_backend(backend, enc, _module_device(m), requires_grad=False)
         m.posenc = enc
         m.posenc_backend = backend
@@ -108,7 +129,7 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
         for m in emb:
             enc = encs[0] if encs else proto
             enc.bind(d_model=int(getattr(m, "d_model", d_model) or d_model))
-            enc.to(_module_device(m))
+            enc.to(device=_module_device(m), dtype=_module_dtype(m))
             m.posenc = enc
             encs.append(enc)
     if not encs:
@@ -117,21 +138,17 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
     return encs[0]
 
 
-def _inject_adapted(model: nn.Module, models: list[nn.Module], encoding: str | Encoding, backend: str,
-                    share_across_layers: bool, cfg: dict[str, Any]) -> Encoding:
+def _inject_adapted(model: nn.Module, models: list[nn.Module], proto: Encoding, backend: str,
+                    share_across_layers: bool) -> Encoding:
     """`inject` into Hugging Face models found inside ``model`` (`posenc_lightning.adapters.hf`)."""
     from posenc_lightning.adapters import hf
 
     first: Encoding | None = None
     for i, m in enumerate(models):
-        if isinstance(encoding, Encoding):
-            proto = encoding if i == 0 else _fresh_copy(encoding)
-        else:
-            proto = build_encoding(encoding, **hf.defaults_for(m, encoding_class(encoding), cfg))
-        encs = hf.adapt(m, proto, backend, share_across_layers, _fresh_copy)
+        encs = hf.adapt(m, proto if i == 0 else _fresh_copy(proto), backend, share_across_layers, _fresh_copy)
         first = first or encs[0]
         if m is not model:
-            setattr(m, SPEC_ATTR, _spec(proto, backend, share_across_layers))
+            setattr(m, SPEC_ATTR, _spec(encs[0], backend, share_across_layers))
     setattr(model, SPEC_ATTR, _spec(first, backend, share_across_layers))
     return first
 
@@ -139,6 +156,47 @@ def _inject_adapted(model: nn.Module, models: list[nn.Module], encoding: str | E
 def _spec(proto: Encoding, backend: str, share_across_layers: bool) -> dict[str, Any]:
     return {"encoding": proto.name, "config": proto.config(), "backend": backend,
             "share_across_layers": share_across_layers}
+
+
+def _normalized(v: Any) -> Any:
+    """Config values as a checkpoint or YAML round trip may give them back (tuples as lists)."""
+    if isinstance(v, (list, tuple)):
+        return [_normalized(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _normalized(x) for k, x in v.items()}
+    return v
+
+
+def _same_spec(model: nn.Module, proto: Encoding, share_across_layers: bool, by_name: bool) -> Encoding | None:
+    """The encoding ``model`` already holds when ``proto`` is the same spec, else None: the same
+    instance, or (``by_name``: the user gave a name) the same name, resolved config and sharing."""
+    held = [m.posenc for m in model.modules() if isinstance(getattr(m, "posenc", None), Encoding)]
+    spec = injected_spec(model)
+    if not held or spec is None:
+        return None
+    if any(h is proto for h in held):
+        return held[0]
+    if by_name and spec.get("encoding") == proto.name \
+            and spec.get("share_across_layers", True) == share_across_layers \
+            and _normalized(spec.get("config", {})) == _normalized(proto.config()) \
+            and all(type(h) is type(proto) for h in held):
+        return held[0]
+    return None
+
+
+def _switch_backend(model: nn.Module, enc: Encoding, backend: str) -> Encoding:
+    """Keep ``enc`` (and its parameters); point the attention modules at ``backend``."""
+    spec = injected_spec(model)
+    if spec.get("backend") == backend:
+        return enc
+    attn = [m for m in model.modules() if isinstance(getattr(m, "posenc", None), Encoding)
+            and not isinstance(m, PosEncEmbeddingMixin)]
+    for m in attn:
+        resolve_backend(backend, m.posenc, _module_device(m), requires_grad=False)
+    for m in attn:
+        m.posenc_backend = backend
+    setattr(model, SPEC_ATTR, {**spec, "backend": backend})
+    return enc
 
 
 def _fresh_copy(proto: Encoding) -> Encoding:

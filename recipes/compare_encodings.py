@@ -17,15 +17,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-import lightning.pytorch as pl  # noqa: E402
-from lightning.pytorch.cli import LightningCLI  # noqa: E402
+import lightning.pytorch as pl
+from lightning.pytorch.cli import LightningCLI
 
-from posenc_lightning.callbacks import LengthEvalCallback, LMEvalCallback, PosEncVisualizer  # noqa: E402
-from posenc_lightning.curriculum.extend import RunDirSaveConfig  # noqa: E402
-from posenc_lightning.data import CorpusDataModule  # noqa: E402
-from posenc_lightning.encodings import available_encodings  # noqa: E402
-from posenc_lightning.eval.compare import flatness, render  # noqa: E402
-from posenc_lightning.models import TinyGPT  # noqa: E402
+from posenc_lightning.callbacks import LengthEvalCallback, LMEvalCallback, PosEncVisualizer
+from posenc_lightning.curriculum.extend import RunDirSaveConfig
+from posenc_lightning.data import CorpusDataModule
+from posenc_lightning.encodings import available_encodings
+from posenc_lightning.eval.compare import flatness, render
+from posenc_lightning.models import TinyGPT
 
 
 class CompareCLI(LightningCLI):
@@ -76,7 +76,7 @@ def main(args: list[str] | None = None) -> dict[str, dict[int, float]]:
         enc_cfg = dict(cfg.encoding_cfg.get(name, {}))
         try:
             model = TinyGPT(**{**model_cfg, "max_seq_len": L}, encoding=name, encoding_cfg=enc_cfg)
-        except Exception as e:  # an encoding that cannot build in TinyGPT: reported, the rest go on
+        except Exception as e:  # noqa: BLE001  an encoding that cannot build in TinyGPT: reported, the rest go on
             failures[name] = {n: f"cannot build: {e}" for n in [L * m for m in cfg.multiples]}
             ppl[name] = {n: float("nan") for n in failures[name]}
             continue
@@ -103,7 +103,7 @@ def main(args: list[str] | None = None) -> dict[str, dict[int, float]]:
                  f"n_layers={model_cfg.get('n_layers')} n_heads={model_cfg.get('n_heads')}; {cfg.max_windows} "
                  f"validation windows per length. ppl(longest)/ppl(L): "
                  + ", ".join(f"{k} {flatness(v):.2f}" for k, v in ppl.items() if flatness(v) == flatness(v))
-                 + f". Wall time per encoding (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
+                 + ". Wall time per encoding (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
         md = render(ppl, out, base_len=L, failures=failures, title="compare_encodings", notes=notes)
         print(md)
     return ppl

@@ -44,7 +44,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     ext = cli.config["extend"]
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
     L, s = data.seq_len, float(ext.factor)
-    n = int(round(L * s))
+    n = round(L * s)
     if ext.pretrained:
         ckpt = torch.load(ext.pretrained, map_location="cpu", weights_only=False)
         restore_from_checkpoint(model, ckpt)
@@ -57,7 +57,8 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     ft_steps = ext.finetune_steps if ext.finetune_steps >= 0 else max(1, pre_steps // 20)
     tokens = data.val_tokens
     held_out = ext.search_windows * n  # evaluation text starts after the search windows
-    ppl = lambda m: perplexity(model, tokens, m, ext.eval_tokens, offset_tokens=held_out)
+    def ppl(m):
+        return perplexity(model, tokens, m, ext.eval_tokens, offset_tokens=held_out)
     theta = float((model.hparams.encoding_cfg or {}).get("theta", 10000.0))
     r: dict[str, float] = {"L": L, "factor": s, "pretrain_steps": pre_steps, "finetune_steps": ft_steps,
                            "rope_ppl_L": ppl(L), "rope_ppl_sL": ppl(n)}
@@ -92,7 +93,8 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     r["short_factor"] = cur.short  # type: ignore[assignment]
     r["search_history"] = cur.histories  # type: ignore[assignment]
 
-    f = lambda k: f"{r[k]:.4f}"
+    def f(k):
+        return f"{r[k]:.4f}"
     table = [("rope (pre-trained)", f("rope_ppl_L"), f("rope_ppl_sL")),
              (f"pi s={s:g} zero-shot", f("pi_ppl_L"), f("pi_ppl_sL")),
              (f"yarn s={s:g} zero-shot", f("yarn_ppl_L"), f("yarn_ppl_sL")),

@@ -34,7 +34,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     ext = cli.config["extend"]
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
     L, s = data.seq_len, float(ext.factor)
-    long_len = int(round(L * s))
+    long_len = round(L * s)
     pre_steps = trainer.max_steps
     ft_steps = ext.finetune_steps if ext.finetune_steps >= 0 else max(1, pre_steps // 20)
 
@@ -42,7 +42,8 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     out = Path(ext.results_dir) if ext.results_dir else Path(trainer.log_dir or "runs/yarn_extend")
     trainer.save_checkpoint(str(out / "pretrained.ckpt"))  # longrope_extend can start from it
     tokens = data.val_tokens
-    ppl = lambda n: perplexity(model, tokens, n, ext.eval_tokens)
+    def ppl(n):
+        return perplexity(model, tokens, n, ext.eval_tokens)
     r = {"L": L, "factor": s, "pretrain_steps": pre_steps, "finetune_steps": ft_steps,
          "rope_ppl_L": ppl(L), "rope_ppl_sL": ppl(long_len)}
 

@@ -202,7 +202,8 @@ def test_fire_bias_beyond_training_length_stays_in_training_range():
         assert x.min() >= 0 and x.max() <= 1 + 1e-6  # psi(i-j)/psi(max(L,i)) stays in [0, 1]
         assert (b.min(-1).values >= lo - 0.02 * span).all() and (b.max(-1).values <= hi + 0.02 * span).all()
     # without the normalization the MLP input grows with the length and the bias leaves the range
-    raw = lambda n: enc.mlp(torch.log1p(enc.c * torch.arange(n, dtype=torch.float32))[:, None]).t()
+    def raw(n):
+        return enc.mlp(torch.log1p(enc.c * torch.arange(n, dtype=torch.float32))[:, None]).t()
     r_train, r_long = raw(128), raw(4096)
     out = (r_long.max(-1).values > r_train.max(-1).values + 0.5 * span) | \
           (r_long.min(-1).values < r_train.min(-1).values - 0.5 * span)

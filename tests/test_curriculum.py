@@ -48,7 +48,9 @@ def test_length_changes_at_the_stage_first_step_across_epochs_and_accumulation(t
     trainer(7, [cur, rec], accumulate_grad_batches=2, logger=logger, log_every_n_steps=1).fit(
         tiny_model(), tiny_data(samples_per_epoch=12))
     logged = {}
-    for row in csv.DictReader(open(tmp_path / "metrics.csv")):
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
         if row.get("curriculum/seq_len"):
             logged[int(row["step"])] = (float(row["curriculum/seq_len"]), float(row["curriculum/batch_size"]))
     assert logged == {s: (float(n), float(b)) for s, (n, b) in {0: (16, 4), 1: (16, 4), 2: (24, 3), 3: (24, 3),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -38,7 +39,8 @@ def test_law_factors_are_the_papers_laws():
 
 def test_evolutionary_search_respects_constraint_and_beats_its_seeds():
     target = np.array([1.0, 1.3, 2.0, 2.2, 5.0, 6.1, 7.7, 9.0])
-    score = lambda c: float(((np.asarray(c) - target) ** 2).sum())
+    def score(c):
+        return float(((np.asarray(c) - target) ** 2).sum())
     seeds = list(law_factors(16, 10000.0, 8.0, 128).values())
     runs = [EvolutionarySearch(8, 1.0, 10.0, population=16, parents=4, iterations=8, seed=3).run(score, seeds)
             for _ in range(2)]
@@ -46,7 +48,7 @@ def test_evolutionary_search_respects_constraint_and_beats_its_seeds():
     assert res.best == runs[1].best  # deterministic given the seed (DDP ranks agree)
     assert res.best_score < min(score(s) for s in seeds) / 2
     for c in res.scores:
-        assert all(a <= b for a, b in zip(c, c[1:])), c  # lambda_i <= lambda_{i+1}
+        assert all(a <= b for a, b in itertools.pairwise(c)), c  # lambda_i <= lambda_{i+1}
         assert all(1.0 <= x <= 10.0 and abs(x * 100 - round(x * 100)) < 1e-6 for x in c)  # range, 0.01 grid
     bests = [h["best"] for h in res.history]
     assert bests == sorted(bests, reverse=True) and len(bests) == 8  # elitist: never gets worse
@@ -130,7 +132,7 @@ def test_clex_curriculum_samples_t_per_step_and_evaluates_at_length_ratio():
     ts = [cur.scale_at(s) for s in range(200)]
     assert ts == [CLEXCurriculum(16, 4.0, seed=5).scale_at(s) for s in range(200)]  # pure function of the step
     assert min(ts) >= 1.0 and max(ts) <= 4.0 and max(ts) - min(ts) > 2.5
-    assert set(CLEXCurriculum(16, 4.0, integer_scales=True).scale_at(s) for s in range(100)) == {1.0, 2.0, 3.0, 4.0}
+    assert {CLEXCurriculum(16, 4.0, integer_scales=True).scale_at(s) for s in range(100)} == {1.0, 2.0, 3.0, 4.0}
     assert all(cur.stage_at(s).seq_len == min(64, 8 * math.ceil(16 * t / 8)) for s, t in enumerate(ts))
     assert cur.eval_scale(48, 0) == 3.0 and cur.eval_scale(8, 0) == 1.0
 

@@ -37,7 +37,8 @@ def test_ddp_two_cpu_processes_match_one_process(tmp_path):
 
     for r in ranks:
         assert r[0]["world"] == 2 and [row["step"] for row in r] == list(range(steps))
-    stage = lambda rows: [(x["step"], x["seq_len"], x["batch"], x["scale"]) for x in rows]
+    def stage(rows):
+        return [(x["step"], x["seq_len"], x["batch"], x["scale"]) for x in rows]
     assert stage(ranks[0]) == stage(ranks[1])  # same stage at the same step on every rank
     assert [x["seq_len"] for x in ranks[0]] == [16, 16, 16, 32, 32, 48, 48]
     assert [x["scale"] for x in ranks[0]] == [1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]

@@ -6,11 +6,12 @@ import time
 
 import lightning.pytorch as pl
 import pytest
+
 pytest.importorskip("lm_eval")
 
-from posenc_lightning.callbacks.lm_eval import LMEvalCallback  # noqa: E402
-from posenc_lightning.data import CorpusDataModule  # noqa: E402
-from posenc_lightning.models import TinyGPT  # noqa: E402
+from posenc_lightning.callbacks.lm_eval import LMEvalCallback
+from posenc_lightning.data import CorpusDataModule
+from posenc_lightning.models import TinyGPT
 
 
 class LossRecorder(pl.Callback):

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 pytest.importorskip("lm_eval")
-from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.api.instance import Instance
 
-from posenc_lightning.eval import LightningLM, OfflineTaskError, build_tasks, load_byte_tokenizer  # noqa: E402
-from posenc_lightning.eval.offline import local_haystack, offline_env, ruler_patches  # noqa: E402
-from posenc_lightning.models import TinyGPT  # noqa: E402
+from posenc_lightning.eval import LightningLM, OfflineTaskError, build_tasks, load_byte_tokenizer
+from posenc_lightning.eval.offline import local_haystack, offline_env, ruler_patches
+from posenc_lightning.models import TinyGPT
 
 
 @pytest.fixture(scope="module")

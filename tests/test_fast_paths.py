@@ -92,11 +92,18 @@ def test_apply_rotary_odd_storage_offset_interleaved():
 # ---------------------------------------------------------------------------------------------
 # sdpa with a bias: Toeplitz view (i - j kinds at arange positions) and blockwise rows
 # ---------------------------------------------------------------------------------------------
-from posenc_lightning.attention.backends import eager, sdpa  # noqa: E402
-from posenc_lightning.attention.mask import AttentionMask  # noqa: E402
-from posenc_lightning.encodings.base import (  # noqa: E402
-    AttentionContext, BiasSum, DecayBias, DenseBias, LinearBias, RelativeBias, span)
-from posenc_lightning.functional.alibi import alibi_slopes  # noqa: E402
+from posenc_lightning.attention.backends import eager, sdpa
+from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings.base import (
+    AttentionContext,
+    BiasSum,
+    DecayBias,
+    DenseBias,
+    LinearBias,
+    RelativeBias,
+    span,
+)
+from posenc_lightning.functional.alibi import alibi_slopes
 
 
 def _bias(kind: str, h: int, qp, kp, learned: bool = False):
@@ -204,7 +211,7 @@ def test_causal_alibi_as_key_channel_long_and_offset():
 def test_decay_bias_as_key_channel_equals_eager_fwd_bwd(case, dtype):
     """FoX's ``c_i - c_j`` as one extra q/k channel (softmax drops the per-row ``c_i``): same
     outputs and gradients (q, k, v, c_k; c_q's is 0) as the dense bias, GQA keys, any mask."""
-    n_q, n_k, qp, kp, causal, off, seg = CASES[case]
+    n_q, n_k, _qp, _kp, causal, off, seg = CASES[case]
     b, h, hkv, d = 2, 4, 2, 16
     # cumulative log forget gates: decreasing, hundreds in size, as FoX makes them
     c = torch.cumsum(torch.nn.functional.logsigmoid(torch.randn(b, h, n_k, dtype=dtype) + 1), -1)
@@ -337,7 +344,7 @@ def test_blockwise_own_backward_with_dependent_inputs(monkeypatch):
     slopes * w) or are q and k themselves (CoPE): rows are recomputed from detached, windowed
     leaves, so every input gets its partial gradient and autograd sums the paths. Packed
     documents, GQA, a batch-1 dense term; gradients equal eager's on the materialized bias."""
-    n_q, n_k, qp, kp, causal, off, seg = CASES["packed"]
+    n_q, n_k, qp, _kp, causal, off, seg = CASES["packed"]
     qp, seg = qp[None].expand(2, -1), seg[None].expand(2, -1)
     mask, ctx = AttentionMask(causal, off, n_q, n_k, seg, seg), AttentionContext(qp, qp, causal)
     table, w = torch.randn(4, 15, requires_grad=True), torch.tensor(0.7, requires_grad=True)
@@ -370,7 +377,7 @@ def test_blockwise_own_backward_with_dependent_inputs(monkeypatch):
 def test_blockwise_closure_bias_falls_back_to_checkpoints(monkeypatch):
     """A lazy bias that does not name its inputs cannot be recomputed from stand-ins: checkpointed
     blocks instead, gradients still reach what the closure reads."""
-    n_q, n_k, qp, kp, causal, off, seg = CASES["packed"]
+    n_q, n_k, qp, _kp, causal, off, _seg = CASES["packed"]
     mask, ctx = AttentionMask(causal, off, n_q, n_k), AttentionContext(qp[None], qp[None], causal)
     table = torch.randn(1, 4, n_q, n_k, requires_grad=True)
     q, k, v = (torch.randn(1, 4, n_q, 16, requires_grad=True) for _ in range(3))

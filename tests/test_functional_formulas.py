@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from posenc_lightning.functional import (
-    alibi_slopes, apply_rotary, rope_cos_sin, rope_inv_freq, sinusoidal_table, t5_relative_position_bucket,
+    alibi_slopes,
+    apply_rotary,
+    rope_cos_sin,
+    rope_inv_freq,
+    sinusoidal_table,
+    t5_relative_position_bucket,
 )
 
 
@@ -28,7 +33,7 @@ def _paper_slopes(n):
         return [2 ** (-8 * (i + 1) / n) for i in range(n)]
     if n & (n - 1) == 0:
         return pow2(n)
-    c = 2 ** int(math.floor(math.log2(n)))
+    c = 2 ** math.floor(math.log2(n))
     return pow2(c) + pow2(2 * c)[0::2][: n - c]
 
 

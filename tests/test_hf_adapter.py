@@ -63,7 +63,7 @@ def test_rope_law_equals_transformers_model_with_matching_rope_parameters(law):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     # the export is the same rope_parameters (and loads back to the same encoding)
     exported, _ = to_rope_parameters(ours.model.layers[0].self_attn.posenc if law in ("dynamic", "longrope")
-                                     else ours.model.rotary_emb.encoding)
+                                     else ours.model.rotary_emb.posenc)
     for key, value in params.items():
         assert exported[key] == pytest.approx(value), key
     assert from_hf(exported, 16, max_pos).config() == from_hf(params | {"rope_theta": 10000.0}, 16, max_pos).config()

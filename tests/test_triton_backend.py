@@ -9,12 +9,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from posenc_lightning.attention.backends import resolve_backend  # noqa: E402
-from posenc_lightning.attention.backends import triton as triton_backend  # noqa: E402
-from posenc_lightning.encodings.registry import build_encoding  # noqa: E402
-from posenc_lightning.inject import inject  # noqa: E402
-from posenc_lightning.kernels import fused  # noqa: E402
-from tests.helpers import Attn  # noqa: E402
+from posenc_lightning.attention.backends import resolve_backend
+from posenc_lightning.attention.backends import triton as triton_backend
+from posenc_lightning.encodings.registry import build_encoding
+from posenc_lightning.inject import inject
+from posenc_lightning.kernels import fused
+from tests.helpers import Attn
 
 
 @pytest.fixture(autouse=True)

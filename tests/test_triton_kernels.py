@@ -14,12 +14,12 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from posenc_lightning.attention.backends.eager import repeat_kv  # noqa: E402
-from posenc_lightning.attention.mask import AttentionMask  # noqa: E402
-from posenc_lightning.encodings.base import DecayBias, LinearBias, RelativeBias  # noqa: E402
-from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin, rope_inv_freq  # noqa: E402
-from posenc_lightning.kernels import fused  # noqa: E402
-from posenc_lightning.kernels.fused import RotaryTables, fused_attention, segments_from_cu_seqlens  # noqa: E402
+from posenc_lightning.attention.backends.eager import repeat_kv
+from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings.base import DecayBias, LinearBias, RelativeBias
+from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin, rope_inv_freq
+from posenc_lightning.kernels import fused
+from posenc_lightning.kernels.fused import RotaryTables, fused_attention, segments_from_cu_seqlens
 
 
 @pytest.fixture(autouse=True)
@@ -113,9 +113,9 @@ def make_case(seed: int) -> dict:
     q = torch.randn(b, h, nq, d, generator=g).to(dtype)
     k = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
     v = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
-    case = dict(q=q, k=k, v=v, causal=sb or r.random() < 0.6, q_offset=q_offset, q_seg=q_seg,
-                k_seg=k_seg, k_valid=k_valid, sb=sb, attend_current=r.random() < 0.5, dtype=dtype,
-                scale=d ** -0.5 * r.choice([1.0, 2.0]), qpos=qpos, kpos=kpos)
+    case = {"q": q, "k": k, "v": v, "causal": sb or r.random() < 0.6, "q_offset": q_offset, "q_seg": q_seg,
+                "k_seg": k_seg, "k_valid": k_valid, "sb": sb, "attend_current": r.random() < 0.5, "dtype": dtype,
+                "scale": d ** -0.5 * r.choice([1.0, 2.0]), "qpos": qpos, "kpos": kpos}
     if r.random() < 0.6:
         layout = r.choice(["half", "interleaved"])
         rdim = d if r.random() < 0.7 else d // 2
@@ -158,8 +158,8 @@ def run_both(case: dict, blocks=(16, 16)):
     leaves = {n: case[n].clone().requires_grad_(True) for n in ("q", "k", "v") + BIAS_KEYS if n in case}
     ref_leaves = {n: t.detach().clone().requires_grad_(True) for n, t in leaves.items()}
     z: list = []
-    common = dict(scale=case["scale"], causal=case["causal"], q_offset=case["q_offset"], k_valid=case["k_valid"],
-                  c_q=None, c_k=None)
+    common = {"scale": case["scale"], "causal": case["causal"], "q_offset": case["q_offset"], "k_valid": case["k_valid"],
+                  "c_q": None, "c_k": None}
     old = fused.INTERPRET_BLOCKS
     fused.INTERPRET_BLOCKS = blocks
     try:
@@ -232,7 +232,7 @@ def test_cases_cover_the_matrix():
 def test_gradcheck_float64(sb):
     g = torch.Generator().manual_seed(3)
     b, h, n, d = 1, 2, 6, 16
-    dd = dict(dtype=torch.float64)
+    dd = {"dtype": torch.float64}
     q = torch.randn(b, h, n, d, generator=g, **dd).requires_grad_()
     k = torch.randn(b, 1, n, d, generator=g, **dd).requires_grad_()
     v = torch.randn(b, 1, n, d, generator=g, **dd).requires_grad_()

@@ -129,12 +129,12 @@ class RotaryTable(nn.Module):
 
     def __init__(self, encoding: Encoding) -> None:
         super().__init__()
-        self.encoding = encoding
+        self.posenc = encoding
 
     @torch.no_grad()
     def forward(self, x: Tensor, position_ids: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
         pos = position_ids.to(x.device)
-        cos, sin = self.encoding.cos_sin(pos if pos.dim() == 2 else pos.reshape(1, -1))
+        cos, sin = self.posenc.cos_sin(pos if pos.dim() == 2 else pos.reshape(1, -1))
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         return cos.reshape(*pos.shape, -1).to(x.dtype), sin.reshape(*pos.shape, -1).to(x.dtype)
 
@@ -158,13 +158,13 @@ class EmbeddingPositions(nn.Module):
     def __init__(self, d_model: int, encoding: Encoding | None = None) -> None:
         super().__init__()
         self.d_model = d_model
-        self.encoding = encoding
+        self.posenc = encoding
 
     def forward(self, position_ids: Tensor) -> Tensor:
         zeros = torch.zeros((*position_ids.shape, self.d_model), device=position_ids.device)
-        if self.encoding is None:
+        if self.posenc is None:
             return zeros
-        return self.encoding.embed(zeros, position_ids.expand(position_ids.shape[0], -1))
+        return self.posenc.embed(zeros, position_ids.expand(position_ids.shape[0], -1))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -262,8 +262,8 @@ def adapt(hf: nn.Module, proto: Encoding, backend: str, share_across_layers: boo
         for i, m in enumerate(layers if attn_stages else []):
             enc = proto if (share_across_layers or i == 0) else copy(proto)
             enc.bind(n_heads=int(cfg.num_attention_heads), head_dim=head_dim_of(m, cfg), d_model=d_model)
-            device = next(m.parameters()).device
-            enc.to(device)
+            weight = next(m.parameters())
+            enc.to(device=weight.device, dtype=weight.dtype if weight.is_floating_point() else None)
             resolve_backend(backend, enc, device, requires_grad=False)
             m.posenc = enc
             m.posenc_backend = backend
@@ -271,8 +271,8 @@ def adapt(hf: nn.Module, proto: Encoding, backend: str, share_across_layers: boo
             encs.append(enc)
         if "embed" in stages:
             proto.bind(d_model=d_model)
-            proto.to(base.wte.weight.device)
-            base.wpe.encoding = proto
+            proto.to(device=base.wte.weight.device, dtype=base.wte.weight.dtype)
+            base.wpe.posenc = proto
             if proto not in encs:
                 encs.insert(0, proto)
         if attn_stages:

@@ -84,17 +84,16 @@ def injected_encoding(hf: nn.Module) -> Encoding | None:
     """The encoding the adapter placed in ``hf`` (the first layer's), or None."""
     table = getattr(hf.base_model, "rotary_emb", None)
     if isinstance(table, adapter.RotaryTable):
-        return table.encoding
+        return table.posenc
     wpe = getattr(hf.base_model, "wpe", None)
     for m in adapter.attention_modules(hf):
         if getattr(m, "posenc", None) is not None:
             return m.posenc
-    return getattr(wpe, "encoding", None)
+    return getattr(wpe, "posenc", None)
 
 
 def _is_posenc_key(key: str) -> bool:
-    return ".posenc." in key or key.startswith("posenc.") or ".rotary_emb.encoding." in key \
-        or ".wpe.encoding." in key
+    return ".posenc." in key or key.startswith("posenc.")
 
 
 def export_pretrained(module: nn.Module, out_dir: str, tokenizer_dir: str | None = None) -> dict[str, Any]:

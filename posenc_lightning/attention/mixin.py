@@ -11,6 +11,7 @@ from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.attention.kv_cache import LayerKVCache
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.attention.recompute import RotationRecompute
+from posenc_lightning.attention.validate import check_attend, check_embed
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 
 
@@ -55,6 +56,7 @@ class PosEncAttentionMixin:
             key_padding_mask: ``[B, Nk]`` bool, False for padding keys.
         """
         enc = self.encoding or _nope()
+        check_attend(enc, q, k, v, positions, hidden, cache, segment_ids, key_padding_mask)
         b, _, n, _ = q.shape
         offset = cache.length if cache is not None else 0
         if positions is None:
@@ -127,6 +129,7 @@ class PosEncEmbeddingMixin:
         enc = self.encoding
         if enc is None or "embed" not in enc.stages:
             return h
+        check_embed(h, positions, getattr(self, "d_model", None))
         if positions is None:
             positions = default_positions(h.shape[0], h.shape[1], offset, h.device)
         return enc.embed(h, positions)

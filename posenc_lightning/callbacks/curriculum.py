@@ -334,7 +334,7 @@ class ContextCurriculum(pl.Callback):
 
 
 def round_to(n: float, multiple: int) -> int:
-    return max(multiple, int(math.ceil(n / multiple)) * multiple)
+    return max(multiple, math.ceil(n / multiple) * multiple)
 
 
 __all__ = ["ContextCurriculum", "CurriculumDataLoader", "CurriculumSampler", "Stage", "StagedDataset", "encodings_of",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -135,7 +136,7 @@ class LengthEvalCallback(pl.Callback):
         res = self.evaluate(pl_module, trainer)
         for n, ppl in res.items():
             pl_module.log(f"length_eval/ppl/{n}", ppl, sync_dist=False)
-            pl_module.log(f"length_eval/nll/{n}", math.log(ppl) if ppl == ppl else ppl, sync_dist=False)
+            pl_module.log(f"length_eval/nll/{n}", math.log(ppl) if not math.isnan(ppl) else ppl, sync_dist=False)
         self.history.append({"step": trainer.global_step, "ppl": dict(res), "failures": dict(self.failures)})
         if trainer.is_global_zero:
             for logger in trainer.loggers:
@@ -172,7 +173,7 @@ def length_table(results: dict[str, dict[int, float]], failures: dict[str, dict[
             if failures and n in failures.get(name, {}):
                 cells.append("fails (beyond table)" if "table" in failures[name][n] else "fails")
             else:
-                cells.append("" if v != v else f"{v:.2f}")
+                cells.append("" if math.isnan(v) else f"{v:.2f}")
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -189,7 +190,7 @@ def length_plot(results: dict[str, dict[int, float]], path: str | None = None, t
         return None
     fig, ax = plt.subplots(figsize=(7.5, 5.0))
     for i, (name, r) in enumerate(results.items()):
-        pts = sorted((n, v) for n, v in r.items() if v == v and math.isfinite(v))
+        pts = sorted((n, v) for n, v in r.items() if math.isfinite(v))
         if pts:  # 10 colors x 3 line styles x 2 markers: every curve distinct
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os"[i // 30 % 2], label=name,
                     linestyle=["-", "--", ":"][i // 10 % 3])

@@ -17,8 +17,9 @@ class PosEncCallback(pl.Callback):
 
     Runs at ``setup`` (before the DDP wrap, the optimizer and checkpoint restore) and again right
     after ``configure_model`` for modules that build their layers there. Idempotent: a second
-    ``setup`` (fit then test) keeps the same encoding and its trained parameters. The encoding's
-    name and config go into the checkpoint (``checkpoint["posenc_lightning"]``) so
+    ``setup`` (fit then test), or a model from ``load_from_checkpoint`` that already holds the
+    same encoding (same name and config), keeps it and its trained parameters (`inject` compares
+    specs). The encoding's name and config go into the checkpoint (``checkpoint["posenc_lightning"]``) so
     `posenc_lightning.restore_from_checkpoint` / ``TinyGPT.load_from_checkpoint`` rebuild it.
 
     Args:
@@ -37,7 +38,6 @@ class PosEncCallback(pl.Callback):
         self.log_hparams = log_hparams
         self.cfg = cfg
         self.injected: Encoding | None = None
-        self._marker: dict[str, Any] | None = None
 
     @property
     def encoding_name(self) -> str:
@@ -48,11 +48,10 @@ class PosEncCallback(pl.Callback):
         return self._generate_state_key(encoding=self.encoding_name)
 
     def _inject(self, pl_module: pl.LightningModule) -> None:
-        if self._marker is not None and injected_spec(pl_module) is self._marker:
-            return  # already ours: keep the same (possibly trained) encoding
+        # `inject` compares specs: the same encoding already in the model (a second setup, or a
+        # model from ``load_from_checkpoint``) is kept with its trained parameters
         self.injected = inject(pl_module, self.encoding, backend=self.backend,
                                share_across_layers=self.share_across_layers, **self.cfg)
-        self._marker = injected_spec(pl_module)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._wrap_configure_model(pl_module)

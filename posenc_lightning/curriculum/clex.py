@@ -36,7 +36,7 @@ class CLEXCurriculum(ContextCurriculum):
         super().__init__([Stage(0, train_length, scale=1.0)], keep_tokens_per_batch=keep_tokens_per_batch, seed=seed)
         self.train_length, self.t_max, self.integer_scales = train_length, float(t_max), integer_scales
         self.length_follows_scale, self.multiple_of = length_follows_scale, multiple_of
-        self.max_seq_len = max_seq_len or int(round(self.t_max * train_length))
+        self.max_seq_len = max_seq_len or round(self.t_max * train_length)
 
     def scale_at(self, step: int) -> float:
         rng = np.random.default_rng([self.seed, int(step), 0xC1E])

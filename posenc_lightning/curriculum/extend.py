@@ -10,7 +10,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -79,7 +79,7 @@ class RecipeCLI(LightningCLI):
     """``LightningCLI(TinyGPT, CorpusDataModule)`` plus the recipe's own ``--extend.*`` arguments
     (declared by the recipe in ``extend_args``: name -> (type, default, help))."""
 
-    extend_args: dict[str, tuple[Any, Any, str]] = {}
+    extend_args: ClassVar[dict[str, tuple[Any, Any, str]]] = {}
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         for name, (typ, default, doc) in self.extend_args.items():
@@ -133,7 +133,7 @@ def train_and_sweep(name: str, extend_args: dict[str, tuple[Any, Any, str]], arg
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
     trainer.fit(model, data)
     L = data.seq_len
-    lengths = [int(round(m * L)) for m in ext.lengths]
+    lengths = [round(m * L) for m in ext.lengths]
     hook = (lambda n: before_each(cli, n)) if before_each is not None else None
     sweep = length_sweep(model, data.val_tokens, lengths, ext.eval_tokens, hook)
     enc = model.hparams.encoding

@@ -91,8 +91,8 @@ class LongRoPECurriculum(ContextCurriculum):
                   for i, n in enumerate(lengths)]
         super().__init__(stages, keep_tokens_per_batch=keep_tokens_per_batch, seed=seed)
         self.original_length = original_length
-        self.search_kw = dict(population=population, parents=parents, iterations=iterations,
-                              mutation_prob=mutation_prob, seed=seed)
+        self.search_kw = {"population": population, "parents": parents, "iterations": iterations,
+                          "mutation_prob": mutation_prob, "seed": seed}
         self.search_windows, self.max_factor_ratio = search_windows, max_factor_ratio
         self.research_short = research_short
         cands = n_hat_candidates or []

@@ -12,6 +12,7 @@ Factors live on the paper's grid: ``[lo, hi]`` (default ``[1, 1.25 s]``) in step
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ def law_factors(rotary_dim: int, theta: float, factor: float, original_max: int)
 
 
 def is_monotonic(c: Sequence[float]) -> bool:
-    return all(a <= b + 1e-9 for a, b in zip(c, c[1:]))
+    return all(a <= b + 1e-9 for a, b in itertools.pairwise(c))
 
 
 @dataclass

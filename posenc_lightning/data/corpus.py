@@ -61,7 +61,8 @@ def load_corpus(files: tuple[str, ...] | None = None, val_fraction: float = 0.05
         joined = b"".join(train)
         cut = int(len(joined) * (1 - val_fraction))
         train, val = [joined[:cut]], [joined[cut:]]
-    to_t = lambda chunks: torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)  # noqa: E731
+    def to_t(chunks):
+        return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
     tr, va = to_t(train), to_t(val)
     if max_bytes is not None:
         tr = tr[:max_bytes]

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import lightning.pytorch as pl
 import numpy as np
-import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
@@ -17,7 +16,7 @@ class RandomWindows(Dataset):
     """Sample ``i`` is a window at a fixed pseudo-random *fraction* of the corpus, so its
     length can change between steps (``seq_len`` is read at ``__getitem__`` time)."""
 
-    def __init__(self, tokens: Tensor, owner: "CorpusDataModule", n_samples: int, seed: int) -> None:
+    def __init__(self, tokens: Tensor, owner: CorpusDataModule, n_samples: int, seed: int) -> None:
         self.tokens = tokens
         self.owner = owner
         self.fracs = np.random.default_rng(seed).random(n_samples)

@@ -8,7 +8,14 @@ import importlib
 import pkgutil
 
 from posenc_lightning.encodings.base import (
-    AttentionContext, Bias, BiasSum, DecayBias, DenseBias, Encoding, LinearBias, RelativeBias,
+    AttentionContext,
+    Bias,
+    BiasSum,
+    DecayBias,
+    DenseBias,
+    Encoding,
+    LinearBias,
+    RelativeBias,
 )
 from posenc_lightning.encodings.registry import available_encodings, build_encoding, register
 
@@ -17,5 +24,5 @@ for _m in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_m.name}")
 
 __all__ = ["AttentionContext", "Bias", "BiasSum", "DecayBias", "DenseBias", "Encoding", "LinearBias",
-           "RelativeBias", "available_encodings", "build_encoding", "register"]
-from posenc_lightning.encodings.hf import from_hf  # noqa: E402  (rotary: HF rope_parameters -> encoding)
+           "RelativeBias", "available_encodings", "build_encoding", "from_hf", "register"]
+from posenc_lightning.encodings.hf import from_hf

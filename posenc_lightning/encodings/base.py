@@ -18,8 +18,9 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -456,6 +457,22 @@ class Encoding(nn.Module):
 
     def check_positions(self, positions: Tensor) -> None:
         """Raise a clear error for positions the encoding cannot represent."""
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Encoding:
+        """``.to()`` / ``.half()`` cast parameters (they follow the model's dtype) but only move the
+        non-persistent floating buffers (caches and constants such as rope's cos/sin or ALiBi's
+        slopes, computed in float32): they keep their precision in a bf16 model."""
+        kept = {k: b for k, b in self._buffers.items()
+                if k in self._non_persistent_buffers_set and b is not None and b.is_floating_point()}
+        for k in kept:
+            del self._buffers[k]
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for k, b in kept.items():
+                moved = fn(b)
+                self._buffers[k] = moved if moved.dtype == b.dtype else b.to(device=moved.device)
+        return self
 
     def replicate(self) -> Encoding:
         """An independent copy (for ``share_across_layers=False``)."""

@@ -62,8 +62,8 @@ class FIRE(Encoding):
         """``[B, H, Nq, Nk]`` float32: the reference, straight through the MLP (eq. 3)."""
         if self.mlp is None:
             raise RuntimeError("fire: n_heads unknown; call bind(n_heads=...) or inject() first")
-        x = self.normalized_distance(q_pos, k_pos).unsqueeze(-1)  # [B, Nq, Nk, 1]
-        return self.mlp(x).float().permute(0, 3, 1, 2)
+        x = self.normalized_distance(q_pos, k_pos).unsqueeze(-1)  # [B, Nq, Nk, 1] float32
+        return self.mlp(x.to(self.mlp[0].weight.dtype)).float().permute(0, 3, 1, 2)
 
     def bias_rows(self, q_pos: Tensor, k_pos: Tensor, params: tuple[Tensor, ...] | None = None) -> Tensor:
         """`bias_tensor` by `fire_mlp` (same values and gradients, no ``[.., W]`` hidden tensor).
@@ -81,9 +81,11 @@ class FIRE(Encoding):
     def relative_table(self, max_distance: int) -> Tensor:
         """``[H, 2R+1]`` bias of every distance ``i - j`` in ``[-R, R]`` for queries below ``L``
         (where the normalizer is the constant ``psi(L)``): FIRE is then a plain f(i - j)."""
-        d = torch.arange(-max_distance, max_distance + 1, device=self.c.device, dtype=torch.float32)
-        x = fire_psi(d, self.c) / (fire_psi(self.threshold, self.c) + self.eps)
-        return self.mlp(x[:, None]).float().t()
+        dt = torch.promote_types(self.c.dtype, torch.float32)  # the log-ratio in float32 (or 64)
+        d = torch.arange(-max_distance, max_distance + 1, device=self.c.device, dtype=dt)
+        c = self.c.to(dt)
+        x = fire_psi(d, c) / (fire_psi(self.threshold.to(dt), c) + self.eps)
+        return self.mlp(x[:, None].to(self.mlp[0].weight.dtype)).float().t()
 
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
         qp, kp = ctx.q_pos, ctx.k_pos

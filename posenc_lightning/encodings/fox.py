@@ -68,10 +68,11 @@ class ForgettingAttention(Encoding):
         return self.rope.rotate(q, k, ctx) if self.rope is not None else (q, k)
 
     def log_forget(self, hidden: Tensor) -> Tensor:
-        """``log f`` ``[B, H, N]`` float32 from the layer input ``[B, N, d_model]``."""
+        """``log f`` ``[B, H, N]`` float32 (float64 for a float64 gate) from the layer input
+        ``[B, N, d_model]`` (cast to the gate's dtype)."""
         if self.gate is None:
             raise RuntimeError("fox: n_heads/d_model unknown; call bind(n_heads=..., d_model=...) or inject() first")
-        return fox_log_forget(self.gate(hidden)).transpose(1, 2)
+        return fox_log_forget(self.gate(hidden.to(self.gate.weight.dtype))).transpose(1, 2)
 
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
         if ctx.hidden is None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 _REGISTRY: dict[str, type] = {}
 T = TypeVar("T", bound=type)

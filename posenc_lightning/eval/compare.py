@@ -53,7 +53,7 @@ def render(ppl: dict[str, dict[int, float]], out_dir: str | Path, base_len: int 
     fails = {k: dict(v) for k, v in (failures or {}).items()}
     for name, r in ppl.items():
         for n, v in r.items():
-            if not (v == v and math.isfinite(v)):
+            if not math.isfinite(v):
                 fails.setdefault(name, {}).setdefault(n, "failed")
     if base_len is None and ppl:
         base_len = min(n for r in ppl.values() for n in r)
@@ -74,7 +74,7 @@ def render(ppl: dict[str, dict[int, float]], out_dir: str | Path, base_len: int 
 
 def flatness(ppl: dict[int, float]) -> float:
     """ppl at the longest finite length over ppl at the shortest (1.0 = perfectly flat)."""
-    pts = sorted((n, v) for n, v in ppl.items() if v == v and math.isfinite(v))
+    pts = sorted((n, v) for n, v in ppl.items() if math.isfinite(v))
     return pts[-1][1] / pts[0][1] if len(pts) > 1 else float("nan")
 
 

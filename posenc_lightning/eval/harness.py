@@ -6,9 +6,10 @@ import contextlib
 import logging
 import random
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,9 +48,8 @@ class BuiltTasks:
 
 
 def _task_manager(names: Sequence[str], include_path: Sequence[str] | None, metadata: dict[str, Any]):
-    from lm_eval.tasks import TaskManager
-
     import lm_eval.tasks
+    from lm_eval.tasks import TaskManager
 
     paths = [str(TASKS_DIR)] + [str(p) for p in include_path or []]
     ruler = str(Path(lm_eval.tasks.__file__).parent / "ruler")

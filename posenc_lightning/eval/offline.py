@@ -17,8 +17,8 @@ import functools
 import os
 import re
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 # RULER tasks that fetch data over the network, and what they fetch.
 NEEDS_DOWNLOAD = {
@@ -162,7 +162,7 @@ def ruler_patches(num_samples: int | None = None, haystack_files: Sequence[str] 
         nltk.download = real_download
 
 
-def _essay_samples(prep, haystack, TOKENIZER=None, *, max_seq_length: int, num_samples: int = 500,  # noqa: N803
+def _essay_samples(prep, haystack, TOKENIZER=None, *, max_seq_length: int, num_samples: int = 500,
                    tokens_to_generate: int = 128, random_seed: int = 42, **kw) -> list[dict]:
     """RULER's `generate_samples` for the essay haystack at short lengths. RULER grows the essay
     500 words at a time, which overshoots 512-4096 tokens of a byte tokenizer and leaves one word
@@ -176,7 +176,8 @@ def _essay_samples(prep, haystack, TOKENIZER=None, *, max_seq_length: int, num_s
     opts.setdefault("num_needle_v", 1)
     opts.setdefault("num_needle_q", 1)
     opts["num_needle_k"] = max(opts["num_needle_k"], opts["num_needle_q"])
-    n_tok = lambda text: len(TOKENIZER(text).input_ids)  # noqa: E731
+    def n_tok(text):
+        return len(TOKENIZER(text).input_ids)
 
     def fits(n: int) -> tuple[str, list[str], str] | None:
         text, answer, query = prep.generate_input_output(n, haystack, random_seed=random_seed, **opts)

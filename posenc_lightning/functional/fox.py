@@ -6,13 +6,15 @@ cumulative log-gates ``c_t = sum_{l<=t} log f_l``; ``O = softmax(Q K^T + D) V``.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 
 def fox_log_forget(gate_logits: Tensor) -> Tensor:
-    """``log f_t = log sigmoid(gate_logits)`` computed stably (never ``log(0)``)."""
-    return F.logsigmoid(gate_logits.float())
+    """``log f_t = log sigmoid(gate_logits)`` computed stably (never ``log(0)``), in float32 for
+    half-precision logits (the cumulative sums need it), float64 for float64 ones."""
+    return F.logsigmoid(gate_logits.to(torch.promote_types(gate_logits.dtype, torch.float32)))
 
 
 def fox_cumulative(log_f: Tensor, start: Tensor | None = None) -> Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["rope_inv_freq", "rope_angles", "rope_cos_sin", "apply_rotary", "apply_rotary_reference", "rotate_half"]
+__all__ = ["apply_rotary", "apply_rotary_reference", "rope_angles", "rope_cos_sin", "rope_inv_freq", "rotate_half"]
 
 
 def rope_inv_freq(dim: int, base: float = 10000.0, device: torch.device | None = None,

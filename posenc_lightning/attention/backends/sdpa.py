@@ -5,20 +5,33 @@ causal case uses SDPA's ``is_causal`` fast path."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from posenc_lightning.attention.backends._block_grad import attention_backward_by_blocks
-from posenc_lightning.attention.backends._key_bias import (_attend_decay_bias_channel, _attend_key_bias,
-                                                          _attend_linear_bias_channel, _decay_bias_is_key_channel,
-                                                          _key_mask_works, _linear_bias_is_key_channel)
+from posenc_lightning.attention.backends._key_bias import (
+    _attend_decay_bias_channel,
+    _attend_key_bias,
+    _attend_linear_bias_channel,
+    _decay_bias_is_key_channel,
+    _key_mask_works,
+    _linear_bias_is_key_channel,
+)
 from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings.base import (
+    AttentionContext,
+    Bias,
+    BiasSum,
+    DecayBias,
+    DenseBias,
+    Encoding,
+    LinearBias,
+    RelativeBias,
+)
 from posenc_lightning.functional.positions import arange_offset
-from posenc_lightning.encodings.base import (AttentionContext, Bias, BiasSum, DecayBias, DenseBias, Encoding,
-                                             LinearBias, RelativeBias)
 
 NAME = "sdpa"
 
@@ -94,11 +107,11 @@ class _DenormalsOnForBackward(torch.autograd.Function):
     of the backward pass at the latest (an engine callback)."""
 
     @staticmethod
-    def forward(ctx, out: Tensor) -> Tensor:  # noqa: ANN001
+    def forward(ctx, out: Tensor) -> Tensor:
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:  # noqa: ANN001
+    def backward(ctx, grad: Tensor) -> Tensor:
         torch.set_flush_denormal(True)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: torch.set_flush_denormal(False))
         return grad
@@ -109,11 +122,11 @@ class _DenormalsOffAfterBackward(torch.autograd.Function):
     attention's backward) and turns flush-to-zero off again."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # noqa: ANN001
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return q.view_as(q), k.view_as(k), v.view_as(v)
 
     @staticmethod
-    def backward(ctx, gq: Tensor, gk: Tensor, gv: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # noqa: ANN001
+    def backward(ctx, gq: Tensor, gk: Tensor, gv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         torch.set_flush_denormal(False)
         return gq, gk, gv
 
@@ -205,7 +218,7 @@ class _ToeplitzAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, u: Tensor, causal: bool, q_offset: int, scale: float,
-                gqa: bool) -> Tensor:  # noqa: ANN001
+                gqa: bool) -> Tensor:
         mask = AttentionMask(causal, q_offset, q.shape[-2], k.shape[-2])
         # detached: a mask that requires grad sends SDPA to its math kernel even in no-grad mode
         out = _attend_toeplitz(q, k, v, u.detach().to(q.dtype), mask, scale, gqa)
@@ -214,7 +227,7 @@ class _ToeplitzAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, d_out: Tensor):  # noqa: ANN001, ANN205
+    def backward(ctx, d_out: Tensor):
         q, k, v, u, out = ctx.saved_tensors
         b, h, n_q, _ = q.shape
         h_kv, n_k = k.shape[1], k.shape[-2]
@@ -405,7 +418,7 @@ class _BlockwiseAttention(torch.autograd.Function):
     checkpoint's recomputed SDPA, or a full-size gradient per block."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: tuple, *extra: Tensor) -> Tensor:  # noqa: ANN001
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: tuple, *extra: Tensor) -> Tensor:
         bias, mask, scale, _inputs, _targets = spec
         gqa = k.shape[1] != q.shape[1]
         n_q = q.shape[-2]
@@ -415,7 +428,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, d_out: Tensor):  # noqa: ANN001, ANN205
+    def backward(ctx, d_out: Tensor):
         q, k, v, out = ctx.saved_tensors
         bias, mask, scale, inputs, targets = ctx.spec
         need_extra = ctx.needs_input_grad[4:]

@@ -38,7 +38,7 @@ def _dataset(rows):
 
 
 def passkey_prompt(n_filler: int, depth: float, key: str) -> str:
-    before = int(round(n_filler * depth))
+    before = round(n_filler * depth)
     return TASK + FILLER * before + NEEDLE.format(key=key) + FILLER * (n_filler - before) + QUESTION
 
 
@@ -47,7 +47,8 @@ def passkey_docs(**kwargs) -> dict:
     tok = _tokenizer(kwargs)
     n = int(kwargs.get("num_samples") or 20)
     rng = random.Random(int(kwargs.get("seed", 0)))
-    n_tok = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
+    def n_tok(s):
+        return len(tok(s, add_special_tokens=False).input_ids)
     rows = []
     for length in _lengths(kwargs):
         budget = length - GEN_BUDGET
