@@ -29,16 +29,16 @@ VOCAB, PROMPT, NEW, PAD = 64, 20, 4, 3
 #: model_type -> tiny config arguments (max_position_embeddings 16 < the 24 tokens checked, so the
 #: dynamic laws switch; Mistral's window 12 is crossed)
 ARCHS: dict[str, dict[str, Any]] = {
-    "llama": dict(model_type="llama", num_key_value_heads=2),
-    "mistral": dict(model_type="mistral", num_key_value_heads=2, sliding_window=12),
-    "qwen2": dict(model_type="qwen2", num_key_value_heads=2),
-    "gpt_neox": dict(model_type="gpt_neox", rotary_pct=0.25),
-    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=32, n_inner=64,
-                 bos_token_id=0, eos_token_id=0),
-    "phi": dict(model_type="phi", partial_rotary_factor=0.5),
+    "llama": {"model_type": "llama", "num_key_value_heads": 2},
+    "mistral": {"model_type": "mistral", "num_key_value_heads": 2, "sliding_window": 12},
+    "qwen2": {"model_type": "qwen2", "num_key_value_heads": 2},
+    "gpt_neox": {"model_type": "gpt_neox", "rotary_pct": 0.25},
+    "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 32, "n_inner": 64,
+                 "bos_token_id": 0, "eos_token_id": 0},
+    "phi": {"model_type": "phi", "partial_rotary_factor": 0.5},
 }
-_COMMON = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               max_position_embeddings=16, bos_token_id=0, eos_token_id=0)
+_COMMON = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 0}
 ENCODINGS: dict[str, dict[str, Any]] = {
     "alibi": {}, "relative_bias": {}, "fire": {}, "fox": {}, "cope": {}, "sba": {}, "rope_alibi": {}, "nope": {},
     "yarn": {"factor": 4.0}, "dynamic_ntk": {"factor": 4.0}, "llama3": {"factor": 4.0}, "long_rope": {"factor": 4.0},
@@ -170,8 +170,8 @@ def main() -> None:
               f"params={r['n_params']} grads_ok={r['grads_ok']} reload_err={r['reload_err']:.2g}", flush=True)
     table = markdown(rows)
     root = Path(__file__).resolve().parents[1]
-    detail = ["| arch | encoding | mode | max change vs original | generate vs full forward | encoding params "
-              "(grads) | checkpoint reload |", "|---|---|---|---|---|---|---|"]
+    detail = [("| arch | encoding | mode | max change vs original | generate vs full forward | encoding params "
+              "(grads) | checkpoint reload |"), "|---|---|---|---|---|---|---|"]
     detail += [f"| {r['arch']} | {r['encoding']} | {r['mode'] if r['mode'] != 'sdpa' else r['rotary']} | "
                f"{r['changed']:.3g} | {r['generate_err']:.2g} | {r['n_params']} ({'ok' if r['grads_ok'] else 'MISSING'}) | "
                f"{r['reload_err']:.2g} |" for r in rows]

@@ -15,11 +15,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.hf_matrix import build, config, generate_error  # noqa: E402
-from posenc_lightning import inject, injected_spec  # noqa: E402
-from posenc_lightning.adapters import hf as adapter  # noqa: E402
-from posenc_lightning.adapters.hf_export import export_pretrained, load_pretrained, to_rope_parameters  # noqa: E402
-from posenc_lightning.encodings.hf import from_hf  # noqa: E402
+from benchmarks.hf_matrix import build, config, generate_error
+from posenc_lightning import inject, injected_spec
+from posenc_lightning.adapters import hf as adapter
+from posenc_lightning.adapters.hf_export import export_pretrained, load_pretrained, to_rope_parameters
+from posenc_lightning.encodings.hf import from_hf
 
 warnings.filterwarnings("ignore")
 L = 16  # the tiny models' max_position_embeddings

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.hf_matrix import ARCHS, ENCODINGS, ROTARY, cells, check, markdown  # noqa: E402
+from benchmarks.hf_matrix import ARCHS, ENCODINGS, ROTARY, cells, check, markdown
 
 
 @pytest.mark.parametrize("arch,name", cells())

@@ -116,7 +116,7 @@ def defaults_for(hf: nn.Module, encoding_cls: type, cfg: dict[str, Any]) -> dict
     if "max_position_embeddings" in params and "max_position_embeddings" not in out and "factor" in out:
         base = out.get("original_max_position_embeddings", model_defaults(hf).get("original_max_position_embeddings"))
         if base is not None and out["factor"] is not None:
-            out["max_position_embeddings"] = int(round(float(out["factor"]) * int(base)))
+            out["max_position_embeddings"] = round(float(out["factor"]) * int(base))
     return out
 
 
@@ -264,7 +264,7 @@ def adapt(hf: nn.Module, proto: Encoding, backend: str, share_across_layers: boo
             enc.bind(n_heads=int(cfg.num_attention_heads), head_dim=head_dim_of(m, cfg), d_model=d_model)
             weight = next(m.parameters())
             enc.to(device=weight.device, dtype=weight.dtype if weight.is_floating_point() else None)
-            resolve_backend(backend, enc, device, requires_grad=False)
+            resolve_backend(backend, enc, weight.device, requires_grad=False)
             m.posenc = enc
             m.posenc_backend = backend
             m._posenc_hooks = [m.register_forward_pre_hook(attn.record_call, with_kwargs=True)]

@@ -35,7 +35,12 @@ def to_rope_parameters(enc: Encoding) -> tuple[dict[str, Any], int | None] | Non
     ``ROPE_INIT_FUNCTIONS`` (the inverse of `posenc_lightning.encodings.hf.from_hf`), or None."""
     from posenc_lightning.encodings.rope import RoPE
     from posenc_lightning.encodings.rope_scaling import (
-        DynamicNTK, Llama3, LongRoPE, NTKAware, PositionInterpolation, YaRN,
+        DynamicNTK,
+        Llama3,
+        LongRoPE,
+        NTKAware,
+        PositionInterpolation,
+        YaRN,
     )
 
     if getattr(enc, "layout", None) != "half" or type(enc) not in (RoPE, NTKAware, PositionInterpolation, DynamicNTK,
@@ -54,7 +59,7 @@ def to_rope_parameters(enc: Encoding) -> tuple[dict[str, Any], int | None] | Non
         return {**p, "rope_type": "linear", "factor": enc.factor}, None
     if isinstance(enc, DynamicNTK):  # transformers measures the length against max_position_embeddings
         return {**p, "rope_type": "dynamic", "factor": enc.factor}, orig
-    longest = int(round(enc.factor * orig))
+    longest = round(enc.factor * orig)
     if isinstance(enc, YaRN):
         c = enc.config()
         return {**p, "rope_type": "yarn", "factor": enc.factor, "original_max_position_embeddings": orig,
@@ -163,7 +168,7 @@ def load_pretrained(path: str, **kwargs: Any) -> nn.Module:
         inject(hf, spec["encoding"], backend=spec.get("backend", "auto"),
                share_across_layers=spec.get("share_across_layers", True), **spec.get("config", {}))
         saved = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
-        missing = set(k for k in hf.state_dict() if _is_posenc_key(k)) - set(saved)
+        missing = {k for k in hf.state_dict() if _is_posenc_key(k)} - set(saved)
         if missing:
             raise ValueError(f"load_pretrained: {STATE_FILE} in {path} lacks {sorted(missing)[:4]}")
         hf.load_state_dict(saved, strict=False)
