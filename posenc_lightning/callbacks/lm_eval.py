@@ -27,7 +27,9 @@ class LMEvalCallback(pl.Callback):
         max_seq_lengths: prompt lengths in tokens (RULER needs >= 512).
         limit: samples *per length* (None = all that the task generates).
         every_n_epochs: evaluate at validation ends of every n-th epoch.
-        tokenizer: a local Hugging Face tokenizer directory (default: the byte tokenizer).
+        tokenizer: a local Hugging Face tokenizer directory (default: the module's ``tokenizer_dir``,
+            e.g. `HFCausalLM`'s pretrained directory, else the byte tokenizer). Modules holding a
+            Hugging Face model are evaluated by lm-eval's own ``HFLM`` on the in-memory model.
         seed: the seed the documents are built with.
         haystack_files: text files for the essay haystack (default: the bundled corpus).
         max_length: left-truncate contexts to this many tokens (None = never).
@@ -67,6 +69,8 @@ class LMEvalCallback(pl.Callback):
             from posenc_lightning.eval.harness import build_tasks
             from posenc_lightning.eval.tokenizer import byte_tokenizer_dir
 
+            if self.tokenizer is None:  # the model's own (HFCausalLM's pretrained directory), else bytes
+                self.tokenizer = getattr(pl_module, "tokenizer_dir", None)
             if self.tokenizer is None:  # rank 0 writes the directory first, the others read it
                 if trainer.is_global_zero:
                     byte_tokenizer_dir()
@@ -91,7 +95,6 @@ class LMEvalCallback(pl.Callback):
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         """Evaluate now; returns ``{"lm_eval/<task>/<length>": value}`` on every rank."""
         from posenc_lightning.eval.harness import evaluate_tasks, preserved_rng
-        from posenc_lightning.eval.lm import LightningLM
 
         if self.built is None:
             self.setup(trainer, pl_module, "validate")
@@ -100,9 +103,7 @@ class LMEvalCallback(pl.Callback):
         self.failure = None
         try:
             with preserved_rng(self.seed), torch.no_grad():
-                lm = LightningLM(pl_module, tokenizer=self.tokenizer, strategy=trainer.strategy,
-                                 max_length=self.max_length)
-                res = evaluate_tasks(lm, self.built)
+                res = evaluate_tasks(self._lm(trainer, pl_module), self.built)
         except ValueError as e:  # the model cannot run these lengths (a learned table): NaN, not a crash
             self.failure = str(e)
             res = {"per_length": {t: {n: float("nan") for n in self.built.lengths[t]} for t in self.built.lengths}}
@@ -118,6 +119,19 @@ class LMEvalCallback(pl.Callback):
         if trainer.world_size > 1:
             metrics = trainer.strategy.broadcast(metrics, src=0)
         return metrics or {}
+
+    def _lm(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+        """lm-eval's ``HFLM`` on a Hugging Face model the module holds (the adapter's case), else
+        `LightningLM` on the module's forward."""
+        from posenc_lightning.adapters.hf import find_hf_models
+        from posenc_lightning.eval.lm import LightningLM
+
+        models = find_hf_models(pl_module)
+        if len(models) == 1:
+            from posenc_lightning.eval.hf_lm import module_hflm
+
+            return module_hflm(models[0], self.tokenizer, trainer.strategy, self.max_length)
+        return LightningLM(pl_module, tokenizer=self.tokenizer, strategy=trainer.strategy, max_length=self.max_length)
 
     def _log_table(self, trainer: pl.Trainer, metrics: dict[str, float]) -> None:
         text = results_table(metrics)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import lightning.pytorch as pl
 import numpy as np
+import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
@@ -52,6 +53,16 @@ class FixedWindows(Dataset):
         return w[:-1], w[1:]
 
 
+def tokenize(data: Tensor, tokenizer: str) -> Tensor:
+    """The bytes ``data`` (uint8) as the ids of a local Hugging Face tokenizer (int32)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    text = bytes(data.numpy()).decode("utf-8", errors="replace")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.int32)
+
+
 class CorpusDataModule(pl.LightningDataModule):
     """Byte-level LM data from the Python standard library's source (or your own text files).
 
@@ -66,12 +77,15 @@ class CorpusDataModule(pl.LightningDataModule):
         max_val_windows: cap on validation windows per length.
         seed: the window sampling seed.
         num_workers: DataLoader workers (0 = no prefetching: a new seq_len applies at once).
+        tokenizer: a local Hugging Face tokenizer directory (a pretrained model's own): windows are
+            then of its tokens instead of bytes (the text is decoded as UTF-8 first).
     """
 
     def __init__(self, seq_len: int = 256, batch_size: int = 16, val_seq_len: int | None = None,
                  files: Sequence[str] | None = None, max_bytes: int | None = 8_000_000,
                  val_fraction: float = 0.05, samples_per_epoch: int | None = None,
-                 max_val_windows: int | None = 64, seed: int = 0, num_workers: int = 0) -> None:
+                 max_val_windows: int | None = 64, seed: int = 0, num_workers: int = 0,
+                 tokenizer: str | None = None) -> None:
         super().__init__()
         self.seq_len = seq_len
         self.batch_size = batch_size
@@ -83,12 +97,16 @@ class CorpusDataModule(pl.LightningDataModule):
         self.max_val_windows = max_val_windows
         self.seed = seed
         self.num_workers = num_workers
+        self.tokenizer = tokenizer
         self.train_tokens: Tensor | None = None
         self.val_tokens: Tensor | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_tokens is None:
             self.train_tokens, self.val_tokens = load_corpus(self.files, self.val_fraction, self.max_bytes)
+            if self.tokenizer is not None:
+                self.train_tokens, self.val_tokens = (tokenize(t, self.tokenizer)
+                                                      for t in (self.train_tokens, self.val_tokens))
 
     def train_dataloader(self) -> DataLoader:
         self.setup()

@@ -14,7 +14,41 @@ except ImportError as e:  # pragma: no cover - the eval extra installs it
     raise ImportError("posenc_lightning.eval needs lm-eval: pip install 'posenc-lightning[eval]'") from e
 
 
-class LightningLM(TemplateLM):
+class StrategyDistributed:
+    """lm-eval's distributed hooks through a Lightning ``strategy`` (``self.strategy``; None = one
+    process): each rank evaluates its shard of the requests, rank 0 gathers."""
+
+    strategy: Any = None
+
+    @property
+    def rank(self) -> int:
+        return self.strategy.global_rank if self.strategy is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size if self.strategy is not None else 1
+
+    def all_gather(self, tensor: Tensor) -> Tensor:
+        if self.world_size == 1:
+            return tensor
+        out = self.strategy.all_gather(tensor)  # [W, *shape]
+        return out if tensor.dim() == 0 else out.reshape(-1, *tensor.shape[1:])
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out if self.rank == dst else None
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            self.strategy.barrier("posenc_lm_eval")
+
+
+class LightningLM(StrategyDistributed, TemplateLM):
     """Wraps a module whose ``forward(input_ids [1, N])`` returns logits ``[1, N, V]``.
 
     Greedy ``generate_until`` reuses the module's KV cache when it has ``new_cache()`` and its
@@ -47,37 +81,9 @@ class LightningLM(TemplateLM):
         self.max_gen_toks = max_gen_toks
         self.use_cache = use_cache and hasattr(module, "new_cache")
 
-    # ------------------------------------------------------------ distributed
     @property
     def device(self) -> torch.device:
         return next(self.module.parameters()).device
-
-    @property
-    def rank(self) -> int:
-        return self.strategy.global_rank if self.strategy is not None else 0
-
-    @property
-    def world_size(self) -> int:
-        return self.strategy.world_size if self.strategy is not None else 1
-
-    def all_gather(self, tensor: Tensor) -> Tensor:
-        if self.world_size == 1:
-            return tensor
-        out = self.strategy.all_gather(tensor)  # [W, *shape]
-        return out if tensor.dim() == 0 else out.reshape(-1, *tensor.shape[1:])
-
-    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
-        if self.world_size == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out if self.rank == dst else None
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            self.strategy.barrier("posenc_lm_eval")
 
     # ------------------------------------------------------------ tokens
     @property

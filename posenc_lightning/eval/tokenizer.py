@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 EOT_ID = 0
@@ -68,3 +69,25 @@ def load_byte_tokenizer(path: str | None = None):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(byte_tokenizer_dir(path), local_files_only=True)
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 512):
+    """A byte-level BPE `PreTrainedTokenizerFast` trained locally with ``tokenizers`` (no download):
+    the 256 byte symbols plus ``vocab_size - 256`` merges; id 0 (NUL) is end-of-text and padding,
+    as for the byte tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size <= 256:
+        raise ValueError(f"train_bpe_tokenizer: vocab_size must exceed the 256 byte symbols, got {vocab_size}")
+    b2u = bytes_to_unicode()
+    alphabet = [b2u[b] for b in range(256)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, special_tokens=[b2u[EOT_ID]],
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    eot = b2u[EOT_ID]
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eot, pad_token=eot,
+                                   model_max_length=1 << 30, clean_up_tokenization_spaces=False)
