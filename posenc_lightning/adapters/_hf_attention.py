@@ -215,3 +215,26 @@ def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     normalize = enc.normalize if "normalize" in stages else None
     out = backend.attend(query, key, value, bias=bias, mask=mask, scale=scale, normalize=normalize, ctx=ctx)
     return out.transpose(1, 2).to(value.dtype), None
+
+
+def register(impl: str) -> str:
+    """Register ``posenc_fused`` (``impl == FUSED``) or ``posenc_wrap_<impl>`` with transformers'
+    attention and mask interfaces; returns the name for ``set_attn_implementation``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if impl == FUSED:
+        AttentionInterface.register(FUSED, fused_attention)
+        AttentionMaskInterface.register(FUSED, pass_padding_mask)
+        return FUSED
+    name = WRAP_PREFIX + impl
+    AttentionInterface.register(name, wrap_function(impl))
+    mask_key = impl if impl in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping else "sdpa"
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask_key])
+    return name
+
+
+# registered on import: a model unpickled in another process (ddp_spawn, a DataLoader worker) or
+# rebuilt from a checkpoint finds its attention function without a new inject()
+for _impl in (FUSED, "sdpa", "eager", "flex_attention"):
+    register(_impl)

@@ -170,21 +170,6 @@ class EmbeddingPositions(nn.Module):
 # ------------------------------------------------------------------------------------------------
 # the adapter
 # ------------------------------------------------------------------------------------------------
-def _register(impl: str) -> str:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    if impl == attn.FUSED:
-        AttentionInterface.register(attn.FUSED, attn.fused_attention)
-        AttentionMaskInterface.register(attn.FUSED, attn.pass_padding_mask)
-        return attn.FUSED
-    name = attn.WRAP_PREFIX + impl
-    AttentionInterface.register(name, attn.wrap_function(impl))
-    mask_key = impl if impl in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping else "sdpa"
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask_key])
-    return name
-
-
 def uses_table(hf: nn.Module, enc: Encoding) -> bool:
     """A static rotary law that transformers' own rotary module can carry (half layout, one
     table for all heads, the model's partial rotary fraction)."""
@@ -276,7 +261,7 @@ def adapt(hf: nn.Module, proto: Encoding, backend: str, share_across_layers: boo
             if proto not in encs:
                 encs.insert(0, proto)
         if attn_stages:
-            name = _register(attn.FUSED if attn_stages - {"rotate"} else impl)
+            name = attn.register(attn.FUSED if attn_stages - {"rotate"} else impl)
             hf.set_attn_implementation(name)
     object.__setattr__(hf, ORIGINALS, orig)
     return encs or [proto]
