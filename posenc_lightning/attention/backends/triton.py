@@ -19,15 +19,7 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.base import (
-    AttentionContext,
-    Bias,
-    DecayBias,
-    DenseBias,
-    Encoding,
-    LinearBias,
-    RelativeBias,
-)
+from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KernelBias
 
 NAME = "triton"
 MAX_HEAD_DIM = 128
@@ -95,33 +87,15 @@ def rotary_tables(rot: Encoding, ctx: AttentionContext):
     return RotaryTables(cq, sq, iq, ck, sk, ik, rot.layout)
 
 
-def _same(a: Tensor, b: Tensor) -> bool:
-    return a is b or (a.shape == b.shape and bool(torch.equal(a, b)))
-
-
-def split_bias(bias: Bias | None, n_heads: int):
-    """``(slopes, table, c_q, c_k, dense, q_pos, k_pos)`` from a bias (kinds the kernels read
-    natively; anything else, or a second position set, is folded into ``dense``)."""
-    slopes = table = c_q = c_k = dense = qpos = kpos = None
-    for t in (bias.terms if bias is not None else []):
-        if isinstance(t, (LinearBias, RelativeBias)) and (qpos is None or (_same(qpos, t.q_pos)
-                                                                           and _same(kpos, t.k_pos))):
-            qpos, kpos = t.q_pos, t.k_pos
-            if isinstance(t, LinearBias):
-                slopes = t.slopes if slopes is None else slopes + t.slopes
-                continue
-            if table is None:
-                table = t.table
-                continue
-        if isinstance(t, DecayBias):
-            c_q = t.c_q if c_q is None else c_q + t.c_q
-            c_k = t.c_k if c_k is None else c_k + t.c_k
-            continue
-        d = t.tensor if isinstance(t, DenseBias) and not t.is_lazy else t.materialize()
-        dense = d if dense is None else dense + d
-    if dense is not None:
-        dense = dense.expand(-1, n_heads, -1, -1)
-    return slopes, table, c_q, c_k, dense, qpos, kpos
+def split_bias(bias: Bias | None, n_heads: int) -> KernelBias:
+    """The kernels' bias arguments: each term folds itself in (`Bias.fold_into`: the kinds the
+    kernels read natively; anything else, or a second position set, as a dense rest)."""
+    args = KernelBias()
+    if bias is not None:
+        bias.fold_into(args)
+    if args.dense is not None:
+        args.dense = args.dense.expand(-1, n_heads, -1, -1)
+    return args
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
@@ -141,11 +115,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
     tables = rotary_tables(rot, ctx) if rot is not None else None
     if tables is not None and tables.cos_q.dim() == 4 and tables.cos_q.shape[1] > 1 and k.shape[1] != q.shape[1]:
         raise ValueError(f"{rot.name}: per-head frequencies need n_kv_heads == n_heads")
-    slopes, table, c_q, c_k, dense, qpos, kpos = split_bias(bias, q.shape[1])
+    kb = split_bias(bias, q.shape[1])
     seg = mask.q_segments
     out = fused_attention(
         q, k, v, scale=scale, causal=mask.causal, q_offset=mask.q_offset, rotary=tables,
         q_segments=seg, k_segments=mask.k_segments if seg is not None else None, k_valid=mask.k_valid,
-        slopes=slopes, table=table, bias_q_pos=qpos, bias_k_pos=kpos, c_q=c_q, c_k=c_k, dense=dense,
-        stick_breaking=sb, attend_current=attend_current)
+        slopes=kb.slopes, table=kb.table, bias_q_pos=kb.q_pos, bias_k_pos=kb.k_pos, c_q=kb.c_q, c_k=kb.c_k,
+        dense=kb.dense, stick_breaking=sb, attend_current=attend_current)
     return out.to(q.dtype)
