@@ -65,7 +65,7 @@ class PosEncAttentionMixin:
             positions = positions.expand(b, -1)
         want = 2 if enc.position_dims == 1 else 3
         # encodings with ``accepts_nd_positions`` (rope_2d, liere, comrope) take [B, N] or [B, N, k]
-        if positions.dim() != want and not (positions.dim() == 3 and getattr(enc, "accepts_nd_positions", False)):
+        if positions.dim() != want and not (positions.dim() == 3 and enc.accepts_nd_positions):
             raise ValueError(f"{enc.name}: positions must be [B, N]{'' if want == 2 else ', 2'} "
                              f"(got shape {tuple(positions.shape)})")
         if enc.requires_hidden and hidden is None:
@@ -76,8 +76,7 @@ class PosEncAttentionMixin:
         backend = resolve_backend(getattr(self, "posenc_backend", "auto"), enc, q.device, requires_grad)
         # a backend that rotates in-kernel (triton) gets un-rotated q, k and the rotary encoding
         # as ``ctx.rotary``; its KV cache then holds un-rotated keys, as for dynamic encodings
-        fused_rotary = getattr(backend, "fused_rotary", None)
-        fused_rotary = fused_rotary(enc) if fused_rotary is not None and "rotate" in stages else None
+        fused_rotary = enc.fused_rotary if backend.FUSES_ROTARY and "rotate" in stages else None
         rotate = "rotate" in stages and fused_rotary is None
 
         recompute = None

@@ -226,7 +226,7 @@ class ContextCurriculum(pl.Callback):
         if scale is None:
             return
         for enc in encodings_of(pl_module):
-            if not hasattr(enc, "set_scale"):
+            if not enc.scalable:
                 raise ValueError(f"ContextCurriculum sets an encoding scale but {enc.name!r} has no set_scale(); "
                                  f"use a scalable encoding (pi, yarn, dynamic_ntk, clex, ...) or stages with scale=None")
             enc.set_scale(float(scale))

@@ -47,7 +47,7 @@ class LengthEvalCallback(pl.Callback):
         every_n_epochs: run at validation ends of every n-th epoch.
         dataloader_fn: ``seq_len -> iterable of (input_ids, targets)`` instead of the datamodule's.
         scale_with_length: zero-shot extension protocol of PI / NTK / YaRN / CLEX: at length ``n``
-            every scalable encoding (one with ``set_scale``) is set to ``max(1, n / base_len)``
+            every scalable encoding (`Encoding.scalable`) is set to ``max(1, n / base_len)``
             and restored afterwards (train at factor 1, evaluate with the factor the length needs).
     """
 
@@ -154,7 +154,7 @@ def _scalable_encodings(module: torch.nn.Module) -> list[Any]:
     seen: dict[int, Any] = {}
     for m in module.modules():
         enc = getattr(m, "posenc", None)
-        if enc is not None and hasattr(enc, "set_scale") and hasattr(enc, "factor"):
+        if enc is not None and enc.scalable:
             seen.setdefault(id(enc), enc)
     return list(seen.values())
 

@@ -50,7 +50,9 @@ class AttentionContext:
 
     ``q_pos`` / ``k_pos`` are ``[B, Nq]`` / ``[B, Nk]`` (``[B, N, 2]`` for 2-D encodings);
     ``hidden`` is the layer input ``[B, Nq, d_model]`` (content-dependent encodings only);
-    ``cache`` the layer's `LayerKVCache` (encodings with per-token state keep it there).
+    ``cache`` the layer's `LayerKVCache` (encodings with per-token state keep it there);
+    ``rotary`` the encoding whose rotation a fused backend applies in-kernel (`Encoding.fused_rotary`;
+    q and k then arrive un-rotated), set by the mixin only for backends with ``FUSES_ROTARY``.
     """
 
     q_pos: Tensor
@@ -59,6 +61,7 @@ class AttentionContext:
     hidden: Tensor | None = None
     cache: Any = None
     module: nn.Module | None = None
+    rotary: Encoding | None = None
 
     @functools.cached_property
     def seq_len(self) -> int:
@@ -84,6 +87,18 @@ class Encoding(nn.Module):
     dynamic: ClassVar[bool] = False
     #: 1 for ``[B, N]`` positions, 2 for ``[B, N, 2]`` (rope_2d)
     position_dims: ClassVar[int] = 1
+    #: with ``position_dims`` 1, also takes ``[B, N, k]`` positions (rope_2d, liere, comrope)
+    accepts_nd_positions: ClassVar[bool] = False
+    #: `set_scale` changes the scale `factor` at run time (pi, ntk, yarn, clex, ...; curricula use it)
+    scalable: ClassVar[bool] = False
+    #: `set_factors` replaces per-dimension rescale factors (long_rope; LongRoPE's search uses it)
+    searchable: ClassVar[bool] = False
+    #: the normalizer a fused kernel may run in place of `normalize` ("stick_breaking"), None: none
+    fused_normalizer: ClassVar[str | None] = None
+    #: stick-breaking normalizers: a query may attend to its own key
+    attend_current: bool = False
+    #: the current scale of a scalable encoding (1 = unscaled)
+    factor: float = 1.0
     #: needs the layer's hidden state in ``attend(..., hidden=...)`` (FoX gates)
     requires_hidden: ClassVar[bool] = False
     #: rotary encodings need an even head_dim
@@ -185,6 +200,22 @@ class Encoding(nn.Module):
             logits = logits.masked_fill(~mask, float("-inf"))
         w = torch.softmax(logits, dim=-1)
         return torch.nan_to_num(w, nan=0.0) if mask is not None else w
+
+    # ---------------------------------------------------------------- capabilities
+    def set_scale(self, factor: float) -> None:
+        """Scalable encodings (`scalable`): change the scale `factor` at run time."""
+        raise ValueError(f"{self.name} has no set_scale(): it is not scalable; use a scalable encoding "
+                         f"(pi, ntk, dynamic_ntk, yarn, llama3, long_rope, clex, ...)")
+
+    def set_factors(self, short_factor: Any = None, long_factor: Any = None, n_hat: int | None = None) -> None:
+        """Searchable encodings (`searchable`): replace the short / long rescale factors and ``n_hat``."""
+        raise ValueError(f"{self.name} has no set_factors(): it is not searchable; use 'long_rope'")
+
+    @property
+    def fused_rotary(self) -> Encoding | None:
+        """The rotary encoding whose rotation a fused backend may apply in-kernel instead of
+        `rotate` (its ``cos_sin`` tables gathered at every token's position), or None."""
+        return None
 
     def softmax_scale(self, head_dim: int) -> float:
         """The logit scale (``1/sqrt(d)``); rotary scalings fold their mscale into cos/sin."""

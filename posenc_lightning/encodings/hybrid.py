@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from posenc_lightning.encodings.alibi import ALiBi
 from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, span
 from posenc_lightning.encodings.registry import build_encoding, register
-from posenc_lightning.encodings.rope import RoPE, RotaryEncoding
+from posenc_lightning.encodings.rope import RoPE
 
 
 def _sum(biases: Sequence[Bias | None]) -> Bias | None:
@@ -69,7 +69,7 @@ class CompositeEncoding(Encoding):
         rot = [m for m in self.members if "rotate" in m.stages]
         if len(rot) != 1:
             return None
-        return rot[0] if isinstance(rot[0], RotaryEncoding) else getattr(rot[0], "fused_rotary", None)
+        return rot[0].fused_rotary
 
     def check_positions(self, positions: Tensor) -> None:
         for m in self.members:

@@ -18,6 +18,8 @@ from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
 from posenc_lightning.functional.positions import arange_offset
 
 NAME = "sdpa"
+#: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
+FUSES_ROTARY = False
 
 
 def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:

@@ -2,10 +2,11 @@
 ``RelativeBias``, ``DecayBias`` (and a given ``DenseBias``), packed documents, padding and
 stick-breaking are computed inside the kernels, forward and backward, with no N x N tensor.
 
-Rotary is fused for `RotaryEncoding` subclasses that keep the shared rotation (and for any
-encoding exposing such an encoding as ``fused_rotary``): the mixin asks `fused_rotary(encoding)`,
-skips ``encoding.rotate`` and passes the encoding as ``ctx.rotary``; the kernels gather its
-cos/sin table (attention scaling folded in) at every token's position.
+Rotary is fused for encodings that declare a rotation the kernels can apply
+(`Encoding.fused_rotary`: a `RotaryEncoding` keeping the shared rotation): the mixin skips
+``encoding.rotate`` and passes that encoding as ``ctx.rotary``; the kernels gather its cos/sin
+table (attention scaling folded in) at every token's position. Stick-breaking is fused for
+encodings that declare ``fused_normalizer = "stick_breaking"``.
 Runs on CUDA; on CPU only under ``TRITON_INTERPRET=1`` (the tests). ``auto`` picks it on CUDA.
 """
 
@@ -22,15 +23,9 @@ from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KernelBias
 
 NAME = "triton"
+#: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
+FUSES_ROTARY = True
 MAX_HEAD_DIM = 128
-
-
-def _is_stick_breaking(encoding: Encoding) -> bool:
-    try:
-        from posenc_lightning.encodings.stick_breaking import StickBreaking
-    except ImportError:
-        return False
-    return isinstance(encoding, StickBreaking)
 
 
 def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:
@@ -39,32 +34,14 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if device.type != "cuda" and not (device.type == "cpu" and interpret):
         return f"the Triton kernels run on CUDA (on CPU only with TRITON_INTERPRET=1), not on {device.type}"
-    if "normalize" in encoding.stages and not _is_stick_breaking(encoding):
+    if "normalize" in encoding.stages and encoding.fused_normalizer != "stick_breaking":
         return f"{encoding.name} replaces softmax with a normalizer the kernels do not implement (only stick-breaking)"
     if encoding.head_dim is not None and encoding.head_dim > MAX_HEAD_DIM:
         return f"head_dim {encoding.head_dim} > {MAX_HEAD_DIM}"
     return None
 
 
-def fused_rotary(encoding: Encoding) -> Encoding | None:
-    """The `RotaryEncoding` whose rotation the kernels apply in place of ``encoding.rotate``, or None.
-
-    Only encodings whose rotation is exactly ``RotaryEncoding.rotate`` of 1-D positions with
-    frequencies that carry no gradient (learned frequencies stay on the mixin's path).
-    """
-    from posenc_lightning.encodings.rope import RotaryEncoding
-
-    rot = encoding if isinstance(encoding, RotaryEncoding) else getattr(encoding, "fused_rotary", None)
-    if not isinstance(rot, RotaryEncoding) or type(rot).rotate is not RotaryEncoding.rotate:
-        return None
-    if getattr(encoding, "position_dims", 1) != 1:
-        return None
-    if any(p.requires_grad for p in rot.parameters()):
-        return None
-    return rot
-
-
-def rotary_tables(rot: Encoding, ctx: AttentionContext):
+def rotary_tables(rot: Encoding, ctx: AttentionContext):  # rot: a `RotaryEncoding`
     """cos/sin tables of ``rot`` for the kernels: one row per position when positions are
     non-negative integers (gathered in-kernel), else one row per token."""
     from posenc_lightning.kernels.fused import RotaryTables
@@ -105,13 +82,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
     sb = False
     attend_current = False
     if normalize is not None:
-        enc = getattr(normalize, "__self__", None)
-        if enc is None or not _is_stick_breaking(enc):
+        enc = getattr(normalize, "__self__", None)  # the encoding's bound normalize
+        if not isinstance(enc, Encoding) or enc.fused_normalizer != "stick_breaking":
             raise ValueError("the triton backend implements only the stick-breaking normalizer; use backend='eager'")
         if ctx is not None and not ctx.causal:
             raise ValueError(f"{enc.name} is causal by construction; call attend(..., causal=True)")
-        sb, attend_current = True, bool(getattr(enc, "attend_current", False))
-    rot = getattr(ctx, "rotary", None) if ctx is not None else None
+        sb, attend_current = True, bool(enc.attend_current)
+    rot = ctx.rotary if ctx is not None else None
     tables = rotary_tables(rot, ctx) if rot is not None else None
     if tables is not None and tables.cos_q.dim() == 4 and tables.cos_q.shape[1] > 1 and k.shape[1] != q.shape[1]:
         raise ValueError(f"{rot.name}: per-head frequencies need n_kv_heads == n_heads")
