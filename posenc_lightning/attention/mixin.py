@@ -14,10 +14,15 @@ from posenc_lightning.attention.recompute import RotationRecompute
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 
 
-def _nope() -> Encoding:
-    from posenc_lightning.encodings.absolute import NoPE
+class _NoEncoding(Encoding):
+    """What attention runs with when no encoding is injected: the base class implements no
+    stage, so `attend` is plain attention (SDPA on ``auto``)."""
 
-    return NoPE()
+    name = "nope"
+
+
+#: one shared instance: nothing is built per call
+NO_ENCODING: Encoding = _NoEncoding()
 
 
 def default_positions(batch: int, n: int, offset: int, device: torch.device) -> Tensor:
@@ -54,7 +59,7 @@ class PosEncAttentionMixin:
             segment_ids: ``[B, Nq]`` document ids of a packed batch; attention stays inside a document.
             key_padding_mask: ``[B, Nk]`` bool, False for padding keys.
         """
-        enc = self.encoding or _nope()
+        enc = self.encoding or NO_ENCODING
         b, _, n, _ = q.shape
         offset = cache.length if cache is not None else 0
         if positions is None:

@@ -179,20 +179,6 @@ class ContextCurriculum(pl.Callback):
                         lr_warmup_steps if i else 0) for i, n in enumerate(lengths)]
         return cls(stages, keep_tokens_per_batch=keep_tokens_per_batch, seed=seed)
 
-    @classmethod
-    def clex(cls, **kwargs: Any) -> ContextCurriculum:
-        """The CLEX preset (`posenc_lightning.curriculum.CLEXCurriculum`)."""
-        from posenc_lightning.curriculum.clex import CLEXCurriculum
-
-        return CLEXCurriculum(**kwargs)
-
-    @classmethod
-    def longrope(cls, **kwargs: Any) -> ContextCurriculum:
-        """The LongRoPE preset (`posenc_lightning.curriculum.LongRoPECurriculum`)."""
-        from posenc_lightning.curriculum.longrope import LongRoPECurriculum
-
-        return LongRoPECurriculum(**kwargs)
-
     # ---------------------------------------------------------------- the pure schedule
     def stage_index(self, step: int) -> int:
         return max(i for i, s in enumerate(self.stages) if s.start_step <= step)
