@@ -8,7 +8,6 @@ import torch
 from posenc_lightning import inject
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.encodings.base import AttentionContext, BiasSum, DecayBias, DenseBias, LinearBias, RelativeBias
-from posenc_lightning.encodings.hybrid import scale_bias
 from posenc_lightning.encodings.registry import build_encoding
 from posenc_lightning.functional.cope import cope_positions
 from posenc_lightning.functional.stick_breaking import stick_breaking_mask, stick_breaking_weights
@@ -246,7 +245,7 @@ def test_scale_bias_keeps_the_kind():
     kinds = [LinearBias(torch.rand(2), bq, bq), RelativeBias(torch.rand(2, 7), bq, bq),
              DecayBias(torch.rand(1, 2, 5), torch.rand(1, 2, 5)), DenseBias(torch.rand(1, 2, 5, 5))]
     for b in kinds + [BiasSum(kinds[:2])]:
-        s = scale_bias(b, w)
+        s = b.scaled(w)
         assert type(s) is type(b)
         torch.testing.assert_close(s.materialize(), 0.3 * b.materialize())
 

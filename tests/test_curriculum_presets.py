@@ -14,7 +14,6 @@ from posenc_lightning.callbacks.curriculum import encodings_of
 from posenc_lightning.curriculum import (
     N_HAT_CANDIDATES,
     CLEXCurriculum,
-    ContextCurriculum,
     EvolutionarySearch,
     LongRoPECurriculum,
     law_factors,
@@ -149,4 +148,3 @@ def test_clex_curriculum_samples_t_per_step_and_evaluates_at_length_ratio():
         assert (r["seq_len"], r["scale"]) == (st.seq_len, st.scale)
         assert r["batch"] == max(1, 4 * 16 // st.seq_len)
     assert rec.val_t == pytest.approx(40 / 16)  # evaluation: t = length / trained length
-    assert isinstance(ContextCurriculum.clex(train_length=16, t_max=2.0), CLEXCurriculum)

@@ -191,7 +191,7 @@ def test_causal_alibi_as_key_channel_long_and_offset():
     ctx = AttentionContext(pos, pos, True)
     q = torch.randn(b, h, n, d, requires_grad=True)
     k, v = (torch.randn(b, 1, n, d, requires_grad=True) for _ in range(2))  # GQA
-    assert sdpa._linear_bias_is_key_channel(bias, mask, q, ctx)
+    assert bias.key_only(q.dtype, mask.is_plain_causal) is not None
     outs = [be.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx) for be in (sdpa, eager)]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
     g = [torch.autograd.grad(o.square().sum(), (q, k, v)) for o in outs]
@@ -199,11 +199,11 @@ def test_causal_alibi_as_key_channel_long_and_offset():
         torch.testing.assert_close(g0, g1, rtol=1e-3, atol=1e-4)
     # not valid: keys after queries in position, bf16, a KV-cache step, packed documents
     rev = pos.flip(-1)
-    assert not sdpa._linear_bias_is_key_channel(LinearBias(bias.slopes, rev, rev), mask, q, AttentionContext(rev, rev))
-    assert not sdpa._linear_bias_is_key_channel(bias, mask, q.bfloat16(), ctx)
-    assert not sdpa._linear_bias_is_key_channel(bias, AttentionMask(True, 5, n, n + 5), q, ctx)
+    assert LinearBias(bias.slopes, rev, rev).key_only(q.dtype, True) is None
+    assert bias.key_only(torch.bfloat16, True) is None
+    assert bias.key_only(q.dtype, AttentionMask(True, 5, n, n + 5).is_plain_causal) is None
     seg = torch.zeros(1, n, dtype=torch.long)
-    assert not sdpa._linear_bias_is_key_channel(bias, AttentionMask(True, 0, n, n, seg, seg), q, ctx)
+    assert bias.key_only(q.dtype, AttentionMask(True, 0, n, n, seg, seg).is_plain_causal) is None
 
 
 @pytest.mark.parametrize("case", ["arange_causal", "decode_cache", "bidirectional", "packed"])
@@ -220,7 +220,7 @@ def test_decay_bias_as_key_channel_equals_eager_fwd_bwd(case, dtype):
     mask = AttentionMask(causal, off, n_q, n_k, seg2, seg2)
     q = torch.randn(b, h, n_q, d, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(b, hkv, n_k, d, dtype=dtype, requires_grad=True) for _ in range(2))
-    assert sdpa._decay_bias_is_key_channel(DecayBias(c[..., off:], c), q)
+    assert DecayBias(c[..., off:], c).key_only(q.dtype, mask.is_plain_causal) is not None
 
     def reference():  # the formula in float64: softmax(q k^T s + c_i - c_j) v
         q64, k64, v64, c64 = (t.double() for t in (q, k, v, c))
@@ -241,7 +241,7 @@ def test_decay_bias_as_key_channel_equals_eager_fwd_bwd(case, dtype):
     torch.testing.assert_close(outs[0], outs[1].to(dtype), rtol=tol, atol=tol)
     for g0, g1 in zip(*grads):
         torch.testing.assert_close(g0, g1.to(dtype), rtol=tol, atol=tol)
-    assert not sdpa._decay_bias_is_key_channel(DecayBias(c, c), q.bfloat16())  # bf16 cannot hold c
+    assert DecayBias(c, c).key_only(torch.bfloat16, True) is None  # bf16 cannot hold c
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -10,7 +10,6 @@ from torch import nn
 from posenc_lightning import inject
 from posenc_lightning.attention.backends import sdpa
 from posenc_lightning.encodings.base import AttentionContext, DenseBias
-from posenc_lightning.encodings.hybrid import scale_bias
 from posenc_lightning.functional import fire as ffire
 from posenc_lightning.functional.fire import fire_mlp
 from tests.helpers import Attn
@@ -36,7 +35,7 @@ def test_lazy_dense_bias_rows_equal_materialize():
         torch.testing.assert_close(DenseBias(full).rows(s, e, ke), r)
     torch.testing.assert_close((lazy + DenseBias(full)).rows(2, 5, 7), 2 * full[..., 2:5, :7])
     w = torch.tensor(0.3)
-    s = scale_bias(lazy, w)
+    s = lazy.scaled(w)
     assert s.is_lazy
     torch.testing.assert_close(s.rows(1, 6, 4), 0.3 * full[..., 1:6, :4])
     with pytest.raises(ValueError, match="DenseBias.lazy"):

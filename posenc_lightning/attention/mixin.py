@@ -15,10 +15,15 @@ from posenc_lightning.attention.validate import check_attend, check_embed
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 
 
-def _nope() -> Encoding:
-    from posenc_lightning.encodings.absolute import NoPE
+class _NoEncoding(Encoding):
+    """What attention runs with when no encoding is injected: the base class implements no
+    stage, so `attend` is plain attention (SDPA on ``auto``)."""
 
-    return NoPE()
+    name = "nope"
+
+
+#: one shared instance: nothing is built per call
+NO_ENCODING: Encoding = _NoEncoding()
 
 
 def default_positions(batch: int, n: int, offset: int, device: torch.device) -> Tensor:
@@ -55,7 +60,7 @@ class PosEncAttentionMixin:
             segment_ids: ``[B, Nq]`` document ids of a packed batch; attention stays inside a document.
             key_padding_mask: ``[B, Nk]`` bool, False for padding keys.
         """
-        enc = self.encoding or _nope()
+        enc = self.encoding or NO_ENCODING
         check_attend(enc, q, k, v, positions, hidden, cache, segment_ids, key_padding_mask)
         b, _, n, _ = q.shape
         offset = cache.length if cache is not None else 0
@@ -67,7 +72,7 @@ class PosEncAttentionMixin:
             positions = positions.expand(b, -1)
         want = 2 if enc.position_dims == 1 else 3
         # encodings with ``accepts_nd_positions`` (rope_2d, liere, comrope) take [B, N] or [B, N, k]
-        if positions.dim() != want and not (positions.dim() == 3 and getattr(enc, "accepts_nd_positions", False)):
+        if positions.dim() != want and not (positions.dim() == 3 and enc.accepts_nd_positions):
             raise ValueError(f"{enc.name}: positions must be [B, N]{'' if want == 2 else ', 2'} "
                              f"(got shape {tuple(positions.shape)})")
         if enc.requires_hidden and hidden is None:
@@ -78,8 +83,7 @@ class PosEncAttentionMixin:
         backend = resolve_backend(getattr(self, "posenc_backend", "auto"), enc, q.device, requires_grad)
         # a backend that rotates in-kernel (triton) gets un-rotated q, k and the rotary encoding
         # as ``ctx.rotary``; its KV cache then holds un-rotated keys, as for dynamic encodings
-        fused_rotary = getattr(backend, "fused_rotary", None)
-        fused_rotary = fused_rotary(enc) if fused_rotary is not None and "rotate" in stages else None
+        fused_rotary = enc.fused_rotary if backend.FUSES_ROTARY and "rotate" in stages else None
         rotate = "rotate" in stages and fused_rotary is None
 
         recompute = None

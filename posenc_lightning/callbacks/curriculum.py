@@ -179,20 +179,6 @@ class ContextCurriculum(pl.Callback):
                         lr_warmup_steps if i else 0) for i, n in enumerate(lengths)]
         return cls(stages, keep_tokens_per_batch=keep_tokens_per_batch, seed=seed)
 
-    @classmethod
-    def clex(cls, **kwargs: Any) -> ContextCurriculum:
-        """The CLEX preset (`posenc_lightning.curriculum.CLEXCurriculum`)."""
-        from posenc_lightning.curriculum.clex import CLEXCurriculum
-
-        return CLEXCurriculum(**kwargs)
-
-    @classmethod
-    def longrope(cls, **kwargs: Any) -> ContextCurriculum:
-        """The LongRoPE preset (`posenc_lightning.curriculum.LongRoPECurriculum`)."""
-        from posenc_lightning.curriculum.longrope import LongRoPECurriculum
-
-        return LongRoPECurriculum(**kwargs)
-
     # ---------------------------------------------------------------- the pure schedule
     def stage_index(self, step: int) -> int:
         return max(i for i, s in enumerate(self.stages) if s.start_step <= step)
@@ -226,7 +212,7 @@ class ContextCurriculum(pl.Callback):
         if scale is None:
             return
         for enc in encodings_of(pl_module):
-            if not hasattr(enc, "set_scale"):
+            if not enc.scalable:
                 raise ValueError(f"ContextCurriculum sets an encoding scale but {enc.name!r} has no set_scale(); "
                                  f"use a scalable encoding (pi, yarn, dynamic_ntk, clex, ...) or stages with scale=None")
             enc.set_scale(float(scale))

@@ -11,6 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from posenc_lightning.eval.length_report import length_plot, length_table
+
+__all__ = ["LengthEvalCallback", "base_length", "length_plot", "length_table", "token_nll"]
+
 
 def token_nll(module: torch.nn.Module, x: Tensor, y: Tensor) -> Tensor:
     """Per-token NLL ``[B, N]``: the module's ``token_nll`` when it has one, else from its logits."""
@@ -48,7 +52,7 @@ class LengthEvalCallback(pl.Callback):
         every_n_epochs: run at validation ends of every n-th epoch.
         dataloader_fn: ``seq_len -> iterable of (input_ids, targets)`` instead of the datamodule's.
         scale_with_length: zero-shot extension protocol of PI / NTK / YaRN / CLEX: at length ``n``
-            every scalable encoding (one with ``set_scale``) is set to ``max(1, n / base_len)``
+            every scalable encoding (`Encoding.scalable`) is set to ``max(1, n / base_len)``
             and restored afterwards (train at factor 1, evaluate with the factor the length needs).
     """
 
@@ -155,53 +159,6 @@ def _scalable_encodings(module: torch.nn.Module) -> list[Any]:
     seen: dict[int, Any] = {}
     for m in module.modules():
         enc = getattr(m, "posenc", None)
-        if enc is not None and hasattr(enc, "set_scale") and hasattr(enc, "factor"):
+        if enc is not None and enc.scalable:
             seen.setdefault(id(enc), enc)
     return list(seen.values())
-
-
-def length_table(results: dict[str, dict[int, float]], failures: dict[str, dict[int, str]] | None = None,
-                 base_len: int | None = None) -> str:
-    """Markdown: one row per run, one column per length (``fails`` where the model could not run)."""
-    lengths = sorted({n for r in results.values() for n in r})
-    head = [f"{n // base_len}x ({n})" if base_len else str(n) for n in lengths]
-    out = ["| encoding | " + " | ".join(head) + " |", "|---" * (len(lengths) + 1) + "|"]
-    for name, r in results.items():
-        cells = []
-        for n in lengths:
-            v = r.get(n, float("nan"))
-            if failures and n in failures.get(name, {}):
-                cells.append("fails (beyond table)" if "table" in failures[name][n] else "fails")
-            else:
-                cells.append("" if math.isnan(v) else f"{v:.2f}")
-        out.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
-
-
-def length_plot(results: dict[str, dict[int, float]], path: str | None = None, title: str = "perplexity vs length"):
-    """A log-log perplexity-vs-length figure (matplotlib, the ``viz`` extra); saved to ``path`` if
-    given. Returns the figure, or None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(7.5, 5.0))
-    for i, (name, r) in enumerate(results.items()):
-        pts = sorted((n, v) for n, v in r.items() if math.isfinite(v))
-        if pts:  # 10 colors x 3 line styles x 2 markers: every curve distinct
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os"[i // 30 % 2], label=name,
-                    linestyle=["-", "--", ":"][i // 10 % 3])
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("perplexity")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=120)
-    return fig

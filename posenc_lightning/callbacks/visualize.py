@@ -71,10 +71,10 @@ def encoded_attention(module: torch.nn.Module, rec: dict[str, Any]) -> tuple[Ten
     the eager reference (`attention_weights`) and the module's encoding."""
     from posenc_lightning.attention.backends.eager import attention_weights
     from posenc_lightning.attention.mask import AttentionMask
-    from posenc_lightning.attention.mixin import _nope, default_positions
+    from posenc_lightning.attention.mixin import NO_ENCODING, default_positions
     from posenc_lightning.encodings.base import AttentionContext
 
-    enc = module.encoding or _nope()
+    enc = module.encoding or NO_ENCODING
     q, k = rec["q"], rec["k"]
     b, _, n, _ = q.shape
     pos = rec["positions"] if rec["positions"] is not None else default_positions(b, n, 0, q.device)

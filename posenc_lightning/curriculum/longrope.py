@@ -29,7 +29,7 @@ from posenc_lightning.inject import injected_spec
 
 
 def long_rope_encodings(module: torch.nn.Module) -> list[Any]:
-    encs = [e for e in encodings_of(module) if hasattr(e, "set_factors")]
+    encs = [e for e in encodings_of(module) if e.searchable]
     if not encs:
         names = sorted({e.name for e in encodings_of(module)})
         raise ValueError(f"LongRoPECurriculum searches long_rope's rescale factors but the model has {names}; "

@@ -64,6 +64,7 @@ class CLEX(RotaryEncoding):
     """
 
     dynamic = True
+    scalable = True
 
     def __init__(self, factor: float = 1.0, max_scale: float = 16.0, original_max_position_embeddings: int = 512,
                  theta: float = 10000.0, hidden_mult: int = 1, ode_step: float = 0.1,

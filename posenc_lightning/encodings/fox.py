@@ -60,9 +60,9 @@ class ForgettingAttention(Encoding):
         return frozenset({"bias", "rotate"}) if self.rope is not None else frozenset({"bias"})
 
     @property
-    def fused_rotary(self) -> RoPE | None:
+    def fused_rotary(self) -> Encoding | None:
         """The rotation, for backends that fuse it (the triton kernels)."""
-        return self.rope
+        return self.rope.fused_rotary if self.rope is not None else None
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         return self.rope.rotate(q, k, ctx) if self.rope is not None else (q, k)

@@ -14,38 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from posenc_lightning.encodings.alibi import ALiBi
-from posenc_lightning.encodings.base import (
-    AttentionContext,
-    Bias,
-    BiasSum,
-    DecayBias,
-    DenseBias,
-    Encoding,
-    LinearBias,
-    RelativeBias,
-    span,
-)
+from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, span
 from posenc_lightning.encodings.registry import build_encoding, register
-from posenc_lightning.encodings.rope import RoPE, RotaryEncoding
-
-
-def scale_bias(bias: Bias, w: Tensor) -> Bias:
-    """``w * bias`` as the same kind (``w`` a scalar tensor), so backends can still fuse it."""
-    if isinstance(bias, LinearBias):
-        return LinearBias(bias.slopes * w, bias.q_pos, bias.k_pos)
-    if isinstance(bias, RelativeBias):
-        return RelativeBias(bias.table * w, bias.q_pos, bias.k_pos)
-    if isinstance(bias, DecayBias):
-        return DecayBias(bias.c_q * w, bias.c_k * w)
-    if isinstance(bias, BiasSum):
-        return BiasSum([scale_bias(p, w) for p in bias.parts])
-    if isinstance(bias, DenseBias) and bias.is_lazy:  # stays lazy: rows of the bias times w
-        ins = bias.grad_inputs()
-        if ins is None:
-            return DenseBias.lazy(lambda s, e, ke: bias.rows(s, e, ke) * w, *bias.shape_qk)
-        return DenseBias.lazy(lambda s, e, ke, *v: bias.rows_from(s, e, ke, v[:-1]) * v[-1], *bias.shape_qk,
-                              inputs=(*ins, w), window=lambda s, e, ke: (*bias.input_windows(s, e, ke), None))
-    return DenseBias(bias.materialize() * w)
+from posenc_lightning.encodings.rope import RoPE
 
 
 def _sum(biases: Sequence[Bias | None]) -> Bias | None:
@@ -98,7 +69,7 @@ class CompositeEncoding(Encoding):
         rot = [m for m in self.members if "rotate" in m.stages]
         if len(rot) != 1:
             return None
-        return rot[0] if isinstance(rot[0], RotaryEncoding) else getattr(rot[0], "fused_rotary", None)
+        return rot[0].fused_rotary
 
     def check_positions(self, positions: Tensor) -> None:
         for m in self.members:
@@ -210,5 +181,5 @@ class Mixture(CompositeEncoding):
         for i, m in enumerate(self.members):
             b = self._member_bias(m, q, k, ctx)
             if b is not None:
-                parts.append(scale_bias(b, w[i]))
+                parts.append(b.scaled(w[i]))  # the same kind where it can be
         return _sum(parts)

@@ -102,6 +102,14 @@ class RotaryEncoding(Encoding):
             return self._cos[:, positions].transpose(0, 1), self._sin[:, positions].transpose(0, 1)
         return self._cos[positions], self._sin[positions]
 
+    @property
+    def fused_rotary(self) -> Encoding | None:
+        """Itself when its rotation is exactly `RotaryEncoding.rotate` of ``[B, N]`` positions with
+        frequencies that carry no gradient (learned frequencies stay on the mixin's path)."""
+        if type(self).rotate is not RotaryEncoding.rotate or self.position_dims != 1:
+            return None
+        return None if any(p.requires_grad for p in self.parameters()) else self
+
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         seq_len = ctx.seq_len if self.frequencies_key(None) != "static" else None
         cq, sq = self.cos_sin(ctx.q_pos, seq_len)

@@ -40,6 +40,8 @@ Layout = Literal["half", "interleaved"]
 class ScaledRotary(RotaryEncoding):
     """A rotary encoding with a run-time scale ``factor`` over ``original_max_position_embeddings``."""
 
+    scalable = True
+
     def __init__(self, factor: float = 4.0, original_max_position_embeddings: int = 512, theta: float = 10000.0,
                  layout: Layout = "half", partial_rotary_factor: float = 1.0) -> None:
         super().__init__(theta=theta, layout=layout, partial_rotary_factor=partial_rotary_factor)
@@ -188,6 +190,7 @@ class LongRoPE(ScaledRotary):
     """
 
     dynamic = True
+    searchable = True
 
     def __init__(self, factor: float | None = None, short_factor: list[float] | None = None,
                  long_factor: list[float] | None = None, original_max_position_embeddings: int = 512,

@@ -36,6 +36,8 @@ class StickBreaking(Encoding):
             so the first token attends to nothing and outputs 0).
     """
 
+    fused_normalizer = "stick_breaking"
+
     def __init__(self, attend_current: bool = False) -> None:
         super().__init__()
         self.attend_current = attend_current
@@ -78,9 +80,9 @@ class RotaryStickBreaking(StickBreaking):
         self.penalty = nn.Parameter(torch.full((self.n_heads,), float(self.penalty_init)))
 
     @property
-    def fused_rotary(self) -> RoPE:
+    def fused_rotary(self) -> Encoding | None:
         """The rotation, for backends that fuse it (the triton kernels)."""
-        return self.rope
+        return self.rope.fused_rotary
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         return self.rope.rotate(q, k, ctx)

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from posenc_lightning.callbacks.length_eval import length_plot, length_table
+from posenc_lightning.eval.length_report import length_plot, length_table
 
 PPL_PREFIX = "length_eval/ppl/"
 

@@ -1,6 +1,6 @@
-"""Biases that reduce to a key-only term under softmax (causal ALiBi ``-m (i - j)``, FoX
-``c_i - c_j``): the per-row part cancels, so SDPA can take the rest as one extra q/k channel or,
-on CPU, as a broadcast key mask on its flash kernel. Used by the SDPA backend (`sdpa`)."""
+"""Biases that reduce to a key-only term under softmax (`Bias.key_only`: causal ALiBi
+``-m (i - j)``, FoX ``c_i - c_j``): the per-row part cancels, so SDPA can take the rest as one
+extra q/k channel or, on CPU, as a broadcast key mask on its flash kernel. Used by `sdpa`."""
 
 from __future__ import annotations
 
@@ -9,37 +9,31 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.base import AttentionContext, Bias, DecayBias, LinearBias
+from posenc_lightning.encodings.base import KeyOnly
 
 
-def _linear_bias_is_key_channel(bias: Bias, mask: AttentionMask, q: Tensor, ctx: AttentionContext | None) -> bool:
-    """Causal ALiBi with keys never after their queries in position (non-decreasing positions)."""
-    if not isinstance(bias, LinearBias) or ctx is None or not mask.is_plain_causal:
-        return False
-    qp, kp = bias.q_pos, bias.k_pos
-    if q.dtype not in (torch.float32, torch.float64) or qp.dim() != 2 or qp.shape != kp.shape:
-        return False  # the extra channel carries m*j: bf16 cannot hold it
-    if kp is not qp and not torch.equal(kp, qp):
-        return False
-    return bool((qp[:, 1:] >= qp[:, :-1]).all())
-
-
-def _attend_linear_bias_channel(q: Tensor, k: Tensor, v: Tensor, bias: LinearBias, ctx: AttentionContext,
-                                scale: float, gqa: bool) -> Tensor:
-    """Causal ALiBi as one extra channel, on SDPA's ``is_causal`` kernel (O(N) extra work).
-
-    Where ``j <= i``: ``-m_h (i - j) = m_h j - m_h i`` and softmax ignores the per-row ``m_h i``,
-    so the bias is ``m_h (j - c)`` for any constant c: ``q_h -> [q_h, m_h]``,
-    ``k_j -> [k_j, (j - c) / scale]``, ``v -> [v, 0]`` (the key channel is head-independent, so
-    grouped kv heads work). c is the middle position, which keeps the channel small.
-    """
-    b, h, n, d = q.shape
-    pos = bias.k_pos.to(q.dtype)
-    centered = pos - (pos[:, :1] + pos[:, -1:]) / 2  # [B, N]
-    q_ch = bias.slopes.to(q.dtype)[None, :, None, None].expand(b, h, n, 1)
-    k_ch = (centered / scale)[:, None, :, None].expand(b, k.shape[1], n, 1)
-    out = F.scaled_dot_product_attention(torch.cat((q, q_ch), -1), torch.cat((k, k_ch), -1),
-                                         F.pad(v, (0, 1)), is_causal=True, scale=scale, enable_gqa=gqa)
+def _attend_key_channel(q: Tensor, k: Tensor, v: Tensor, key_only: KeyOnly, mask: AttentionMask, scale: float,
+                        gqa: bool) -> Tensor:
+    """Attention with a key-only bias ``q_ch[h] * k_ch[b, h, j]`` as one extra channel:
+    ``q_h -> [q_h, q_ch[h]]``, ``k_j -> [k_j, k_ch[j] / scale]``, ``v -> [v, 0]``. A key channel
+    shared by all heads (ALiBi's positions) keeps grouped kv heads grouped; a per-head one (FoX's
+    gates) repeats them. Plain causal or no mask keeps SDPA's ``is_causal`` kernel; O(N) extra
+    work and memory, and gradients reach ``q_ch`` and ``k_ch`` through the channels."""
+    b, h, n_q, d = q.shape
+    k_ch = key_only.k_ch.to(q.dtype)
+    if k_ch.shape[1] != 1 and gqa:
+        k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
+    h_kv = k.shape[1]
+    q_ch = (q.new_ones(b, h, n_q, 1) if key_only.q_ch is None
+            else key_only.q_ch.to(q.dtype)[None, :, None, None].expand(b, h, n_q, 1))
+    q2 = torch.cat((q, q_ch), -1)
+    k2 = torch.cat((k.expand(b, -1, -1, -1), (k_ch / scale).unsqueeze(-1).expand(b, h_kv, -1, 1)), -1)
+    v2 = F.pad(v.expand(b, -1, -1, -1), (0, 1))
+    if mask.is_plain_causal or mask.is_trivial:
+        out = F.scaled_dot_product_attention(q2, k2, v2, is_causal=mask.causal, scale=scale, enable_gqa=h_kv != h)
+    else:
+        out = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask.materialize(q.device), scale=scale,
+                                             enable_gqa=h_kv != h)
     return out[..., :d]
 
 
@@ -62,30 +56,3 @@ def _attend_key_bias(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, causal: 
     b = max(q.shape[0], key_bias.shape[0])
     mask = key_bias.to(q.dtype).unsqueeze(-2).expand(b, -1, -1, -1)
     return _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[0]
-
-
-def _decay_bias_is_key_channel(bias: Bias, q: Tensor) -> bool:
-    return isinstance(bias, DecayBias) and q.dtype in (torch.float32, torch.float64)
-
-
-def _attend_decay_bias_channel(q: Tensor, k: Tensor, v: Tensor, bias: DecayBias, mask: AttentionMask,
-                               scale: float, gqa: bool) -> Tensor:
-    """FoX's ``c_i - c_j`` as one extra channel: softmax ignores the per-row ``c_i``, so the bias
-    is ``-(c_j - c)`` for a constant c (the middle of the range, to keep the channel small):
-    ``q_h -> [q_h, 1]``, ``k_hj -> [k_hj, -(c_hj - c) / scale]``, ``v -> [v, 0]``. Any mask works
-    (plain causal keeps SDPA's ``is_causal`` kernel); O(N) extra work and memory, and the
-    gradient reaches ``c_k`` through the channel (``c_q``'s is exactly 0)."""
-    b, h, n_q, d = q.shape
-    c_k = bias.c_k.to(q.dtype).expand(b, h, -1)
-    centre = (c_k.amax(-1, keepdim=True) + c_k.amin(-1, keepdim=True)).detach() / 2
-    k_ch = (-(c_k - centre) / scale).unsqueeze(-1)  # [B, H, Nk, 1]
-    if gqa:
-        k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
-    q2 = torch.cat((q, q.new_ones(b, h, n_q, 1)), -1)
-    k2 = torch.cat((k.expand(b, -1, -1, -1), k_ch), -1)
-    v2 = F.pad(v.expand(b, -1, -1, -1), (0, 1))
-    if mask.is_plain_causal or mask.is_trivial:
-        out = F.scaled_dot_product_attention(q2, k2, v2, is_causal=mask.causal, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask.materialize(q.device), scale=scale)
-    return out[..., :d]

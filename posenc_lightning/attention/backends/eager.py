@@ -11,6 +11,8 @@ from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
 
 NAME = "eager"
+#: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
+FUSES_ROTARY = False
 
 
 def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:

@@ -1,6 +1,6 @@
-"""``torch.nn.attention.flex_attention``: rotary is applied before; every bias kind becomes a
-term of one ``score_mod`` (positions looked up per (b, q_idx, kv_idx), so KV-cache offsets and
-packed documents need no special case); causality, packed documents (segment ids) and padding
+"""``torch.nn.attention.flex_attention``: rotary is applied before; every bias kind gives its
+term of one ``score_mod`` (`Bias.score_term`; positions looked up per (b, q_idx, kv_idx), so
+KV-cache offsets and packed documents need no special case); causality, packed documents (segment ids) and padding
 become a ``mask_mod`` and a block mask, so fully masked blocks are skipped.
 
 Compiled on GPU. On CPU flex runs eagerly (the unfused reference path) and has no backward:
@@ -17,19 +17,11 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.base import (
-    AttentionContext,
-    Bias,
-    DecayBias,
-    DenseBias,
-    Encoding,
-    LinearBias,
-    RelativeBias,
-)
+from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
 
 NAME = "flex"
-
-ScoreTerm = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+#: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
+FUSES_ROTARY = False
 
 
 def _flex_module():
@@ -53,32 +45,11 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
 
 
 # ------------------------------------------------------------------------------- score_mod
-def _term(bias: Bias, b_size: int, n_heads: int) -> ScoreTerm:
-    """``f(b, h, q_idx, kv_idx)`` giving one bias kind's value (float32)."""
-    if isinstance(bias, LinearBias):
-        slopes = bias.slopes.to(torch.float32)
-        qp, kp = bias.q_pos.to(torch.float32), bias.k_pos.to(torch.float32)
-        return lambda b, h, qi, ki: -slopes[h] * (qp[b, qi] - kp[b, ki]).abs()
-    if isinstance(bias, RelativeBias):
-        r = bias.max_distance
-        table = bias.table.to(torch.float32)
-        qp, kp = bias.q_pos.long(), bias.k_pos.long()
-        return lambda b, h, qi, ki: table[h, (qp[b, qi] - kp[b, ki]).clamp(-r, r) + r]
-    if isinstance(bias, DecayBias):
-        cq, ck = bias.c_q.to(torch.float32), bias.c_k.to(torch.float32)
-        return lambda b, h, qi, ki: cq[b, h, qi] - ck[b, h, ki]
-    if isinstance(bias, DenseBias):
-        t = bias.materialize()
-        t = t.expand(b_size, n_heads, *t.shape[-2:])
-        return lambda b, h, qi, ki: t[b, h, qi, ki]
-    t = bias.materialize().expand(b_size, n_heads, -1, -1)  # an unknown kind: dense fallback
-    return lambda b, h, qi, ki: t[b, h, qi, ki]
-
-
 def _bias_tensors(bias: Bias | None) -> list[Tensor]:
+    """The tensors a bias is computed from (a CPU call refuses them when they need a gradient)."""
     out: list[Tensor] = []
     for t in bias.terms if bias is not None else []:
-        out += [x for x in vars(t).values() if isinstance(x, Tensor)]
+        out += [*(t.grad_inputs() or ()), *(x for x in vars(t).values() if isinstance(x, Tensor))]
     return out
 
 
@@ -86,7 +57,7 @@ def score_mod_for(bias: Bias | None, b_size: int, n_heads: int) -> Callable | No
     """One ``score_mod(score, b, h, q_idx, kv_idx)`` adding every term of ``bias``."""
     if bias is None:
         return None
-    terms = [_term(t, b_size, n_heads) for t in bias.terms]
+    terms = [t.score_term(b_size, n_heads) for t in bias.terms]  # each kind gives its own term
 
     def score_mod(score: Tensor, b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
         out = score.to(torch.float32)

@@ -12,28 +12,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posenc_lightning.attention.backends._block_grad import attention_backward_by_blocks
-from posenc_lightning.attention.backends._key_bias import (
-    _attend_decay_bias_channel,
-    _attend_key_bias,
-    _attend_linear_bias_channel,
-    _decay_bias_is_key_channel,
-    _key_mask_works,
-    _linear_bias_is_key_channel,
-)
+from posenc_lightning.attention.backends._key_bias import _attend_key_bias, _attend_key_channel, _key_mask_works
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.base import (
-    AttentionContext,
-    Bias,
-    BiasSum,
-    DecayBias,
-    DenseBias,
-    Encoding,
-    LinearBias,
-    RelativeBias,
-)
+from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
 from posenc_lightning.functional.positions import arange_offset
 
 NAME = "sdpa"
+#: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
+FUSES_ROTARY = False
 
 
 def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:
@@ -63,22 +49,15 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
 
 def _attend_biased(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,
                    ctx: AttentionContext | None, given: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """The cheapest exact form of a biased attention, in this order: the bias as one extra q/k
-    channel on SDPA's causal kernel (ALiBi, FoX), a zero-copy Toeplitz view (``f(i - j)`` at
+    """The cheapest exact form of a biased attention, in this order: a key-only bias
+    (`Bias.key_only`: ALiBi, FoX) as a key mask or one extra q/k channel, a zero-copy Toeplitz view (``f(i - j)`` at
     arange positions; a learned table gets its own backward), blocks of query rows."""
-    if _linear_bias_is_key_channel(bias, mask, q, ctx):
-        if _key_mask_works(q, k, bias.slopes):
-            pos = bias.k_pos.to(q.dtype)
-            centered = pos - (pos[:, :1] + pos[:, -1:]) / 2  # [B, Nk]
-            key_bias = bias.slopes.to(q.dtype)[None, :, None] * centered[:, None, :]
-            return _attend_key_bias(q, k, v, key_bias, True, scale)
-        return _attend_linear_bias_channel(q, k, v, bias, ctx, scale, gqa)
-    if _decay_bias_is_key_channel(bias, q):
-        if (mask.is_plain_causal or mask.is_trivial) and _key_mask_works(q, k, bias.c_k):
-            c_k = bias.c_k.to(q.dtype)
-            centre = (c_k.amax(-1, keepdim=True) + c_k.amin(-1, keepdim=True)) / 2
-            return _attend_key_bias(q, k, v, centre - c_k, mask.causal, scale)
-        return _attend_decay_bias_channel(q, k, v, bias, mask, scale, gqa)
+    key_only = bias.key_only(q.dtype, mask.is_plain_causal)
+    if key_only is not None:
+        key_bias = key_only.key_bias()
+        if (mask.is_plain_causal or mask.is_trivial) and _key_mask_works(q, k, key_bias):
+            return _attend_key_bias(q, k, v, key_bias, mask.causal, scale)
+        return _attend_key_channel(q, k, v, key_only, mask, scale, gqa)
     u = _toeplitz_template(bias, mask, q.shape[-2], k.shape[-2], ctx)
     if u is not None:
         if u.requires_grad and torch.is_grad_enabled():
@@ -142,18 +121,6 @@ def _flush_denormals(device: torch.device):
         torch.set_flush_denormal(False)
 
 
-def _kind_at(bias: Bias, q_pos: Tensor, k_pos: Tensor) -> Bias | None:
-    """The same bias at other positions, for the kinds that depend on ``i - j`` only."""
-    if isinstance(bias, LinearBias):
-        return LinearBias(bias.slopes, q_pos, k_pos)
-    if isinstance(bias, RelativeBias):
-        return RelativeBias(bias.table, q_pos, k_pos)
-    if isinstance(bias, BiasSum):
-        parts = [_kind_at(p, q_pos, k_pos) for p in bias.terms]
-        return None if any(p is None for p in parts) else BiasSum(parts)
-    return None
-
-
 def _toeplitz_template(bias: Bias, mask: AttentionMask, n_q: int, n_k: int,
                        ctx: AttentionContext | None) -> Tensor | None:
     """``u [H, n_q + n_k - 1]`` with ``bias[h, i, j] = u[h, j - i + n_q - 1]``, causal -inf folded
@@ -163,7 +130,7 @@ def _toeplitz_template(bias: Bias, mask: AttentionMask, n_q: int, n_k: int,
     """
     if ctx is None or mask.q_segments is not None or mask.k_valid is not None:
         return None
-    if not isinstance(bias, (LinearBias, RelativeBias, BiasSum)):
+    if not bias.distance_only:
         return None
     a, c = arange_offset(ctx.q_pos), arange_offset(ctx.k_pos)
     if a is None or c is None or ctx.q_pos.shape[1] != n_q or ctx.k_pos.shape[1] != n_k:
@@ -171,7 +138,7 @@ def _toeplitz_template(bias: Bias, mask: AttentionMask, n_q: int, n_k: int,
     dev = ctx.q_pos.device
     d = torch.arange(-(n_q - 1), n_k, device=dev)  # j - i
     # position distance i_pos - j_pos = (a - c) - (j - i)
-    kind = _kind_at(bias, torch.full((1, 1), a - c, device=dev), d[None])
+    kind = bias.at(torch.full((1, 1), a - c, device=dev), d[None])
     if kind is None:
         return None
     u = kind.materialize()[0, :, 0, :]  # [H, L]; a learned table keeps its graph (`_ToeplitzAttention`)
@@ -328,12 +295,9 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMas
 
 def _owned_rows(rows: Tensor, bias: Bias) -> bool:
     """The rows were computed just now (not a view or one of the bias's own tensors), so the mask
-    may be written into them: one block-sized copy less. Only for the kinds that compute rows
-    (a lazy function that takes its inputs as arguments, the structured kinds)."""
-    parts = bias.terms
-    kinds_compute = all(isinstance(p, (LinearBias, RelativeBias, DecayBias)) or
-                        (isinstance(p, DenseBias) and p.is_lazy and p.inputs is not None) for p in parts)
-    if not kinds_compute or rows.requires_grad or rows._base is not None:
+    may be written into them: one block-sized copy less. Only for kinds whose rows are new
+    tensors (`Bias.fresh_rows`)."""
+    if not bias.fresh_rows or rows.requires_grad or rows._base is not None:
         return False
     ptr = rows.untyped_storage().data_ptr()
     return all(t.untyped_storage().data_ptr() != ptr for t in bias.grad_inputs() or ())

@@ -2,10 +2,11 @@
 ``RelativeBias``, ``DecayBias`` (and a given ``DenseBias``), packed documents, padding and
 stick-breaking are computed inside the kernels, forward and backward, with no N x N tensor.
 
-Rotary is fused for `RotaryEncoding` subclasses that keep the shared rotation (and for any
-encoding exposing such an encoding as ``fused_rotary``): the mixin asks `fused_rotary(encoding)`,
-skips ``encoding.rotate`` and passes the encoding as ``ctx.rotary``; the kernels gather its
-cos/sin table (attention scaling folded in) at every token's position.
+Rotary is fused for encodings that declare a rotation the kernels can apply
+(`Encoding.fused_rotary`: a `RotaryEncoding` keeping the shared rotation): the mixin skips
+``encoding.rotate`` and passes that encoding as ``ctx.rotary``; the kernels gather its cos/sin
+table (attention scaling folded in) at every token's position. Stick-breaking is fused for
+encodings that declare ``fused_normalizer = "stick_breaking"``.
 Runs on CUDA; on CPU only under ``TRITON_INTERPRET=1`` (the tests). ``auto`` picks it on CUDA.
 """
 
@@ -19,26 +20,12 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.base import (
-    AttentionContext,
-    Bias,
-    DecayBias,
-    DenseBias,
-    Encoding,
-    LinearBias,
-    RelativeBias,
-)
+from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KernelBias
 
 NAME = "triton"
+#: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
+FUSES_ROTARY = True
 MAX_HEAD_DIM = 128
-
-
-def _is_stick_breaking(encoding: Encoding) -> bool:
-    try:
-        from posenc_lightning.encodings.stick_breaking import StickBreaking
-    except ImportError:
-        return False
-    return isinstance(encoding, StickBreaking)
 
 
 def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:
@@ -47,32 +34,14 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if device.type != "cuda" and not (device.type == "cpu" and interpret):
         return f"the Triton kernels run on CUDA (on CPU only with TRITON_INTERPRET=1), not on {device.type}"
-    if "normalize" in encoding.stages and not _is_stick_breaking(encoding):
+    if "normalize" in encoding.stages and encoding.fused_normalizer != "stick_breaking":
         return f"{encoding.name} replaces softmax with a normalizer the kernels do not implement (only stick-breaking)"
     if encoding.head_dim is not None and encoding.head_dim > MAX_HEAD_DIM:
         return f"head_dim {encoding.head_dim} > {MAX_HEAD_DIM}"
     return None
 
 
-def fused_rotary(encoding: Encoding) -> Encoding | None:
-    """The `RotaryEncoding` whose rotation the kernels apply in place of ``encoding.rotate``, or None.
-
-    Only encodings whose rotation is exactly ``RotaryEncoding.rotate`` of 1-D positions with
-    frequencies that carry no gradient (learned frequencies stay on the mixin's path).
-    """
-    from posenc_lightning.encodings.rope import RotaryEncoding
-
-    rot = encoding if isinstance(encoding, RotaryEncoding) else getattr(encoding, "fused_rotary", None)
-    if not isinstance(rot, RotaryEncoding) or type(rot).rotate is not RotaryEncoding.rotate:
-        return None
-    if getattr(encoding, "position_dims", 1) != 1:
-        return None
-    if any(p.requires_grad for p in rot.parameters()):
-        return None
-    return rot
-
-
-def rotary_tables(rot: Encoding, ctx: AttentionContext):
+def rotary_tables(rot: Encoding, ctx: AttentionContext):  # rot: a `RotaryEncoding`
     """cos/sin tables of ``rot`` for the kernels: one row per position when positions are
     non-negative integers (gathered in-kernel), else one row per token."""
     from posenc_lightning.kernels.fused import RotaryTables
@@ -95,33 +64,15 @@ def rotary_tables(rot: Encoding, ctx: AttentionContext):
     return RotaryTables(cq, sq, iq, ck, sk, ik, rot.layout)
 
 
-def _same(a: Tensor, b: Tensor) -> bool:
-    return a is b or (a.shape == b.shape and bool(torch.equal(a, b)))
-
-
-def split_bias(bias: Bias | None, n_heads: int):
-    """``(slopes, table, c_q, c_k, dense, q_pos, k_pos)`` from a bias (kinds the kernels read
-    natively; anything else, or a second position set, is folded into ``dense``)."""
-    slopes = table = c_q = c_k = dense = qpos = kpos = None
-    for t in (bias.terms if bias is not None else []):
-        if isinstance(t, (LinearBias, RelativeBias)) and (qpos is None or (_same(qpos, t.q_pos)
-                                                                           and _same(kpos, t.k_pos))):
-            qpos, kpos = t.q_pos, t.k_pos
-            if isinstance(t, LinearBias):
-                slopes = t.slopes if slopes is None else slopes + t.slopes
-                continue
-            if table is None:
-                table = t.table
-                continue
-        if isinstance(t, DecayBias):
-            c_q = t.c_q if c_q is None else c_q + t.c_q
-            c_k = t.c_k if c_k is None else c_k + t.c_k
-            continue
-        d = t.tensor if isinstance(t, DenseBias) and not t.is_lazy else t.materialize()
-        dense = d if dense is None else dense + d
-    if dense is not None:
-        dense = dense.expand(-1, n_heads, -1, -1)
-    return slopes, table, c_q, c_k, dense, qpos, kpos
+def split_bias(bias: Bias | None, n_heads: int) -> KernelBias:
+    """The kernels' bias arguments: each term folds itself in (`Bias.fold_into`: the kinds the
+    kernels read natively; anything else, or a second position set, as a dense rest)."""
+    args = KernelBias()
+    if bias is not None:
+        bias.fold_into(args)
+    if args.dense is not None:
+        args.dense = args.dense.expand(-1, n_heads, -1, -1)
+    return args
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
@@ -131,21 +82,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
     sb = False
     attend_current = False
     if normalize is not None:
-        enc = getattr(normalize, "__self__", None)
-        if enc is None or not _is_stick_breaking(enc):
+        enc = getattr(normalize, "__self__", None)  # the encoding's bound normalize
+        if not isinstance(enc, Encoding) or enc.fused_normalizer != "stick_breaking":
             raise ValueError("the triton backend implements only the stick-breaking normalizer; use backend='eager'")
         if ctx is not None and not ctx.causal:
             raise ValueError(f"{enc.name} is causal by construction; call attend(..., causal=True)")
-        sb, attend_current = True, bool(getattr(enc, "attend_current", False))
-    rot = getattr(ctx, "rotary", None) if ctx is not None else None
+        sb, attend_current = True, bool(enc.attend_current)
+    rot = ctx.rotary if ctx is not None else None
     tables = rotary_tables(rot, ctx) if rot is not None else None
     if tables is not None and tables.cos_q.dim() == 4 and tables.cos_q.shape[1] > 1 and k.shape[1] != q.shape[1]:
         raise ValueError(f"{rot.name}: per-head frequencies need n_kv_heads == n_heads")
-    slopes, table, c_q, c_k, dense, qpos, kpos = split_bias(bias, q.shape[1])
+    kb = split_bias(bias, q.shape[1])
     seg = mask.q_segments
     out = fused_attention(
         q, k, v, scale=scale, causal=mask.causal, q_offset=mask.q_offset, rotary=tables,
         q_segments=seg, k_segments=mask.k_segments if seg is not None else None, k_valid=mask.k_valid,
-        slopes=slopes, table=table, bias_q_pos=qpos, bias_k_pos=kpos, c_q=c_q, c_k=c_k, dense=dense,
-        stick_breaking=sb, attend_current=attend_current)
+        slopes=kb.slopes, table=kb.table, bias_q_pos=kb.q_pos, bias_k_pos=kb.k_pos, c_q=kb.c_q, c_k=kb.c_k,
+        dense=kb.dense, stick_breaking=sb, attend_current=attend_current)
     return out.to(q.dtype)

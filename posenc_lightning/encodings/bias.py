@@ -1,0 +1,526 @@
+"""The structured attention-bias kinds (DESIGN.md, "Bias is a description, not a tensor").
+
+A kind owns everything a backend asks of it, so no backend tests a bias's class:
+
+==================== ====================================================== ==============
+method               gives                                                  asked by
+==================== ====================================================== ==============
+``materialize()``    the dense ``[B|1, H, Nq, Nk]`` float32 tensor          eager
+``rows(s, e, ke)``   rows ``s:e``, keys ``:ke`` only (abstract: no kind     sdpa (blocks)
+                     falls back to building ``N x N`` silently)
+``rows_from`` & co.  rows recomputed from stand-ins for its inputs          sdpa (backward)
+``at(q_pos, k_pos)`` the same bias at other positions (``distance_only``)   sdpa (Toeplitz)
+``key_only(...)``    ``q_ch[h] * k_ch[b, h, j]`` + a per-row term           sdpa (1 channel)
+``scaled(w)``        ``w * bias``, the same kind where it can be             mixture
+``score_term(B, H)`` ``f(b, h, q_idx, kv_idx)`` for a flex ``score_mod``     flex
+``fold_into(args)``  its part of the Triton kernels' arguments              triton
+==================== ====================================================== ==============
+
+A new kind implements `materialize` and `rows`; every other method has a default that is exact
+for any kind (dense score term and kernel argument, lazily scaled rows).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "KernelBias", "KeyOnly", "LinearBias", "RelativeBias",
+           "ScaledBias", "cut", "span"]
+
+#: a part of a tensor (``t[index]``); None = the whole tensor
+Index = Any
+#: ``f(b, h, q_idx, kv_idx) -> value`` (float32), one term of a flex ``score_mod``
+ScoreTerm = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+_WIDE = (torch.float32, torch.float64)
+
+
+def span(start: int, stop: int, dim: int = -1) -> Index:
+    """The index of ``[start, stop)`` along ``dim`` (negative: counted from the end), e.g.
+    ``span(s, e, -2)`` = the query rows ``s:e`` of ``q [B, H, N, D]``."""
+    return (Ellipsis, slice(start, stop)) + (slice(None),) * (-dim - 1)
+
+
+def cut(tensors: Sequence[Tensor], windows: Sequence[Index]) -> list[Tensor]:
+    """``[t[w] for t, w in ...]``, None windows taking the whole tensor."""
+    return [t if w is None else t[w] for t, w in zip(tensors, windows)]
+
+
+def _distance(q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """``i - j`` for every (query, key) pair: ``[B, Nq, Nk]`` from ``[B, Nq]`` and ``[B, Nk]``."""
+    return q_pos[:, :, None] - k_pos[:, None, :]
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a is b or (a.shape == b.shape and bool(torch.equal(a, b)))
+
+
+@dataclass(eq=False)
+class KeyOnly:
+    """A bias that, where a query may see a key, is ``q_ch[h] * k_ch[b, h, j]`` plus a term of the
+    query alone, which softmax drops: SDPA takes it as one extra q/k channel (`Bias.key_only`).
+
+    ``q_ch``: ``[H]`` (None: 1 for every head); ``k_ch``: ``[B|1, H|1, Nk]`` in the activations'
+    dtype (one head: the same for every head, so grouped kv heads stay grouped)."""
+
+    q_ch: Tensor | None
+    k_ch: Tensor
+
+    def key_bias(self) -> Tensor:
+        """``[B|1, H, Nk]``: the bias of key j, as every query sees it up to its own constant."""
+        return self.k_ch if self.q_ch is None else self.q_ch[None, :, None] * self.k_ch
+
+
+@dataclass(eq=False)
+class KernelBias:
+    """The bias arguments of the fused Triton kernels, filled term by term (`Bias.fold_into`):
+    summed ALiBi ``slopes [H]`` and one relative ``table [H, 2R+1]`` (both at ``q_pos``/``k_pos``),
+    summed cumulative decays ``c_q``/``c_k``, and a ``dense`` rest."""
+
+    slopes: Tensor | None = None
+    table: Tensor | None = None
+    c_q: Tensor | None = None
+    c_k: Tensor | None = None
+    dense: Tensor | None = None
+    q_pos: Tensor | None = None
+    k_pos: Tensor | None = None
+
+    def claim_positions(self, q_pos: Tensor, k_pos: Tensor) -> bool:
+        """The position-based terms are read at these positions: True when no positions were
+        claimed yet (they are now) or the claimed ones are equal."""
+        if self.q_pos is None:
+            self.q_pos, self.k_pos = q_pos, k_pos
+            return True
+        return _same(self.q_pos, q_pos) and _same(self.k_pos, k_pos)
+
+    def add_dense(self, t: Tensor) -> None:
+        self.dense = t if self.dense is None else self.dense + t
+
+
+class Bias(ABC):
+    """A structured additive bias on the attention logits (see the module docstring)."""
+
+    @abstractmethod
+    def materialize(self) -> Tensor:
+        """The dense bias ``[B|1, H, Nq, Nk]`` float32."""
+
+    @abstractmethod
+    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
+        """``materialize()[..., start:stop, :k_stop]`` without building the rest (blockwise SDPA)."""
+
+    def grad_inputs(self) -> tuple[Tensor, ...] | None:
+        """Every tensor the bias is computed from that may need a gradient (None: unknown).
+        Backends with their own backward recompute rows (`rows_from`) and differentiate to these."""
+        return None
+
+    def input_windows(self, start: int, stop: int, k_stop: int) -> tuple[Index, ...]:
+        """For each of `grad_inputs`, the part of it that ``rows(start, stop, k_stop)`` reads
+        (an index; None = all of it)."""
+        return (None,) * len(self.grad_inputs() or ())
+
+    @property
+    def recomputable(self) -> bool:
+        """`rows_from` works: rows can be recomputed from stand-ins for the inputs."""
+        return False
+
+    def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
+        """``rows(start, stop, k_stop)`` computed from ``views`` (each of `grad_inputs` cut by
+        `input_windows`) instead of the stored tensors: a backward pass gives detached leaves
+        here and differentiates to them, so gradients are window-sized and never run through
+        the model's own graph."""
+        raise NotImplementedError(f"{type(self).__name__} cannot recompute rows from stand-in inputs")
+
+    @property
+    def fresh_rows(self) -> bool:
+        """`rows` returns a new tensor (never a view of a stored one): a backend may write into it."""
+        return False
+
+    @property
+    def distance_only(self) -> bool:
+        """The value depends on ``i - j`` only, and `at` gives it at other positions."""
+        return False
+
+    def at(self, q_pos: Tensor, k_pos: Tensor) -> Bias | None:
+        """The same bias at other positions (None unless `distance_only`)."""
+        return None
+
+    def key_only(self, dtype: torch.dtype, plain_causal: bool) -> KeyOnly | None:
+        """The key-only form under softmax in ``dtype`` (None: there is none). ``plain_causal``:
+        query i sees keys ``0..i`` and nothing else (forms that hold only there need it)."""
+        return None
+
+    def scaled(self, w: Tensor) -> Bias:
+        """``w * self`` for a scalar tensor ``w`` (default: lazily, row by row; kinds keep their kind)."""
+        return ScaledBias(self, w)
+
+    def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
+        """This bias's value at ``(b, h, q_idx, kv_idx)`` for flex's ``score_mod`` (default: a
+        lookup in the materialized tensor)."""
+        t = self.materialize().expand(b_size, n_heads, -1, -1)
+        return lambda b, h, qi, ki: t[b, h, qi, ki]
+
+    def fold_into(self, args: KernelBias) -> None:
+        """Add this bias to the Triton kernels' arguments (default: as a dense tensor)."""
+        args.add_dense(self.materialize())
+
+    @property
+    def terms(self) -> list[Bias]:
+        return [self]
+
+    def __add__(self, other: Bias | None) -> Bias:
+        if other is None:
+            return self
+        return BiasSum(self.terms + other.terms)
+
+    __radd__ = __add__
+
+
+@dataclass(eq=False)
+class LinearBias(Bias):
+    """ALiBi: ``-slopes[h] * |i - j|`` (Press et al., 2022, eq. 1)."""
+
+    slopes: Tensor  # [H]
+    q_pos: Tensor  # [B, Nq]
+    k_pos: Tensor  # [B, Nk]
+    recomputable = True
+    fresh_rows = True
+    distance_only = True
+
+    def materialize(self) -> Tensor:
+        dist = _distance(self.q_pos, self.k_pos).abs().to(torch.float32)
+        return -self.slopes.to(torch.float32)[None, :, None, None] * dist[:, None]
+
+    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
+        return LinearBias(self.slopes, self.q_pos[:, start:stop], self.k_pos[:, :k_stop]).materialize()
+
+    def grad_inputs(self) -> tuple[Tensor, ...]:
+        return (self.slopes,)
+
+    def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
+        return LinearBias(views[0], self.q_pos, self.k_pos).rows(start, stop, k_stop)
+
+    def at(self, q_pos: Tensor, k_pos: Tensor) -> Bias:
+        return LinearBias(self.slopes, q_pos, k_pos)
+
+    def key_only(self, dtype: torch.dtype, plain_causal: bool) -> KeyOnly | None:
+        """Causal ALiBi with keys never after their queries in position: where ``j <= i``,
+        ``-m_h (i - j) = m_h j - m_h i``, i.e. ``m_h (j - c)`` for any constant c (the middle
+        position, which keeps the channel small). bf16 cannot hold ``m_h j``: wide dtypes only."""
+        qp, kp = self.q_pos, self.k_pos
+        if not plain_causal or dtype not in _WIDE or qp.dim() != 2 or qp.shape != kp.shape:
+            return None
+        if (kp is not qp and not torch.equal(kp, qp)) or not bool((qp[:, 1:] >= qp[:, :-1]).all()):
+            return None
+        pos = kp.to(dtype)
+        centered = pos - (pos[:, :1] + pos[:, -1:]) / 2  # [B, Nk]
+        return KeyOnly(self.slopes.to(dtype), centered[:, None, :])
+
+    def scaled(self, w: Tensor) -> Bias:
+        return LinearBias(self.slopes * w, self.q_pos, self.k_pos)
+
+    def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
+        slopes = self.slopes.to(torch.float32)
+        qp, kp = self.q_pos.to(torch.float32), self.k_pos.to(torch.float32)
+        return lambda b, h, qi, ki: -slopes[h] * (qp[b, qi] - kp[b, ki]).abs()
+
+    def fold_into(self, args: KernelBias) -> None:
+        if not args.claim_positions(self.q_pos, self.k_pos):
+            return super().fold_into(args)
+        args.slopes = self.slopes if args.slopes is None else args.slopes + self.slopes
+
+
+@dataclass(eq=False)
+class RelativeBias(Bias):
+    """``table[h, clamp(i - j, -R, R) + R]`` for a table ``[H, 2R + 1]`` (T5, any f(i - j))."""
+
+    table: Tensor  # [H, 2R+1]
+    q_pos: Tensor
+    k_pos: Tensor
+    recomputable = True
+    fresh_rows = True
+    distance_only = True
+
+    @property
+    def max_distance(self) -> int:
+        return (self.table.shape[-1] - 1) // 2
+
+    def materialize(self) -> Tensor:
+        r = self.max_distance
+        idx = _distance(self.q_pos, self.k_pos).long().clamp(-r, r) + r  # [B, Nq, Nk]
+        out = self.table.to(torch.float32)[:, idx]  # [H, B, Nq, Nk]
+        return out.permute(1, 0, 2, 3)
+
+    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
+        return RelativeBias(self.table, self.q_pos[:, start:stop], self.k_pos[:, :k_stop]).materialize()
+
+    def grad_inputs(self) -> tuple[Tensor, ...]:
+        return (self.table,)
+
+    def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
+        return RelativeBias(views[0], self.q_pos, self.k_pos).rows(start, stop, k_stop)
+
+    def at(self, q_pos: Tensor, k_pos: Tensor) -> Bias:
+        return RelativeBias(self.table, q_pos, k_pos)
+
+    def scaled(self, w: Tensor) -> Bias:
+        return RelativeBias(self.table * w, self.q_pos, self.k_pos)
+
+    def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
+        r = self.max_distance
+        table = self.table.to(torch.float32)
+        qp, kp = self.q_pos.long(), self.k_pos.long()
+        return lambda b, h, qi, ki: table[h, (qp[b, qi] - kp[b, ki]).clamp(-r, r) + r]
+
+    def fold_into(self, args: KernelBias) -> None:
+        if args.table is not None or not args.claim_positions(self.q_pos, self.k_pos):
+            return super().fold_into(args)  # the kernels read one table
+        args.table = self.table
+
+
+@dataclass(eq=False)
+class DecayBias(Bias):
+    """``c_q[b, h, i] - c_k[b, h, j]`` from cumulative log-gates (FoX, Lin et al., 2025)."""
+
+    c_q: Tensor  # [B, H, Nq]
+    c_k: Tensor  # [B, H, Nk]
+    recomputable = True
+    fresh_rows = True
+
+    def materialize(self) -> Tensor:
+        return self.c_q.to(torch.float32)[..., :, None] - self.c_k.to(torch.float32)[..., None, :]
+
+    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
+        return DecayBias(self.c_q[..., start:stop], self.c_k[..., :k_stop]).materialize()
+
+    def grad_inputs(self) -> tuple[Tensor, ...]:
+        return (self.c_q, self.c_k)
+
+    def input_windows(self, start: int, stop: int, k_stop: int) -> tuple[Index, ...]:
+        return (span(start, stop), span(0, k_stop))
+
+    def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
+        return DecayBias(views[0], views[1]).materialize()
+
+    def key_only(self, dtype: torch.dtype, plain_causal: bool) -> KeyOnly | None:
+        """``c_i - c_j`` is ``-(c_j - c)`` up to the query's own term, under any mask, for a
+        constant c (the middle of the range, to keep the channel small; it carries no gradient,
+        so ``c_k``'s gradient comes through the channel and ``c_q``'s is exactly 0)."""
+        if dtype not in _WIDE:  # bf16 cannot hold c
+            return None
+        c_k = self.c_k.to(dtype)
+        centre = (c_k.amax(-1, keepdim=True) + c_k.amin(-1, keepdim=True)).detach() / 2
+        return KeyOnly(None, centre - c_k)
+
+    def scaled(self, w: Tensor) -> Bias:
+        return DecayBias(self.c_q * w, self.c_k * w)
+
+    def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
+        cq, ck = self.c_q.to(torch.float32), self.c_k.to(torch.float32)
+        return lambda b, h, qi, ki: cq[b, h, qi] - ck[b, h, ki]
+
+    def fold_into(self, args: KernelBias) -> None:
+        args.c_q = self.c_q if args.c_q is None else args.c_q + self.c_q
+        args.c_k = self.c_k if args.c_k is None else args.c_k + self.c_k
+
+
+@dataclass(eq=False)
+class DenseBias(Bias):
+    """Any bias given as a tensor ``[B or 1, H, Nq, Nk]`` (fallback), or lazily by a function of
+    rows (`DenseBias.lazy`: FIRE, CoPE, mixtures), so that blockwise backends never hold ``N x N``."""
+
+    tensor: Tensor | None = None
+    fn: Callable[..., Tensor] | None = field(default=None, repr=False)
+    shape_qk: tuple[int, int] | None = None  # (Nq, Nk) of a lazy bias
+    inputs: tuple[Tensor, ...] | None = field(default=None, repr=False)  # what ``fn`` is computed from
+    window: Callable[[int, int, int], tuple[Index, ...]] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.tensor is None) == (self.fn is None) or (self.fn is not None and self.shape_qk is None):
+            raise ValueError("DenseBias needs a tensor, or a rows function and its sizes: "
+                             "DenseBias(tensor) or DenseBias.lazy(fn, n_q, n_k)")
+        if self.window is not None and self.inputs is None:
+            raise ValueError("DenseBias.lazy: a window needs the inputs it cuts (inputs=...)")
+
+    @classmethod
+    def lazy(cls, fn: Callable[..., Tensor], n_q: int, n_k: int, inputs: Sequence[Tensor] | None = None,
+             window: Callable[[int, int, int], tuple[Index, ...]] | None = None) -> DenseBias:
+        """A bias computed only for the rows asked for (``materialize()`` = all rows).
+
+        Without ``inputs``: ``fn(start, stop, k_stop) -> [B|1, H, stop - start, k_stop]``; the SDPA
+        backend then checkpoints each block to get gradients.
+
+        With ``inputs`` (every tensor the rows depend on that may need a gradient: parameters,
+        q, k...): ``fn(start, stop, k_stop, *inputs)`` must read them from its arguments only.
+        ``window(start, stop, k_stop)`` names the part of each input those rows read (an index,
+        None = all; e.g. ``span(start, stop, -2)`` for the query rows of q): ``fn`` then gets
+        the parts. The SDPA backend's own backward calls ``fn`` on detached parts and
+        differentiates to them: no ``N x N`` kept, gradients only as large as the parts.
+        """
+        ins = None if inputs is None else tuple(inputs)
+        return cls(fn=fn, shape_qk=(int(n_q), int(n_k)), inputs=ins, window=window)
+
+    def grad_inputs(self) -> tuple[Tensor, ...] | None:
+        return (self.tensor,) if self.tensor is not None else self.inputs
+
+    def input_windows(self, start: int, stop: int, k_stop: int) -> tuple[Index, ...]:
+        if self.tensor is not None:
+            return ((Ellipsis, slice(start, stop), slice(0, k_stop)),)
+        if self.window is None:
+            return (None,) * len(self.inputs or ())
+        return tuple(self.window(start, stop, k_stop))
+
+    @property
+    def is_lazy(self) -> bool:
+        return self.tensor is None
+
+    @property
+    def recomputable(self) -> bool:
+        return self.tensor is not None or self.inputs is not None
+
+    @property
+    def fresh_rows(self) -> bool:
+        return self.is_lazy and self.inputs is not None  # a function of its arguments: new rows
+
+    def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
+        if self.tensor is not None:
+            return views[0].to(torch.float32)
+        if self.inputs is None:
+            return super().rows_from(start, stop, k_stop, views)
+        return self.fn(start, stop, k_stop, *views).to(torch.float32)
+
+    def materialize(self) -> Tensor:
+        if self.tensor is None:
+            return self.rows(0, *self.shape_qk)
+        return self.tensor.to(torch.float32)
+
+    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
+        if self.tensor is not None:
+            return self.tensor[..., start:stop, :k_stop].to(torch.float32)
+        if self.inputs is None:
+            return self.fn(start, stop, k_stop).to(torch.float32)
+        return self.rows_from(start, stop, k_stop, cut(self.inputs, self.input_windows(start, stop, k_stop)))
+
+    def scaled(self, w: Tensor) -> Bias:
+        """A given tensor times ``w``; a lazy bias stays lazy (its rows times ``w``)."""
+        if self.tensor is not None:
+            return DenseBias(self.materialize() * w)
+        ins = self.grad_inputs()
+        if ins is None:
+            return DenseBias.lazy(lambda s, e, ke: self.rows(s, e, ke) * w, *self.shape_qk)
+        return DenseBias.lazy(lambda s, e, ke, *v: self.rows_from(s, e, ke, v[:-1]) * v[-1], *self.shape_qk,
+                              inputs=(*ins, w), window=lambda s, e, ke: (*self.input_windows(s, e, ke), None))
+
+    def fold_into(self, args: KernelBias) -> None:
+        args.add_dense(self.tensor if self.tensor is not None else self.materialize())
+
+
+@dataclass(eq=False)
+class ScaledBias(Bias):
+    """``weight * inner`` (a scalar tensor ``weight``), row by row: `Bias.scaled` of a kind that
+    has no scaled form of its own."""
+
+    inner: Bias
+    weight: Tensor
+    fresh_rows = True
+
+    def materialize(self) -> Tensor:
+        return self.inner.materialize() * self.weight
+
+    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
+        return self.inner.rows(start, stop, k_stop) * self.weight
+
+    def grad_inputs(self) -> tuple[Tensor, ...] | None:
+        ins = self.inner.grad_inputs()
+        return None if ins is None else (*ins, self.weight)
+
+    def input_windows(self, start: int, stop: int, k_stop: int) -> tuple[Index, ...]:
+        return (*self.inner.input_windows(start, stop, k_stop), None)
+
+    @property
+    def recomputable(self) -> bool:
+        return self.inner.recomputable
+
+    def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
+        return self.inner.rows_from(start, stop, k_stop, views[:-1]) * views[-1]
+
+    @property
+    def distance_only(self) -> bool:
+        return self.inner.distance_only
+
+    def at(self, q_pos: Tensor, k_pos: Tensor) -> Bias | None:
+        moved = self.inner.at(q_pos, k_pos)
+        return None if moved is None else moved.scaled(self.weight)
+
+    def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
+        f, w = self.inner.score_term(b_size, n_heads), self.weight.to(torch.float32)
+        return lambda b, h, qi, ki: f(b, h, qi, ki) * w
+
+
+@dataclass(eq=False)
+class BiasSum(Bias):
+    """A sum of bias kinds (hybrids); backends may fuse each term separately."""
+
+    parts: list[Bias] = field(default_factory=list)
+
+    @property
+    def terms(self) -> list[Bias]:
+        return list(self.parts)
+
+    def materialize(self) -> Tensor:
+        out = self.parts[0].materialize()
+        for p in self.parts[1:]:
+            out = out + p.materialize()
+        return out
+
+    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
+        out = self.parts[0].rows(start, stop, k_stop)
+        for p in self.parts[1:]:
+            out = out + p.rows(start, stop, k_stop)
+        return out
+
+    def grad_inputs(self) -> tuple[Tensor, ...] | None:
+        ins = [p.grad_inputs() for p in self.parts]
+        return None if any(i is None for i in ins) else tuple(t for i in ins for t in i)
+
+    def input_windows(self, start: int, stop: int, k_stop: int) -> tuple[Index, ...]:
+        return tuple(w for p in self.parts for w in p.input_windows(start, stop, k_stop))
+
+    @property
+    def recomputable(self) -> bool:
+        return all(p.recomputable for p in self.parts)
+
+    def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
+        out, i = None, 0
+        for p in self.parts:
+            n = len(p.grad_inputs())
+            r = p.rows_from(start, stop, k_stop, views[i:i + n])
+            out, i = (r if out is None else out + r), i + n
+        return out
+
+    @property
+    def fresh_rows(self) -> bool:
+        return all(p.fresh_rows for p in self.parts)
+
+    @property
+    def distance_only(self) -> bool:
+        return all(p.distance_only for p in self.parts)
+
+    def at(self, q_pos: Tensor, k_pos: Tensor) -> Bias | None:
+        parts = [p.at(q_pos, k_pos) for p in self.parts]
+        return None if any(p is None for p in parts) else BiasSum(parts)
+
+    def scaled(self, w: Tensor) -> Bias:
+        return BiasSum([p.scaled(w) for p in self.parts])
+
+    def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
+        fs = [p.score_term(b_size, n_heads) for p in self.parts]
+        return lambda b, h, qi, ki: sum(f(b, h, qi, ki) for f in fs)
+
+    def fold_into(self, args: KernelBias) -> None:
+        for p in self.parts:
+            p.fold_into(args)
