@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.hf_matrix import build, config, generate_error
 from posenc_lightning import inject, injected_spec
 from posenc_lightning.adapters import hf as adapter
-from posenc_lightning.adapters.hf_export import export_pretrained, load_pretrained, to_rope_parameters
 from posenc_lightning.encodings.hf import from_hf
+from posenc_lightning.models.hf_export import export_pretrained, load_pretrained, to_rope_parameters
 
 warnings.filterwarnings("ignore")
 L = 16  # the tiny models' max_position_embeddings
