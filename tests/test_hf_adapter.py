@@ -258,3 +258,20 @@ def test_old_transformers_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.46.0")
     with pytest.raises(ValueError, match="transformers >= 5.0"):
         adapter.require_transformers()
+
+
+@pytest.mark.parametrize("name", ["fire", "fox", "dynamic_ntk"])
+def test_gradient_checkpointing_gives_the_same_gradients(name):
+    """transformers' gradient checkpointing re-runs each layer in backward: the pre-hook records the
+    same call again, so the encoding's and the model's gradients are unchanged."""
+    grads = []
+    for ckpt in (False, True):
+        module = build("llama").train()
+        inject(module, name, **({"factor": 4.0} if name == "dynamic_ntk" else {}))
+        if ckpt:
+            module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        module.model(IDS[:, :24], labels=IDS[:, :24]).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-6, rtol=1e-5)
