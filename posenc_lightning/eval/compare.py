@@ -45,7 +45,7 @@ def read_run(run_dir: str | Path) -> tuple[dict[str, dict[int, float]], dict[str
 
 def render(ppl: dict[str, dict[int, float]], out_dir: str | Path, base_len: int | None = None,
            failures: dict[str, dict[int, str]] | None = None, title: str = "compare_encodings",
-           notes: str = "") -> str:
+           notes: str = "", steps: dict[str, int] | None = None, stopped: dict[str, str] | None = None) -> str:
     """Write ``results.md`` (markdown table), ``results.json`` and ``ppl_vs_length.png``; return
     the markdown. A NaN perplexity with no recorded reason shows as ``fails``."""
     out = Path(out_dir)
@@ -63,7 +63,8 @@ def render(ppl: dict[str, dict[int, float]], out_dir: str | Path, base_len: int 
     (out / "results.md").write_text(md)
     (out / "results.json").write_text(json.dumps(
         {"base_len": base_len, "ppl": {k: {str(n): v for n, v in r.items()} for k, r in ppl.items()},
-         "failures": {k: {str(n): v for n, v in r.items()} for k, r in fails.items()}}, indent=2))
+         "failures": {k: {str(n): v for n, v in r.items()} for k, r in fails.items()},
+         "steps": dict(steps or {}), "stopped": dict(stopped or {})}, indent=2))
     fig = length_plot(ppl, str(out / "ppl_vs_length.png"), title=f"{title}: perplexity vs length (L={base_len})")
     if fig is not None:
         import matplotlib.pyplot as plt
