@@ -56,6 +56,8 @@ def stop_reason(trainer: pl.Trainer) -> str | None:
     timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
     if timer is not None and timer.time_remaining() is not None and timer.time_remaining() <= 0:
         return what + " (max_time reached)"
+    if trainer.max_steps > 0 and trainer.max_epochs not in (None, -1) and epoch >= trainer.max_epochs:
+        return what + f" (max_epochs={trainer.max_epochs} reached first)"
     return what + (" (interrupted)" if trainer.interrupted else " (should_stop set, e.g. early stopping)")
 
 
