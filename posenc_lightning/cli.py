@@ -133,9 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("recipe", help="yarn_extend, longrope_extend, clex_train, fire_train or a path to a .py")
     r.add_argument("overrides", nargs=argparse.REMAINDER, help="--devices N, --config FILE, --group.key=value ...")
     r.set_defaults(fn=_cmd_run)
-    rep = sub.add_parser("report", help="perplexity-vs-length table + plot of a run from its TensorBoard logs")
-    rep.add_argument("run_dir", help="a compare_encodings results_dir (one TensorBoard run per encoding)")
-    rep.add_argument("--out", default=None, help="where results.md / ppl_vs_length.png go (default: RUN_DIR)")
+    rep = sub.add_parser("report", help="summarize a run directory: recipe tables, ppl by length, every scalar series",
+                         description="Reads a run directory (a logger's version dir, a recipe's results_dir, a "
+                                     "compare_encodings results_dir) and writes report.md, report.json and, when "
+                                     "the run has perplexity by length, report_ppl_vs_length.png. Never writes "
+                                     "over a recipe's own results.* files.")
+    rep.add_argument("run_dir", help="the run directory (TensorBoard event files and/or a recipe's results.json)")
+    rep.add_argument("--out", default=None, help="output directory (default: RUN_DIR/report)")
     rep.set_defaults(fn=_cmd_report)
     return p
 

@@ -134,6 +134,17 @@ def main(args: list[str] | None = None) -> dict[str, dict[int, float]]:
                  + "".join(f". {k} {v}" for k, v in stopped.items()))
         md = render(ppl, out, base_len=L, failures=failures, title="compare_encodings", notes=notes,
                     steps=steps, stopped=stopped)
+        if not barebones:  # the picture and the table in TensorBoard too (run "summary")
+            from torch.utils.tensorboard import SummaryWriter
+
+            from posenc_lightning.eval.plots import ppl_heatmap
+
+            writer = SummaryWriter(str(out / "summary"))
+            fig = ppl_heatmap(ppl, title="compare_encodings: perplexity vs length", base_len=L)
+            if fig is not None:
+                writer.add_figure("compare/ppl_vs_length", fig)  # closes the figure
+            writer.add_text("compare/results", md)
+            writer.close()
         print(md)
     return ppl
 
