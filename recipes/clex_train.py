@@ -27,7 +27,7 @@ def set_eval_scale(cli, n: int) -> None:
 
 
 def main(args: list[str] | None = None) -> dict:
-    return train_and_sweep("clex_train", SweepOptions, args, set_eval_scale, " with t ~ U[1, t_max] per step")
+    return train_and_sweep("clex_train", SweepOptions, args, set_eval_scale, " with t ~ U[1, t_max] per step", __doc__)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import lightning.pytorch as pl
 
-from posenc_lightning.callbacks import LengthEvalCallback, LMEvalCallback, PosEncVisualizer
-from posenc_lightning.curriculum.extend import RecipeCLI, RunDirSaveConfig
+from posenc_lightning.callbacks import LengthEvalCallback, LMEvalCallback, PosEncCallback, PosEncVisualizer
+from posenc_lightning.curriculum.extend import RecipeCLI, RunDirSaveConfig, recipe_parser_kwargs
 from posenc_lightning.data import CorpusDataModule
 from posenc_lightning.encodings import available_encodings
 from posenc_lightning.eval.compare import flatness, render
+from posenc_lightning.inject import inject
 from posenc_lightning.models import TinyGPT
 
 
@@ -70,7 +71,8 @@ class CompareCLI(RecipeCLI):
 
 def main(args: list[str] | None = None) -> dict[str, dict[int, float]]:
     cli = CompareCLI(TinyGPT, CorpusDataModule, run=False, args=args, save_config_callback=RunDirSaveConfig,
-                     save_config_kwargs={"overwrite": True}, trainer_defaults={"logger": False})
+                     save_config_kwargs={"overwrite": True}, trainer_defaults={"logger": False},
+                     parser_kwargs=recipe_parser_kwargs("compare_encodings", __doc__))
     cfg = cli.options_value
     if cfg.num_threads > 0:
         import torch
@@ -96,17 +98,18 @@ def main(args: list[str] | None = None) -> dict[str, dict[int, float]]:
 
     for name in names:
         t0 = time.perf_counter()
-        pl.seed_everything(seed)
         enc_cfg = dict(cfg.encoding_cfg.get(name, {}))
-        try:
-            model = TinyGPT(**{**model_cfg, "max_seq_len": L}, encoding=name, encoding_cfg=enc_cfg)
-        except Exception as e:  # an encoding that cannot build in TinyGPT: reported, the rest go on
+        try:  # a dry build: an encoding that cannot run in TinyGPT is reported, the rest go on
+            inject(TinyGPT(**{**model_cfg, "max_seq_len": L, "encoding": None}), name, **enc_cfg)
+        except Exception as e:
             failures[name] = {n: f"cannot build: {e}" for n in [L * m for m in cfg.multiples]}
             ppl[name] = {n: float("nan") for n in failures[name]}
             continue
+        pl.seed_everything(seed)
+        model = TinyGPT(**{**model_cfg, "max_seq_len": L, "encoding": None})
         length_cb = LengthEvalCallback(multiples=cfg.multiples, base_len=L, max_windows=cfg.max_windows,
                                        scale_with_length=name in cfg.scale_with_length)
-        callbacks: list[pl.Callback] = [length_cb]
+        callbacks: list[pl.Callback] = [PosEncCallback(name, config=enc_cfg), length_cb]  # injects at setup
         if cfg.visualize:
             callbacks.append(PosEncVisualizer(lengths=[L, 4 * L]))
         if cfg.lm_eval_tasks:

@@ -17,7 +17,7 @@ from posenc_lightning.curriculum.extend import SweepOptions, train_and_sweep
 
 
 def main(args: list[str] | None = None) -> dict:
-    return train_and_sweep("fire_train", SweepOptions, args)
+    return train_and_sweep("fire_train", SweepOptions, args, description=__doc__)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from posenc_lightning.curriculum.extend import (
     finetune_trainer,
     make_cli,
     perplexity,
+    rope_theta,
     run_dir,
     stop_reason,
     write_results,
@@ -65,7 +66,7 @@ class LongRoPEExtendOptions:
 
 
 def main(args: list[str] | None = None) -> dict[str, float]:
-    cli = make_cli(LongRoPEExtendOptions, args, "longrope_extend")
+    cli = make_cli(LongRoPEExtendOptions, args, "longrope_extend", __doc__)
     ext = cli.options
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
     L, s = data.seq_len, float(ext.factor)
@@ -83,7 +84,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     tokens = data.val_tokens
     held_out = ext.search_windows * n  # evaluation text starts after the search windows
     ppl = lambda m: perplexity(model, tokens, m, ext.eval_tokens, offset_tokens=held_out)
-    theta = float((model.hparams.encoding_cfg or {}).get("theta", 10000.0))
+    theta = rope_theta(model)  # the pre-trained rope's base
     r: dict[str, float] = {"L": L, "factor": s, "pretrain_steps": pre_steps, "pretrain_stop_reason": pre_reason,
                            "rope_ppl_L": ppl(L), "rope_ppl_sL": ppl(n)}
     for name in ("pi", "yarn"):

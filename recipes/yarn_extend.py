@@ -21,6 +21,7 @@ from posenc_lightning.curriculum.extend import (
     finetune_trainer,
     make_cli,
     perplexity,
+    rope_theta,
     run_dir,
     stop_reason,
     write_results,
@@ -63,7 +64,7 @@ def verdict(pre_reason: str | None, ft_reason: str | None, ft_steps: int, pre_st
 
 
 def main(args: list[str] | None = None) -> dict[str, float]:
-    cli = make_cli(YarnExtendOptions, args, "yarn_extend")
+    cli = make_cli(YarnExtendOptions, args, "yarn_extend", __doc__)
     ext = cli.options
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
     L, s = data.seq_len, float(ext.factor)
@@ -79,7 +80,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     r = {"L": L, "factor": s, "pretrain_steps": pre_steps, "pretrain_max_steps": trainer.max_steps,
          "rope_ppl_L": ppl(L), "rope_ppl_sL": ppl(long_len)}
 
-    theta = float(model.hparams.encoding_cfg.get("theta", 10000.0)) if model.hparams.encoding_cfg else 10000.0
+    theta = rope_theta(model)  # the pre-trained rope's base
     inject(model, ext.encoding, factor=s, original_max_position_embeddings=L, theta=theta)  # 2. zero-shot
     r["zero_shot_ppl_sL"] = ppl(long_len)
     r["zero_shot_ppl_L"] = ppl(L)

@@ -57,17 +57,20 @@ def test_report_of_a_recipe_run_keeps_its_files_and_has_its_table(fire_run):
 
 def test_report_of_the_main_job_run_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert main(["train", "--encoding", "alibi", "--max-steps", "4", "--val-every", "2", "--seq-len", "32",
-                 "--batch-size", "2", "--d-model", "16", "--n-layers", "1", "--max-bytes", "100000",
-                 "--val-windows", "2", "--quiet"]) == 0
+    assert main(["train", "--posenc.encoding=alibi", "--trainer.max_steps=4", "--trainer.val_check_interval=2",
+                 "--trainer.log_every_n_steps=1", "--data.seq_len=32", "--data.batch_size=2", "--model.d_model=16",
+                 "--model.n_layers=1", "--data.max_bytes=100000", "--data.max_val_windows=2",
+                 "--trainer.enable_progress_bar=false"]) == 0
     run = tmp_path / "runs" / "alibi" / "version_0"
     out = tmp_path / "rep"
     assert main(["report", str(run), "--out", str(out)]) == 0
     saved = json.loads((out / "report.json").read_text())
-    assert {"val/loss", "val/ppl"} <= set(saved["scalars"]["."])
+    assert {"train/loss", "val/loss", "val/ppl"} <= set(saved["scalars"]["."])
+    assert saved["scalars"]["."]["train/loss"]["steps"] == [0, 1, 2, 3]
     assert saved["scalars"]["."]["val/ppl"]["steps"] == [1, 3]  # validated after steps 2 and 4
     assert saved["ppl"] == {} and not (out / "report_ppl_vs_length.png").exists()
-    assert sorted(p.name for p in run.iterdir() if p.is_file() and not p.name.startswith("events")) == ["hparams.yaml"]
+    assert sorted(p.name for p in run.iterdir() if p.is_file() and not p.name.startswith("events")) == [
+        "config.yaml", "hparams.yaml"]  # the main job's own files, untouched; nothing named report*
 
 
 def test_report_of_an_empty_directory_says_what_is_missing(tmp_path):

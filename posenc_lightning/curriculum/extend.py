@@ -142,25 +142,27 @@ class RecipeCLI(LightningCLI):
             group = cfg.get(self.results_group)
             t["default_root_dir"] = (group.get("results_dir") if group is not None else None) or f"runs/{self.recipe}"
 
-    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> pl.Trainer:
         from lightning.pytorch.callbacks import ProgressBar
 
         from posenc_lightning.callbacks.progress import step_progress_bar
 
-        t = (self.config_init.get(self.subcommand) if self.subcommand else self.config_init)["trainer"]
-        callbacks = list(kwargs.pop("callbacks", None) or [])
-        wanted = t.get("enable_progress_bar") is not False and not t.get("barebones")
-        given = list(t.get("callbacks") or []) + callbacks
-        if wanted and not any(isinstance(c, ProgressBar) for c in given):
-            callbacks.append(step_progress_bar())
-        return super().instantiate_trainer(callbacks=callbacks, **kwargs)
+        config = dict(config)  # a copy: the parsed config's callback list is not extended in place
+        given = config.get("callbacks") or []
+        config["callbacks"] = list(given) if isinstance(given, (list, tuple)) else [given]
+        defaults = self.trainer_defaults.get("callbacks") or []
+        present = [*config["callbacks"], *callbacks, *(defaults if isinstance(defaults, list) else [defaults])]
+        if (config.get("enable_progress_bar") is not False and not config.get("barebones")
+                and not any(isinstance(c, ProgressBar) for c in present)):
+            callbacks = [*callbacks, step_progress_bar()]
+        return super()._instantiate_trainer(config, callbacks)
 
     @property
     def options_value(self) -> Any:
         return (self.config_init.get(self.subcommand) if self.subcommand else self.config_init)[self.results_group]
 
 
-def make_cli(options: type, args: list[str] | None = None, name: str = "recipe") -> RecipeCLI:
+def make_cli(options: type, args: list[str] | None = None, name: str = "recipe", description: str | None = None) -> RecipeCLI:
     """The recipe's CLI (``args=None``: the command line) with ``options`` (a dataclass) as its
     ``--extend.*`` group; ``cli.options`` is the parsed dataclass and ``cli.recipe_command``
     the command that reproduces the run (recorded with the results)."""
@@ -169,11 +171,16 @@ def make_cli(options: type, args: list[str] | None = None, name: str = "recipe")
 
     cls = type("RecipeCLI", (RecipeCLI,), {"options_class": options, "recipe": name})
     cli = cls(TinyGPT, CorpusDataModule, run=False, args=args, save_config_callback=RunDirSaveConfig,
-              save_config_kwargs={"overwrite": True})
+              save_config_kwargs={"overwrite": True}, parser_kwargs=recipe_parser_kwargs(name, description))
     cli.options = cli.options_value
     argv = sys.argv if args is None else [f"recipes/{name}.py", *args]
     cli.recipe_command = " ".join(shlex.quote(a) for a in ["python"] + list(argv))
     return cli
+
+
+def recipe_parser_kwargs(name: str, description: str | None) -> dict[str, Any]:
+    """``--help`` names the recipe and shows its docstring (not "Lightning Trainer command line tool")."""
+    return {"prog": f"recipes/{name}.py", "description": (description or name).strip()}
 
 
 def finetune_trainer(cli: LightningCLI, max_steps: int, sub: str, callbacks: list | None = None) -> pl.Trainer:
@@ -218,10 +225,10 @@ class SweepOptions:
 
 
 def train_and_sweep(name: str, options: type, args: list[str] | None = None,
-                    before_each: Any = None, label: str = "") -> dict[str, Any]:
+                    before_each: Any = None, label: str = "", description: str | None = None) -> dict[str, Any]:
     """The train-then-evaluate-by-length recipe body (clex_train, fire_train): fit with the CLI's
     trainer and callbacks, then perplexity at ``extend.lengths`` (multiples of the training length)."""
-    cli = make_cli(options, args, name)
+    cli = make_cli(options, args, name, description)
     ext = cli.options
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
     trainer.fit(model, data)
@@ -249,3 +256,11 @@ def encoding_name(model: torch.nn.Module) -> str | None:
 
     spec = injected_spec(model)
     return None if spec is None else spec.get("encoding")
+
+
+def rope_theta(model: torch.nn.Module) -> float:
+    """The rotary base of the encoding injected into ``model`` (10000 if it records none)."""
+    from posenc_lightning.inject import injected_spec
+
+    spec = injected_spec(model) or {}
+    return float((spec.get("config") or {}).get("theta", 10000.0))
