@@ -62,6 +62,10 @@ def main(args: list[str] | None = None) -> int:
     from posenc_lightning.data import CorpusDataModule
     from posenc_lightning.models import TinyGPT
 
+    if args is None:
+        args = sys.argv[1:]
+    args = [("--posenc.encoding" + a[len("--encoding"):]) if a == "--encoding" or a.startswith("--encoding=") else a
+            for a in args]  # --encoding NAME: short for --posenc.encoding=NAME
     with warnings.catch_warnings():  # `posenc train ARGS` hands ARGS on: not a mistake here
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
         cli = TrainCLI(TinyGPT, CorpusDataModule, run=False, args=args, trainer_defaults=TRAINER_DEFAULTS,

@@ -124,3 +124,9 @@ def test_posenc_train_print_config():
     assert cfg["posenc"]["encoding"] == "fire" and cfg["posenc"]["config"] == {"init_L": 64}
     assert cfg["trainer"]["max_steps"] == 300 and cfg["data"]["seq_len"] == 128
     assert "max_seq_len" not in cfg["model"]  # linked: the model's length follows --data.seq_len
+
+
+def test_posenc_train_encoding_shorthand():
+    for args in (["--encoding", "alibi"], ["--encoding=alibi"]):
+        code, text = _posenc("train", *args, "--print_config")
+        assert code == 0 and yaml.safe_load(text)["posenc"]["encoding"] == "alibi"
