@@ -18,6 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from posenc_lightning.curriculum.extend import (
+    bigram_perplexity,
+    extension_verdict,
     finetune_trainer,
     make_cli,
     perplexity,
@@ -49,18 +51,6 @@ class YarnExtendOptions:
     finetune_lr: float = 1e-3
     eval_tokens: int = 32768
     results_dir: str = ""
-
-
-def verdict(pre_reason: str | None, ft_reason: str | None, ft_steps: int, pre_steps: int, gap: float) -> tuple[bool | None, str]:
-    """``(target_met, why)``: the target (fine-tuned at sL within 5% of rope at L, with at most 5%
-    of the pre-training steps) is judged only when both runs reached their configured steps."""
-    if pre_reason is not None:
-        return None, f"no verdict: pre-training {pre_reason}"
-    if ft_reason is not None:
-        return None, f"no verdict: fine-tune {ft_reason}"
-    if ft_steps > 0.05 * pre_steps:
-        return False, f"NOT met: {ft_steps} fine-tune steps are more than 5% of {pre_steps}"
-    return gap <= 0.05, f"{'met' if gap <= 0.05 else 'NOT met'} ({100 * gap:+.2f}%)"
 
 
 def main(args: list[str] | None = None) -> dict[str, float]:
@@ -95,8 +85,9 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     r["finetuned_ppl_sL"] = ppl(long_len)
     r["finetuned_ppl_L"] = ppl(L)
     r["finetuned_sL_vs_rope_L"] = r["finetuned_ppl_sL"] / r["rope_ppl_L"] - 1.0
-    met, why = verdict(pre_reason, stop_reason(ft) if ft_steps > 0 else None, ft.global_step, pre_steps,
-                       r["finetuned_sL_vs_rope_L"])
+    r["bigram_ppl"] = bigram_perplexity(data.train_tokens, tokens, ext.eval_tokens)
+    met, why = extension_verdict(pre_reason, stop_reason(ft) if ft_steps > 0 else None, ft.global_step, pre_steps,
+                       r["finetuned_sL_vs_rope_L"], r["rope_ppl_L"], r["bigram_ppl"])
     r["target_met"], r["target"] = met, why
 
     e = ext.encoding

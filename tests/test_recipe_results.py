@@ -11,7 +11,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 
-from posenc_lightning.curriculum.extend import stop_reason
+from posenc_lightning.curriculum.extend import bigram_perplexity, extension_verdict, stop_reason
 from posenc_lightning.data import CorpusDataModule
 from posenc_lightning.models import TinyGPT
 
@@ -68,7 +68,9 @@ def test_yarn_extend_max_epochs_records_the_steps_that_ran(yarn_extend, tmp_path
     r = yarn_extend.main(["--config", str(ROOT / "configs" / "yarn_extend.yaml"), *TINY, "--trainer.max_steps=-1",
                           "--trainer.max_epochs=2", "--data.samples_per_epoch=40", "--extend.finetune_steps=-1"])
     assert (r["pretrain_steps"], r["finetune_steps"], r["finetune_max_steps"]) == (40, 2, 2)  # 2 x 20; 40 // 20
-    assert r["target_met"] in (True, False) and r["target"].startswith(("met", "NOT met"))
+    # both runs complete and 2 <= 5% of 40, but 40 steps of a 1-layer d=16 model do not beat a byte bigram
+    assert r["rope_ppl_L"] > r["bigram_ppl"] and r["target_met"] is None
+    assert r["target"].startswith("no verdict: the pre-trained rope") and "byte-bigram" in r["target"]
 
 
 def test_no_logger_writes_only_into_results_dir(yarn_extend, tmp_path, monkeypatch):
@@ -96,3 +98,23 @@ def test_barebones_runs_and_says_what_it_turned_off(yarn_extend, tmp_path, monke
     saved = json.loads((tmp_path / "runs" / "yarn_extend" / "results.json").read_text())
     assert saved["results"]["pretrain_steps"] == r["pretrain_steps"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["runs"]
+
+
+def test_bigram_perplexity_by_hand():
+    import torch
+
+    # add-one counts over 0,1,0,1,0: [[1, 3], [3, 1]] -> P(1|0) = P(0|1) = 3/4; text 0,1,0: ppl 4/3
+    ppl = bigram_perplexity(torch.tensor([0, 1, 0, 1, 0]), torch.tensor([0, 1, 0, 1]), eval_tokens=2, vocab=2)
+    assert ppl == pytest.approx(4 / 3, rel=1e-12)
+
+
+def test_extension_verdict_rules():
+    ok = dict(pre_reason=None, ft_reason=None, ft_steps=20, pre_steps=400, gap=0.039, rope_ppl=7.0, bigram_ppl=10.3)
+    assert extension_verdict(**ok) == (True, "met (+3.90%)")
+    assert extension_verdict(**{**ok, "gap": 0.06}) == (False, "NOT met (+6.00%)")
+    assert extension_verdict(**{**ok, "ft_steps": 21}) == (False, "NOT met: 21 fine-tune steps are more than 5% of 400")
+    assert extension_verdict(**{**ok, "pre_reason": "stopped at step 15 of max_steps=400 (max_time reached)"}) == (
+        None, "no verdict: pre-training stopped at step 15 of max_steps=400 (max_time reached)")
+    assert extension_verdict(**{**ok, "ft_reason": "x"}) == (None, "no verdict: fine-tune x")
+    met, why = extension_verdict(**{**ok, "rope_ppl": 16.5})  # the untrained model
+    assert met is None and why.startswith("no verdict: the pre-trained rope (ppl 16.50 at L) does not beat")

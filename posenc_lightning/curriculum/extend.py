@@ -264,3 +264,30 @@ def rope_theta(model: torch.nn.Module) -> float:
 
     spec = injected_spec(model) or {}
     return float((spec.get("config") or {}).get("theta", 10000.0))
+
+
+def bigram_perplexity(train_tokens: torch.Tensor, tokens: torch.Tensor, eval_tokens: int, vocab: int = 256) -> float:
+    """Perplexity of a byte-bigram table (add-one counts over ``train_tokens``) on the first
+    ``eval_tokens`` + 1 of ``tokens``: the bar a model must beat to be using any context at all."""
+    tr, ev = train_tokens.long(), tokens[: eval_tokens + 1].long()
+    counts = torch.ones(vocab, vocab, dtype=torch.float64)
+    counts.index_put_((tr[:-1], tr[1:]), torch.ones(len(tr) - 1, dtype=torch.float64), accumulate=True)
+    logp = (counts / counts.sum(1, keepdim=True)).log()
+    return math.exp(-float(logp[ev[:-1], ev[1:]].mean()))
+
+
+def extension_verdict(pre_reason: str | None, ft_reason: str | None, ft_steps: int, pre_steps: int, gap: float,
+                      rope_ppl: float, bigram_ppl: float) -> tuple[bool | None, str]:
+    """``(target_met, why)``: the target (fine-tuned at sL within 5% of rope at L, with at most 5%
+    of the pre-training steps) is judged only when both runs reached their configured steps and
+    the pre-trained rope beats a byte-bigram table (else it has not learned to use context)."""
+    if pre_reason is not None:
+        return None, f"no verdict: pre-training {pre_reason}"
+    if ft_reason is not None:
+        return None, f"no verdict: fine-tune {ft_reason}"
+    if ft_steps > 0.05 * pre_steps:
+        return False, f"NOT met: {ft_steps} fine-tune steps are more than 5% of {pre_steps}"
+    if rope_ppl >= bigram_ppl:
+        return None, (f"no verdict: the pre-trained rope (ppl {rope_ppl:.2f} at L) does not beat a byte-bigram "
+                      f"table of the training text (ppl {bigram_ppl:.2f}): too little training to judge")
+    return gap <= 0.05, f"{'met' if gap <= 0.05 else 'NOT met'} ({100 * gap:+.2f}%)"
