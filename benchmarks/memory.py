@@ -57,6 +57,23 @@ def peak_mib(fn, device: torch.device) -> float:
     return _rss_mib("VmHWM") - base
 
 
+def peak_allocated_bytes(fn) -> int:
+    """Peak of the bytes allocated through the CPU allocator during ``fn()``, over what was live
+    before it: the profiler's allocation and free events (``profile_memory``) in order, summed.
+    Counts tensors (inside kernels too), not allocator slack or stacks; deterministic for a given
+    code path, so it can be compared within one process without timing anything."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, n in events:
+        live += n
+        peak = max(peak, live)
+    return peak
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--n", type=int, required=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 
@@ -19,41 +18,16 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    import lightning.pytorch as pl
-    import torch
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    from posenc_lightning.callbacks import PosEncCallback
-    from posenc_lightning.data import CorpusDataModule
-    from posenc_lightning.models import TinyGPT
-
-    pl.seed_everything(args.seed, workers=True)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    cfg = json.loads(args.encoding_cfg) if args.encoding_cfg else {}
-    model = TinyGPT(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                    max_seq_len=args.seq_len, lr=args.lr, encoding=None)
-    data = CorpusDataModule(seq_len=args.seq_len, batch_size=args.batch_size, max_bytes=args.max_bytes,
-                            max_val_windows=args.val_windows, seed=args.seed)
-    logger = TensorBoardLogger(args.root_dir, name=args.encoding)
-    trainer = pl.Trainer(max_steps=args.max_steps, val_check_interval=min(args.val_every, args.max_steps),
-                         check_val_every_n_epoch=None, limit_val_batches=1.0, logger=logger,
-                         callbacks=[PosEncCallback(args.encoding, backend=args.backend, **cfg)],
-                         accelerator=args.accelerator, devices=args.devices, log_every_n_steps=10,
-                         enable_progress_bar=not args.quiet, default_root_dir=args.root_dir)
-    trainer.fit(model, data)
-    metrics = trainer.callback_metrics
-    ppl = float(metrics["val/ppl"]) if "val/ppl" in metrics else float("nan")
-    print(f"encoding={args.encoding} steps={trainer.global_step} val_loss={float(metrics.get('val/loss', float('nan'))):.4f} "
-          f"val_ppl={ppl:.3f} logs={logger.log_dir}")
-    return 0
-
-
 def _recipe_dirs() -> list:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     return [Path.cwd(), root]
+
+
+def known_recipes() -> list[str]:
+    """The recipe names ``posenc run`` finds (``recipes/*.py`` here and in the checkout)."""
+    return sorted({p.stem for d in _recipe_dirs() for p in (d / "recipes").glob("*.py") if not p.stem.startswith("_")})
 
 
 def recipe_command(recipe: str, overrides: Sequence[str]) -> list[str]:
@@ -81,7 +55,7 @@ def recipe_command(recipe: str, overrides: Sequence[str]) -> list[str]:
             if config is None and (d / "configs" / f"{recipe}.yaml").is_file():
                 config = str(d / "configs" / f"{recipe}.yaml")
     if script is None or not script.is_file():
-        known = sorted({p.stem for d in _recipe_dirs() for p in (d / "recipes").glob("*.py") if not p.stem.startswith("_")})
+        known = known_recipes()
         raise SystemExit(f"posenc run: unknown recipe {recipe!r}; known: {known} (or give a path to a .py)")
     cmd = [sys.executable, str(script)] + (["--config", config] if config else [])
     if devices is not None:
@@ -105,37 +79,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="posenc", description="Positional encodings for PyTorch Lightning")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="list the encodings").set_defaults(fn=_cmd_list)
-    t = sub.add_parser("train", help="train TinyGPT on the bundled corpus with an encoding")
-    t.add_argument("--encoding", default="rope")
-    t.add_argument("--encoding-cfg", default=None, help='JSON dict of encoding arguments, e.g. \'{"theta": 500000}\'')
-    t.add_argument("--backend", default="auto")
-    t.add_argument("--max-steps", type=int, default=300)
-    t.add_argument("--val-every", type=int, default=100)
-    t.add_argument("--val-windows", type=int, default=32)
-    t.add_argument("--seq-len", type=int, default=128)
-    t.add_argument("--batch-size", type=int, default=16)
-    t.add_argument("--d-model", type=int, default=128)
-    t.add_argument("--n-layers", type=int, default=4)
-    t.add_argument("--n-heads", type=int, default=4)
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--max-bytes", type=int, default=4_000_000)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--accelerator", default="auto")
-    t.add_argument("--devices", default="auto")
-    t.add_argument("--root-dir", default="runs")
-    t.add_argument("--quiet", action="store_true")
-    t.set_defaults(fn=_cmd_train)
-    r = sub.add_parser("run", help="run a recipe: posenc run yarn_extend [--devices N] [--trainer.max_steps=...]",
-                       description="Runs recipes/RECIPE.py --config configs/RECIPE.yaml with your overrides "
-                                   "(LightningCLI syntax); --devices N > 1 adds --trainer.strategy=ddp.")
+    sub.add_parser("list", help="list the encodings: name, family (stage), description").set_defaults(fn=_cmd_list)
+    t = sub.add_parser("train", add_help=False,
+                       help="train TinyGPT on the bundled corpus with an encoding (LightningCLI: posenc train --help)")
+    t.add_argument("args", nargs=argparse.REMAINDER)
+    recipes = ", ".join(known_recipes())
+    r = sub.add_parser("run", help=f"run a recipe ({recipes})",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description=f"Runs recipes/RECIPE.py --config configs/RECIPE.yaml with your overrides "
+                                   f"(LightningCLI syntax: --trainer.max_steps=100 --model.d_model=128 ...); "
+                                   f"--devices N > 1 adds --trainer.strategy=ddp. Recipes: {recipes}. "
+                                   f"A recipe's own options: posenc run RECIPE --help.")
     r.add_argument("--dry-run", action="store_true", help="print the command only")
-    r.add_argument("recipe", help="yarn_extend, longrope_extend, clex_train, fire_train or a path to a .py")
-    r.add_argument("overrides", nargs=argparse.REMAINDER, help="--devices N, --config FILE, --group.key=value ...")
+    r.add_argument("recipe", help=f"one of {recipes}, or a path to a .py")
+    r.add_argument("overrides", nargs=argparse.REMAINDER,
+                   help="--devices N, --config FILE (default: configs/RECIPE.yaml), --group.key=value ...")
     r.set_defaults(fn=_cmd_run)
-    rep = sub.add_parser("report", help="perplexity-vs-length table + plot of a run from its TensorBoard logs")
-    rep.add_argument("run_dir", help="a compare_encodings results_dir (one TensorBoard run per encoding)")
-    rep.add_argument("--out", default=None, help="where results.md / ppl_vs_length.png go (default: RUN_DIR)")
+    rep = sub.add_parser("report", help="summarize a run directory: recipe tables, ppl by length, every scalar series",
+                         description="Reads a run directory (a logger's version dir, a recipe's results_dir, a "
+                                     "compare_encodings results_dir) and writes report.md, report.json and, when "
+                                     "the run has perplexity by length, report_ppl_vs_length.png. Never writes "
+                                     "over a recipe's own results.* files.")
+    rep.add_argument("run_dir", help="the run directory (TensorBoard event files and/or a recipe's results.json)")
+    rep.add_argument("--out", default=None, help="output directory (default: RUN_DIR/report)")
+    rep.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     rep.set_defaults(fn=_cmd_report)
     return p
 
@@ -148,6 +115,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # LightningCLI parses its own arguments (and --help, --print_config)
+        from posenc_lightning.cli_train import main as train
+
+        return train(argv[1:])
     args = build_parser().parse_args(argv)
     return args.fn(args)
 

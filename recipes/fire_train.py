@@ -13,17 +13,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from posenc_lightning.curriculum.extend import train_and_sweep
-
-EXTEND_ARGS = {
-    "lengths": (list[float], [1.0, 2.0, 4.0, 8.0], "evaluation lengths as multiples of the training length"),
-    "eval_tokens": (int, 32768, "validation tokens scored at every length"),
-    "results_dir": (str, "", "where results.json / results.md go (default: the run's log dir)"),
-}
+from posenc_lightning.curriculum.extend import SweepOptions, train_and_sweep
 
 
 def main(args: list[str] | None = None) -> dict:
-    return train_and_sweep("fire_train", EXTEND_ARGS, args)
+    return train_and_sweep("fire_train", SweepOptions, args, description=__doc__)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ the same factor: pre-train rope at L (or load ``--extend.pretrained``), then at 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -21,27 +22,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from posenc_lightning.curriculum import N_HAT_CANDIDATES, LongRoPECurriculum
-from posenc_lightning.curriculum.extend import finetune_trainer, make_cli, perplexity, write_results
+from posenc_lightning.curriculum.extend import (
+    finetune_trainer,
+    make_cli,
+    perplexity,
+    rope_theta,
+    run_dir,
+    stop_reason,
+    write_results,
+)
 from posenc_lightning.curriculum.longrope import set_factors
 from posenc_lightning.inject import inject, restore_from_checkpoint
 
-EXTEND_ARGS = {
-    "factor": (float, 8.0, "context extension ratio s"),
-    "pretrained": (str, "", "a rope checkpoint to start from (e.g. yarn_extend's pretrained.ckpt); '' = pre-train"),
-    "population": (int, 16, "search population"),
-    "parents": (int, 4, "search parents kept per iteration"),
-    "iterations": (int, 6, "search iterations"),
-    "search_windows": (int, 4, "validation windows at s*L scored per candidate"),
-    "finetune_steps": (int, -1, "fine-tuning steps at s*L (-1: 5% of pre-training steps)"),
-    "finetune_lr": (float, 1e-3, "peak learning rate of the fine-tune"),
-    "eval_tokens": (int, 32768, "held-out validation tokens scored at every length"),
-    "results_dir": (str, "", "where results.json / results.md go (default: the run's log dir)"),
-}
+
+@dataclass
+class LongRoPEExtendOptions:
+    """``--extend.*`` of longrope_extend.
+
+    Args:
+        factor: context extension ratio s.
+        pretrained: a rope checkpoint to start from (e.g. yarn_extend's pretrained.ckpt); '' = pre-train.
+        population: search population.
+        parents: search parents kept per iteration.
+        iterations: search iterations.
+        search_windows: validation windows at s*L scored per candidate.
+        finetune_steps: fine-tuning steps at s*L (-1: 5% of the pre-training steps that ran).
+        finetune_lr: peak learning rate of the fine-tune.
+        eval_tokens: held-out validation tokens scored at every length.
+        results_dir: where results.json / results.md go ('' = the run's log dir; with
+            --trainer.logger=false, runs/longrope_extend).
+    """
+
+    factor: float = 8.0
+    pretrained: str = ""
+    population: int = 16
+    parents: int = 4
+    iterations: int = 6
+    search_windows: int = 4
+    finetune_steps: int = -1
+    finetune_lr: float = 1e-3
+    eval_tokens: int = 32768
+    results_dir: str = ""
 
 
 def main(args: list[str] | None = None) -> dict[str, float]:
-    cli = make_cli(EXTEND_ARGS, args, "longrope_extend")
-    ext = cli.config["extend"]
+    cli = make_cli(LongRoPEExtendOptions, args, "longrope_extend", __doc__)
+    ext = cli.options
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
     L, s = data.seq_len, float(ext.factor)
     n = round(L * s)
@@ -49,18 +75,17 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         ckpt = torch.load(ext.pretrained, map_location="cpu", weights_only=False)
         restore_from_checkpoint(model, ckpt)
         model.load_state_dict(ckpt["state_dict"])
-        pre_steps = int(ckpt.get("global_step", 0))
+        pre_steps, pre_reason = int(ckpt.get("global_step", 0)), None
         data.setup("fit")
     else:
         trainer.fit(model, data)
-        pre_steps = trainer.global_step
+        pre_steps, pre_reason = trainer.global_step, stop_reason(trainer)
     ft_steps = ext.finetune_steps if ext.finetune_steps >= 0 else max(1, pre_steps // 20)
     tokens = data.val_tokens
     held_out = ext.search_windows * n  # evaluation text starts after the search windows
-    def ppl(m):
-        return perplexity(model, tokens, m, ext.eval_tokens, offset_tokens=held_out)
-    theta = float((model.hparams.encoding_cfg or {}).get("theta", 10000.0))
-    r: dict[str, float] = {"L": L, "factor": s, "pretrain_steps": pre_steps, "finetune_steps": ft_steps,
+    ppl = lambda m: perplexity(model, tokens, m, ext.eval_tokens, offset_tokens=held_out)
+    theta = rope_theta(model)  # the pre-trained rope's base
+    r: dict[str, float] = {"L": L, "factor": s, "pretrain_steps": pre_steps, "pretrain_stop_reason": pre_reason,
                            "rope_ppl_L": ppl(L), "rope_ppl_sL": ppl(n)}
     for name in ("pi", "yarn"):
         inject(model, name, factor=s, original_max_position_embeddings=L, theta=theta)
@@ -88,6 +113,9 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     model.hparams.lr, model.hparams.warmup_steps = ext.finetune_lr, max(1, ft_steps // 10)
     ft = finetune_trainer(cli, ft_steps, "finetune", callbacks=[cur])
     ft.fit(model, data)  # the curriculum keeps the found long factors and re-searches the short ones at L
+    out = run_dir(trainer, ext.results_dir)  # collective: every rank, before rank 0 writes
+    r["finetune_steps"], r["finetune_max_steps"] = ft.global_step, ft_steps
+    r["finetune_stop_reason"] = stop_reason(ft) if ft_steps > 0 else None
     r["finetuned_ppl_sL"], r["finetuned_ppl_L"] = ppl(n), ppl(L)
     r["long_factor"] = cur.found[0]  # type: ignore[assignment]
     r["short_factor"] = cur.short  # type: ignore[assignment]
@@ -101,7 +129,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
              (f"long_rope searched s={s:g} zero-shot (n_hat=0)", f("longrope_ppl_L"), f("longrope_ppl_sL")),
              (f"long_rope searched s={s:g} zero-shot, n_hat={n_hat}", f("longrope_nhat_ppl_L"),
               f("longrope_nhat_ppl_sL")),
-             (f"long_rope (n_hat={n_hat}) + {ft_steps} fine-tune steps + short re-search", f("finetuned_ppl_L"),
+             (f"long_rope (n_hat={n_hat}) + {ft.global_step} fine-tune steps + short re-search", f("finetuned_ppl_L"),
               f("finetuned_ppl_sL"))]
     notes = (f"Search: population {ext.population}, {ext.parents} parents, {ext.iterations} iterations, scored on "
              f"{ext.search_windows} windows of {n}; all rows evaluated on {ext.eval_tokens} other validation tokens. "
@@ -110,8 +138,12 @@ def main(args: list[str] | None = None) -> dict[str, float]:
              f"n_hat (initial positions not interpolated, chosen after the factors on the search windows): "
              f"{n_hat}; search-window ppl by n_hat: {', '.join(f'{k}: {v:.3f}' for k, v in n_hat_ppl.items())}\n\n"
              f"short_factor: {[round(x, 2) for x in cur.short] if cur.short else None}")
-    write_results(ft, "longrope_extend", r, table, ("model", f"ppl @ L={L}", f"ppl @ {n}"), notes,
-                  ext.results_dir or None, cli.recipe_command)
+    stops = [f"{k}: {r[k + '_stop_reason']}" for k in ("pretrain", "finetune") if r[k + "_stop_reason"]]
+    notes = (f"Pre-training: {pre_steps} steps at L={L}{' (from ' + ext.pretrained + ')' if ext.pretrained else ''}; "
+             f"fine-tune: {ft.global_step} steps at {n}." + (f" Shortened: {'; '.join(stops)}." if stops else "")
+             + "\n\n" + notes)
+    write_results(trainer, "longrope_extend", out, r, table, ("model", f"ppl @ L={L}", f"ppl @ {n}"), notes,
+                  cli.recipe_command)
     return r
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -67,10 +68,17 @@ def test_yarn_extend_writes_results_json_markdown_and_tensorboard(tmp_path):
 
 
 def test_clex_train_through_posenc_run(tmp_path):
+    """Run from an empty working directory without a logger: everything lands in results_dir
+    (this test used to leave checkpoints/epoch=0-step=3.ckpt in the repository root)."""
+    cwd, out = tmp_path / "cwd", tmp_path / "out"
+    cwd.mkdir()
     cmd = [sys.executable, "-m", "posenc_lightning.cli", "run", "clex_train", *TINY,
-           f"--extend.results_dir={tmp_path}", "--trainer.logger=false"]
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
+           f"--extend.results_dir={out}", "--trainer.logger=false"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert list(cwd.iterdir()) == []
+    assert (out / "checkpoints" / "epoch=0-step=3.ckpt").is_file()
+    r = json.loads((out / "results.json").read_text())["results"]
     assert r["encoding"] == "clex" and r["L"] == 64 and r["steps"] == 3
     assert all(math.isfinite(r[f"ppl_{n}"]) for n in (64, 128, 256, 512))

@@ -63,22 +63,27 @@ def test_event_files_hold_scalars_images_and_text(run_dir):
     md = (out / "results.md").read_text()
     assert "| learned |" in md and "fails (beyond table)" in md
     assert (out / "ppl_vs_length.png").stat().st_size > 1000
+    summary = _accumulate(out / "summary")  # the heatmap and the table in TensorBoard too
+    assert "compare/ppl_vs_length" in summary["images"]
+    assert "compare/results/text_summary" in summary["tensors"]
 
 
 def test_posenc_report_renders_the_same_numbers(run_dir, tmp_path):
     out, ppl = run_dir
     from posenc_lightning.cli import main
 
+    recipe_files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     assert main(["report", str(out), "--out", str(tmp_path)]) == 0
-    got = json.loads((tmp_path / "results.json").read_text())["ppl"]
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == recipe_files  # the recipe's untouched
+    got = json.loads((tmp_path / "report.json").read_text())["ppl"]
     for enc, by_len in ppl.items():
         for n, v in by_len.items():
             if not math.isnan(v):
                 assert got[enc][str(n)] == pytest.approx(v, rel=1e-6)
             else:
                 assert got[enc][str(n)] != got[enc][str(n)]  # NaN: fails
-    assert (tmp_path / "ppl_vs_length.png").is_file()
-    assert "fails" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "report_ppl_vs_length.png").is_file()
+    assert "fails" in (tmp_path / "report.md").read_text() and "| learned |" in (tmp_path / "report.md").read_text()
 
 
 def _free_port() -> int:

@@ -27,16 +27,22 @@ class PosEncCallback(pl.Callback):
         backend: ``auto``, ``eager``, ``sdpa``, ``flex`` or ``triton``.
         share_across_layers: one encoding for all layers (default) or one per layer.
         log_hparams: log the encoding's hyperparameters to the trainer's loggers.
-        **cfg: the encoding's arguments, when ``encoding`` is a name.
+        config: the encoding's arguments, when ``encoding`` is a name, as one dict: the form
+            LightningCLI / YAML can read (``init_args: {encoding: fire, config: {init_L: 64}}``).
+        **cfg: the same arguments as keywords, for Python callers (``PosEncCallback("fire", init_L=64)``).
     """
 
     def __init__(self, encoding: str | Encoding, backend: str = "auto", share_across_layers: bool = True,
-                 log_hparams: bool = True, **cfg: Any) -> None:
+                 log_hparams: bool = True, config: dict[str, Any] | None = None, **cfg: Any) -> None:
+        both = sorted(set(config or {}) & set(cfg))
+        if both:
+            raise ValueError(f"PosEncCallback: {both} given both in config={config!r} and as keywords {cfg!r}; "
+                             f"give each encoding argument once")
         self.encoding = encoding
         self.backend = backend
         self.share_across_layers = share_across_layers
         self.log_hparams = log_hparams
-        self.cfg = cfg
+        self.cfg = {**(config or {}), **cfg}
         self.injected: Encoding | None = None
 
     @property

@@ -105,7 +105,12 @@ class CLEX(RotaryEncoding):
     def frequencies(self, seq_len: int | None = None, device: torch.device | None = None) -> tuple[Tensor, float]:
         device = device or self.ode_up.device
         z0 = torch.log(self.base_inv_freq(device))
-        z = rk4(self.ode_rhs, z0, 1.0, self.scale_for(seq_len), self.ode_step)
+        t = self.scale_for(seq_len)
+        z = rk4(self.ode_rhs, z0, 1.0, t, self.ode_step)
+        if t <= 1.0 and torch.is_grad_enabled() and self.ode_up.requires_grad:
+            # no ODE step at t = 1: keep the ODE's parameters in the graph with a zero gradient, as
+            # DDP expects every parameter to take part in every step (else: "unused parameters")
+            z = z + 0.0 * (self.ode_up.float().sum() + self.ode_down.float().sum())
         return torch.exp(z), 1.0
 
     def frequencies_key(self, seq_len: int | None) -> Any:

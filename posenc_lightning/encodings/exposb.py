@@ -28,8 +28,8 @@ from posenc_lightning.encodings.rope import RotaryEncoding
 from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin
 
 
-@register("exposb", "rotate", "ExpoSB: position-decayed rope, band-pass gain, distance-decayed scores "
-          "(seed 004, sec. 5)")
+@register("exposb", "rotate", "ExpoSB: rope with position-decayed rotation, band-pass channel gain and "
+          "distance-decayed scores")
 class ExpoSB(RotaryEncoding):
     """ExpoSB (see the module docstring for the formulas; the defaults are the seed's constants)."""
 

@@ -72,11 +72,21 @@ class TinyGPT(pl.LightningModule):
 
     Args:
         vocab_size: 256 for the byte-level corpus.
-        d_model, n_layers, n_heads, n_kv_heads: the sizes (``n_kv_heads`` < ``n_heads`` is GQA).
+        d_model: hidden size.
+        n_layers: transformer blocks.
+        n_heads: attention heads.
+        n_kv_heads: key/value heads (< n_heads is GQA; None = n_heads).
         max_seq_len: the training length (also the learned table size when ``encoding="learned"``).
-        encoding, encoding_cfg, backend: what `posenc_lightning.inject` puts in; None for nothing.
-        lr, weight_decay, warmup_steps, min_lr_ratio: AdamW with linear warmup and cosine decay
-            over ``trainer.max_steps``.
+        mlp_ratio: MLP width / d_model.
+        dropout: dropout probability.
+        encoding: the encoding injected at construction (a registered name; None for none: use a
+            PosEncCallback in trainer.callbacks instead).
+        encoding_cfg: the encoding's arguments.
+        backend: attention backend: auto, eager, sdpa, flex or triton.
+        lr: AdamW peak learning rate (linear warmup, then cosine decay over trainer.max_steps).
+        weight_decay: AdamW weight decay (matrices only).
+        warmup_steps: linear warmup steps.
+        min_lr_ratio: the cosine decay's floor, as a fraction of lr.
     """
 
     def __init__(self, vocab_size: int = 256, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
