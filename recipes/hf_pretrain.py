@@ -67,7 +67,8 @@ def main(args: list[str] | None = None) -> str:
     if model.model.config.vocab_size != len(tok):  # the model's vocabulary is the tokenizer's
         cfg = dict(model.hparams.config)
         cfg["vocab_size"] = len(tok)
-        model = HFCausalLM(**{**dict(model.hparams), "config": cfg})
+        kw = {k: v for k, v in model.hparams.items() if not k.startswith("_")}  # not LightningCLI's _instantiator
+        model = HFCausalLM(**{**kw, "config": cfg})
     trainer.fit(model, data)
     if trainer.is_global_zero:
         model.model.save_pretrained(str(out))

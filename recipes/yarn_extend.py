@@ -12,11 +12,12 @@ TensorBoard run (scalars ``yarn_extend/*``, text tab).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from posenc_lightning.callbacks.lm_eval import LMEvalCallback
 from posenc_lightning.curriculum.extend import (
     bigram_perplexity,
     extension_verdict,
@@ -43,6 +44,12 @@ class YarnExtendOptions:
         eval_tokens: validation tokens scored at every length (the same text).
         results_dir: where results.json / results.md / pretrained.ckpt go ('' = the run's log dir;
             with --trainer.logger=false, runs/yarn_extend).
+        lm_eval_tasks: lm-eval tasks (e.g. niah_single_1) evaluated inside the fine-tune's fit, at its
+            last step, with the model's own tokenizer; [] = none.
+        lm_eval_lengths: their prompt lengths in tokens (RULER needs >= 512).
+        lm_eval_limit: samples per length.
+        export_dir: a Hugging Face model is exported here after the fine-tune (``export_pretrained``)
+            and reloaded in plain transformers; the largest logit difference is recorded.
     """
 
     factor: float = 8.0
@@ -51,27 +58,43 @@ class YarnExtendOptions:
     finetune_lr: float = 1e-3
     eval_tokens: int = 32768
     results_dir: str = ""
+    lm_eval_tasks: list[str] = field(default_factory=list)
+    lm_eval_lengths: list[int] = field(default_factory=lambda: [512, 1024])
+    lm_eval_limit: int = 4
+    export_dir: str = ""
 
 
 def main(args: list[str] | None = None) -> dict[str, float]:
-    cli = make_cli(YarnExtendOptions, args, "yarn_extend", __doc__)
+    cli = make_cli(YarnExtendOptions, args, "yarn_extend", __doc__, any_model=True)
     ext = cli.options
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
+    pretrained = getattr(model, "pretrained_info", None)  # a Hugging Face directory: no pre-training here
+    if pretrained is not None:
+        data.tokenizer = model.tokenizer_dir  # its own tokens (None: bytes)
+        data.seq_len = int(pretrained["seq_len"])
+        data.setup()
+        pre_steps, pre_reason = pretrained.get("steps") or 0, None
+    else:
+        trainer.fit(model, data)  # 1. pre-train rope at L
+        pre_steps, pre_reason = trainer.global_step, stop_reason(trainer)
     L, s = data.seq_len, float(ext.factor)
     long_len = round(L * s)
-
-    trainer.fit(model, data)  # 1. pre-train rope at L
-    pre_steps, pre_reason = trainer.global_step, stop_reason(trainer)
     ft_steps = ext.finetune_steps if ext.finetune_steps >= 0 else max(1, pre_steps // 20)
     out = run_dir(trainer, ext.results_dir)  # collective: every rank
-    trainer.save_checkpoint(str(out / "pretrained.ckpt"))  # longrope_extend can start from it
+    if pretrained is None:
+        trainer.save_checkpoint(str(out / "pretrained.ckpt"))  # longrope_extend can start from it
     tokens = data.val_tokens
-    ppl = lambda n: perplexity(model, tokens, n, ext.eval_tokens)
-    r = {"L": L, "factor": s, "pretrain_steps": pre_steps, "pretrain_max_steps": trainer.max_steps,
+
+    def ppl(n: int) -> float:
+        return perplexity(model, tokens, n, ext.eval_tokens)
+
+    r = {"L": L, "factor": s, "pretrain_steps": pre_steps,
+         "pretrain_max_steps": trainer.max_steps if pretrained is None else pre_steps,
          "rope_ppl_L": ppl(L), "rope_ppl_sL": ppl(long_len)}
 
-    theta = rope_theta(model)  # the pre-trained rope's base
-    inject(model, ext.encoding, factor=s, original_max_position_embeddings=L, theta=theta)  # 2. zero-shot
+    # 2. zero-shot; a Hugging Face model gives its own rope base (and partial rotary) to the encoding
+    theta = {} if pretrained is not None else {"theta": rope_theta(model)}
+    inject(model, ext.encoding, factor=s, original_max_position_embeddings=L, **theta)
     r["zero_shot_ppl_sL"] = ppl(long_len)
     r["zero_shot_ppl_L"] = ppl(L)
 
@@ -79,7 +102,8 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     data.batch_size = max(1, data.batch_size * L // long_len)
     model.hparams.lr = ext.finetune_lr
     model.hparams.warmup_steps = max(1, ft_steps // 10)
-    ft = finetune_trainer(cli, ft_steps, "finetune")
+    lm_eval = [LMEvalCallback(ext.lm_eval_tasks, ext.lm_eval_lengths, limit=ext.lm_eval_limit)] if ext.lm_eval_tasks else []
+    ft = finetune_trainer(cli, ft_steps, "finetune", callbacks=lm_eval, validate_at_end=bool(lm_eval))
     ft.fit(model, data)
     r["finetune_steps"], r["finetune_max_steps"] = ft.global_step, ft_steps
     r["finetuned_ppl_sL"] = ppl(long_len)
@@ -87,20 +111,55 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     r["finetuned_sL_vs_rope_L"] = r["finetuned_ppl_sL"] / r["rope_ppl_L"] - 1.0
     r["bigram_ppl"] = bigram_perplexity(data.train_tokens, tokens, ext.eval_tokens)
     met, why = extension_verdict(pre_reason, stop_reason(ft) if ft_steps > 0 else None, ft.global_step, pre_steps,
-                       r["finetuned_sL_vs_rope_L"], r["rope_ppl_L"], r["bigram_ppl"])
+                                 r["finetuned_sL_vs_rope_L"], r["rope_ppl_L"], r["bigram_ppl"])
     r["target_met"], r["target"] = met, why
+    for cb in lm_eval:  # logged inside fit, at the fine-tune's last step
+        r.update({k: v for k, v in (cb.history[-1]["metrics"] if cb.history else {}).items()})
+    if ext.export_dir:
+        r.update(export_and_reload(model, ext.export_dir, tokens, long_len, ft))
 
     e = ext.encoding
-    table = [("rope (pre-trained)", f"{r['rope_ppl_L']:.4f}", f"{r['rope_ppl_sL']:.4f}"),
+    unit = "bytes" if getattr(data, "tokenizer", None) is None else "tokens of the model's own tokenizer"
+    first = "pretrained (rope)" if pretrained is not None else "rope (pre-trained)"
+    table = [(first, f"{r['rope_ppl_L']:.4f}", f"{r['rope_ppl_sL']:.4f}"),
              (f"{e} zero-shot (s={s:g})", f"{r['zero_shot_ppl_L']:.4f}", f"{r['zero_shot_ppl_sL']:.4f}"),
              (f"{e} + {ft.global_step} fine-tune steps", f"{r['finetuned_ppl_L']:.4f}", f"{r['finetuned_ppl_sL']:.4f}")]
-    notes = (f"Perplexity (bytes) on the same {ext.eval_tokens} validation tokens cut into windows of each length. "
-             f"Pre-training: {pre_steps} steps at L={L}; fine-tune: {ft.global_step} steps at {long_len} "
+    notes = (f"Perplexity ({unit}) on the same {ext.eval_tokens} validation tokens cut into windows of each length. "
+             f"Pre-training: {pre_steps} steps at L={L}{' (the pretrained directory)' if pretrained else ''}; "
+             f"fine-tune: {ft.global_step} steps at {long_len} "
              f"({100 * ft.global_step / max(1, pre_steps):.1f}% of pre-training). Target (fine-tuned {e} at {long_len} "
              f"within 5% of rope at L, fine-tune <= 5% of the steps): {why}.")
+    evals = {k: v for k, v in r.items() if k.startswith("lm_eval/")}
+    if evals:
+        notes += (" lm-eval inside the fine-tune's fit (its last step, the model's own tokenizer): "
+                  + ", ".join(f"{k[len('lm_eval/'):]} {v:.3f}" for k, v in evals.items()) + ".")
+    if "export_format" in r:
+        notes += (f" Exported to {r['export_dir']} ({r['export_format']} format); reloaded in plain transformers: "
+                  f"max |logit difference| {r['export_reload_max_abs_logit_diff']:.3g} at {long_len} tokens.")
     write_results(trainer, "yarn_extend", out, r, table, ("model", f"ppl @ L={L}", f"ppl @ {long_len}"), notes,
                   cli.recipe_command)
     return r
+
+
+def export_and_reload(model, export_dir: str, tokens, n: int, trainer) -> dict[str, object]:
+    """Export the extended Hugging Face model (rank 0), reload it in plain transformers and compare
+    logits on a validation window of ``n`` tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from posenc_lightning.models.hf_export import export_pretrained
+
+    out: dict[str, object] = {}
+    if trainer.is_global_zero:
+        res = export_pretrained(model, export_dir)
+        plain = AutoModelForCausalLM.from_pretrained(export_dir, local_files_only=True).eval()
+        x = tokens[: n].long()[None].to(model.device)
+        model.eval()
+        with torch.no_grad():
+            diff = (plain(x).logits - model(x)).abs().max().item()
+        out = {"export_dir": export_dir, "export_format": res["format"], "export_reload_max_abs_logit_diff": diff}
+    trainer.strategy.barrier("posenc_export")
+    return out
 
 
 if __name__ == "__main__":

@@ -121,10 +121,13 @@ class RecipeCLI(LightningCLI):
     """
 
     options_class: type | None = None
+    any_model: bool = False
     recipe: str = "recipe"
     results_group: str = "extend"
 
     def add_arguments_to_parser(self, parser: Any) -> None:
+        if self.any_model:  # TinyGPT unless --model names another class (e.g. HFCausalLM)
+            parser.set_defaults({"model": {"class_path": "posenc_lightning.models.TinyGPT"}})
         if self.options_class is not None:
             parser.add_class_arguments(self.options_class, self.results_group)
 
@@ -162,16 +165,23 @@ class RecipeCLI(LightningCLI):
         return (self.config_init.get(self.subcommand) if self.subcommand else self.config_init)[self.results_group]
 
 
-def make_cli(options: type, args: list[str] | None = None, name: str = "recipe", description: str | None = None) -> RecipeCLI:
+def make_cli(options: type, args: list[str] | None = None, name: str = "recipe", description: str | None = None,
+             any_model: bool = False) -> RecipeCLI:
     """The recipe's CLI (``args=None``: the command line) with ``options`` (a dataclass) as its
     ``--extend.*`` group; ``cli.options`` is the parsed dataclass and ``cli.recipe_command``
-    the command that reproduces the run (recorded with the results)."""
+    the command that reproduces the run (recorded with the results). ``any_model``: ``--model``
+    may name any LightningModule class (default TinyGPT), e.g.
+    ``--model=posenc_lightning.models.hf.HFCausalLM --model.pretrained_dir=DIR``."""
+    import lightning.pytorch as pl_
+
     from posenc_lightning.data import CorpusDataModule
     from posenc_lightning.models import TinyGPT
 
-    cls = type("RecipeCLI", (RecipeCLI,), {"options_class": options, "recipe": name})
-    cli = cls(TinyGPT, CorpusDataModule, run=False, args=args, save_config_callback=RunDirSaveConfig,
-              save_config_kwargs={"overwrite": True}, parser_kwargs=recipe_parser_kwargs(name, description))
+    cls = type("RecipeCLI", (RecipeCLI,), {"options_class": options, "recipe": name, "any_model": any_model})
+    model_cls = pl_.LightningModule if any_model else TinyGPT
+    cli = cls(model_cls, CorpusDataModule, run=False, args=args, save_config_callback=RunDirSaveConfig,
+              save_config_kwargs={"overwrite": True}, parser_kwargs=recipe_parser_kwargs(name, description),
+              subclass_mode_model=any_model)
     cli.options = cli.options_value
     argv = sys.argv if args is None else [f"recipes/{name}.py", *args]
     cli.recipe_command = " ".join(shlex.quote(a) for a in ["python"] + list(argv))
@@ -183,17 +193,21 @@ def recipe_parser_kwargs(name: str, description: str | None) -> dict[str, Any]:
     return {"prog": f"recipes/{name}.py", "description": (description or name).strip()}
 
 
-def finetune_trainer(cli: LightningCLI, max_steps: int, sub: str, callbacks: list | None = None) -> pl.Trainer:
+def finetune_trainer(cli: LightningCLI, max_steps: int, sub: str, callbacks: list | None = None,
+                     validate_at_end: bool = False) -> pl.Trainer:
     """A second Trainer with the CLI's trainer settings, ``max_steps`` steps, logging to
-    ``<run dir>/<sub>`` and no validation loop (the recipe evaluates itself). Collective under
-    DDP (reads ``trainer.log_dir``): call it on every rank."""
+    ``<run dir>/<sub>`` and no validation loop (the recipe evaluates itself), or one validation at
+    the last step (``validate_at_end``: callbacks such as `LMEvalCallback` evaluate inside fit).
+    Collective under DDP (reads ``trainer.log_dir``): call it on every rank."""
     from lightning.pytorch.loggers import TensorBoardLogger
 
     first = cli.trainer
     log_dir = first.log_dir
     logger = TensorBoardLogger(str(log_dir), name=sub, version="") if first.logger else False
-    return cli.instantiate_trainer(max_steps=max_steps, logger=logger, limit_val_batches=0, callbacks=list(callbacks or []),
-                                   enable_checkpointing=False)
+    val = ({"limit_val_batches": 1, "val_check_interval": max(1, max_steps), "check_val_every_n_epoch": None,
+            "num_sanity_val_steps": 0} if validate_at_end else {"limit_val_batches": 0})
+    return cli.instantiate_trainer(max_steps=max_steps, logger=logger, callbacks=list(callbacks or []),
+                                   enable_checkpointing=False, **val)
 
 
 def length_sweep(model: torch.nn.Module, tokens: torch.Tensor, lengths: list[int], eval_tokens: int,
@@ -267,9 +281,11 @@ def rope_theta(model: torch.nn.Module) -> float:
 
 
 def bigram_perplexity(train_tokens: torch.Tensor, tokens: torch.Tensor, eval_tokens: int, vocab: int = 256) -> float:
-    """Perplexity of a byte-bigram table (add-one counts over ``train_tokens``) on the first
-    ``eval_tokens`` + 1 of ``tokens``: the bar a model must beat to be using any context at all."""
+    """Perplexity of a bigram table (add-one counts over ``train_tokens``: bytes, or a tokenizer's
+    ids) on the first ``eval_tokens`` + 1 of ``tokens``: the bar a model must beat to be using any
+    context at all. ``vocab`` grows to the largest id seen."""
     tr, ev = train_tokens.long(), tokens[: eval_tokens + 1].long()
+    vocab = max(vocab, int(tr.max()) + 1, int(ev.max()) + 1)
     counts = torch.ones(vocab, vocab, dtype=torch.float64)
     counts.index_put_((tr[:-1], tr[1:]), torch.ones(len(tr) - 1, dtype=torch.float64), accumulate=True)
     logp = (counts / counts.sum(1, keepdim=True)).log()

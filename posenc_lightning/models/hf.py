@@ -75,6 +75,21 @@ class HFCausalLM(pl.LightningModule):
             return str(d)
         return None
 
+    @property
+    def pretrained_info(self) -> dict[str, Any] | None:
+        """What made the pretrained directory: ``posenc_pretrain.json`` (steps, seq_len, ...) written
+        by recipes/hf_pretrain.py, else ``{"steps": None, "seq_len": max_seq_len}``; None without a
+        pretrained directory (a model to train from scratch)."""
+        d = self.hparams.pretrained_dir
+        if not d:
+            return None
+        meta = Path(d) / "posenc_pretrain.json"
+        if meta.is_file():
+            import json
+
+            return json.loads(meta.read_text())
+        return {"steps": None, "seq_len": self.max_seq_len}
+
     def new_cache(self) -> Any:
         from transformers import DynamicCache
 
