@@ -41,7 +41,9 @@ class LongRoPEExtendOptions:
 
     Args:
         factor: context extension ratio s.
-        pretrained: a rope checkpoint to start from (e.g. yarn_extend's pretrained.ckpt); '' = pre-train.
+        pretrained: a rope checkpoint to start from (e.g. yarn_extend's pretrained.ckpt); '' = pre-train
+            (a Hugging Face directory instead: --model=posenc_lightning.models.hf.HFCausalLM
+            --model.pretrained_dir=DIR).
         population: search population.
         parents: search parents kept per iteration.
         iterations: search iterations.
@@ -66,12 +68,16 @@ class LongRoPEExtendOptions:
 
 
 def main(args: list[str] | None = None) -> dict[str, float]:
-    cli = make_cli(LongRoPEExtendOptions, args, "longrope_extend", __doc__)
+    cli = make_cli(LongRoPEExtendOptions, args, "longrope_extend", __doc__, any_model=True)
     ext = cli.options
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
-    L, s = data.seq_len, float(ext.factor)
-    n = round(L * s)
-    if ext.pretrained:
+    pretrained = getattr(model, "pretrained_info", None)  # a Hugging Face directory: no pre-training here
+    if pretrained is not None:
+        data.tokenizer = model.tokenizer_dir  # its own tokens (None: bytes)
+        data.seq_len = int(pretrained["seq_len"])
+        data.setup("fit")
+        pre_steps, pre_reason = pretrained.get("steps") or 0, None
+    elif ext.pretrained:
         ckpt = torch.load(ext.pretrained, map_location="cpu", weights_only=False)
         restore_from_checkpoint(model, ckpt)
         model.load_state_dict(ckpt["state_dict"])
@@ -80,18 +86,21 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     else:
         trainer.fit(model, data)
         pre_steps, pre_reason = trainer.global_step, stop_reason(trainer)
+    L, s = data.seq_len, float(ext.factor)
+    n = round(L * s)
     ft_steps = ext.finetune_steps if ext.finetune_steps >= 0 else max(1, pre_steps // 20)
     tokens = data.val_tokens
     held_out = ext.search_windows * n  # evaluation text starts after the search windows
     ppl = lambda m: perplexity(model, tokens, m, ext.eval_tokens, offset_tokens=held_out)
-    theta = rope_theta(model)  # the pre-trained rope's base
+    # the pre-trained rope's base; a Hugging Face model gives its own (and its partial rotary)
+    theta = {} if pretrained is not None else {"theta": rope_theta(model)}
     r: dict[str, float] = {"L": L, "factor": s, "pretrain_steps": pre_steps, "pretrain_stop_reason": pre_reason,
                            "rope_ppl_L": ppl(L), "rope_ppl_sL": ppl(n)}
     for name in ("pi", "yarn"):
-        inject(model, name, factor=s, original_max_position_embeddings=L, theta=theta)
+        inject(model, name, factor=s, original_max_position_embeddings=L, **theta)
         r[f"{name}_ppl_sL"], r[f"{name}_ppl_L"] = ppl(n), ppl(L)
 
-    inject(model, "long_rope", factor=s, original_max_position_embeddings=L, max_position_embeddings=n, theta=theta)
+    inject(model, "long_rope", factor=s, original_max_position_embeddings=L, max_position_embeddings=n, **theta)
     cur = LongRoPECurriculum(original_length=L, target_length=n, steps_per_stage=max(1, ft_steps), start_length=n,
                              population=ext.population, parents=ext.parents, iterations=ext.iterations,
                              search_windows=ext.search_windows, seed=cli.config.get("seed_everything") or 0,

@@ -22,7 +22,6 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torch.utils.data._utils.collate import default_collate
 
 from posenc_lightning.encodings.base import Encoding
-from posenc_lightning.inject import find_mixin_modules
 
 
 @dataclass(frozen=True)
@@ -47,12 +46,12 @@ class Stage:
 
 
 def encodings_of(module: torch.nn.Module) -> list[Encoding]:
-    """The distinct encodings injected into ``module``'s mixin modules."""
-    attn, emb = find_mixin_modules(module)
+    """The distinct encodings injected into ``module``: its mixin modules' and those the adapters
+    placed in a model it holds (a transformers model's attention or rotary modules), in order."""
     out: list[Encoding] = []
-    for m in attn + emb:
+    for m in module.modules():
         enc = getattr(m, "posenc", None)
-        if enc is not None and all(enc is not e for e in out):
+        if isinstance(enc, Encoding) and all(enc is not e for e in out):
             out.append(enc)
     return out
 
