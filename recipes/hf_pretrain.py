@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from lightning.pytorch.cli import LightningCLI
 
+from posenc_lightning.curriculum.extend import RunDirSaveConfig
 from posenc_lightning.data import CorpusDataModule
 from posenc_lightning.models.hf import HFCausalLM
 
@@ -54,7 +55,8 @@ def make_tokenizer(opts: PretrainOptions, files: list[str] | None):
 
 
 def main(args: list[str] | None = None) -> str:
-    cli = PretrainCLI(HFCausalLM, CorpusDataModule, run=False, args=args, save_config_kwargs={"overwrite": True})
+    cli = PretrainCLI(HFCausalLM, CorpusDataModule, run=False, args=args, save_config_callback=RunDirSaveConfig,
+                      save_config_kwargs={"overwrite": True})  # the config beside the logs; none without a logger
     opts = PretrainOptions(**cli.config["pretrain"])
     data, trainer = cli.datamodule, cli.trainer
     out = Path(opts.out)
