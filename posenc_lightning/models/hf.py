@@ -9,20 +9,17 @@ the project runs on it. Encodings enter through `posenc_lightning.inject` /
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from posenc_lightning.inject import CHECKPOINT_KEY, injected_spec, restore_from_checkpoint
+from posenc_lightning.models.lm import CausalLMSteps
 
 
-class HFCausalLM(pl.LightningModule):
+class HFCausalLM(CausalLMSteps, pl.LightningModule):
     """A transformers ``AutoModelForCausalLM`` trained with Lightning.
 
     Args:
@@ -100,52 +97,3 @@ class HFCausalLM(pl.LightningModule):
         out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask,
                          past_key_values=cache, use_cache=cache is not None)
         return out.logits
-
-    def token_nll(self, input_ids: Tensor, targets: Tensor, **kw: Any) -> Tensor:
-        """Per-token negative log-likelihood ``[B, N]`` (float32)."""
-        logits = self(input_ids, **kw)
-        return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
-        loss = self.token_nll(x, y).mean()
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        x, y = batch
-        self.val_nll.update(self.token_nll(x, y))
-
-    def on_validation_epoch_end(self) -> None:
-        mean = self.val_nll.compute()
-        self.val_nll.reset()
-        self.log("val/loss", mean, prog_bar=True)
-        self.log("val/ppl", torch.exp(mean), prog_bar=True)
-
-    def configure_optimizers(self) -> Any:
-        decay = [p for n, p in self.named_parameters() if p.requires_grad and p.dim() >= 2 and "posenc" not in n]
-        ids = {id(p) for p in decay}
-        rest = [p for p in self.parameters() if p.requires_grad and id(p) not in ids]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
-                                 {"params": rest, "weight_decay": 0.0}], lr=self.hparams.lr, betas=(0.9, 0.95))
-        total = self.trainer.max_steps if self.trainer and self.trainer.max_steps > 0 else None
-        if total is None:
-            return opt
-        warm, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
-
-        def lr_lambda(step: int) -> float:
-            if step < warm:
-                return (step + 1) / warm
-            t = min(1.0, (step - warm) / max(1, total - warm))
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
-
-        return {"optimizer": opt,
-                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), "interval": "step"}}
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        spec = injected_spec(self)
-        if spec is not None:
-            checkpoint[CHECKPOINT_KEY] = dict(spec)
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        restore_from_checkpoint(self, checkpoint)

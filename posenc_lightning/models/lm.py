@@ -1,0 +1,72 @@
+"""`CausalLMSteps`: the Lightning side shared by the project's causal LMs (`TinyGPT`, `HFCausalLM`):
+per-token NLL, training / validation steps, AdamW with warm-up and cosine decay, and the encoding
+spec in checkpoints. A model supplies ``forward(input_ids, **kw) -> logits`` and the hyperparameters
+``lr``, ``weight_decay``, ``warmup_steps``, ``min_lr_ratio``; it creates ``self.val_nll`` (a MeanMetric)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from posenc_lightning.inject import CHECKPOINT_KEY, injected_spec, restore_from_checkpoint
+
+
+class CausalLMSteps:
+    """Mixin for a ``LightningModule`` that is a causal language model over ``(input_ids, targets)``."""
+
+    def token_nll(self, input_ids: Tensor, targets: Tensor, **kw: Any) -> Tensor:
+        """Per-token negative log-likelihood ``[B, N]`` (float32)."""
+        logits = self(input_ids, **kw)
+        return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = self.token_nll(x, y).mean()
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        nll = self.token_nll(x, y)
+        self.val_nll.update(nll)
+
+    def on_validation_epoch_end(self) -> None:
+        mean = self.val_nll.compute()
+        self.val_nll.reset()
+        self.log("val/loss", mean, prog_bar=True)
+        self.log("val/ppl", torch.exp(mean), prog_bar=True)
+
+    def configure_optimizers(self) -> Any:
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            (decay if p.dim() >= 2 and "posenc" not in name else no_decay).append(p)
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}],
+                                lr=self.hparams.lr, betas=(0.9, 0.95))
+        total = self.trainer.max_steps if self.trainer and self.trainer.max_steps > 0 else None
+        if total is None:
+            return opt
+        warm, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
+
+        def lr_lambda(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            t = min(1.0, (step - warm) / max(1, total - warm))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        spec = injected_spec(self)
+        if spec is not None:
+            checkpoint[CHECKPOINT_KEY] = dict(spec)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        restore_from_checkpoint(self, checkpoint)
