@@ -130,3 +130,15 @@ def test_posenc_train_encoding_shorthand():
     for args in (["--encoding", "alibi"], ["--encoding=alibi"]):
         code, text = _posenc("train", *args, "--print_config")
         assert code == 0 and yaml.safe_load(text)["posenc"]["encoding"] == "alibi"
+
+
+def test_every_config_injects_through_posenc_callback():
+    """One route: each YAML in configs/ names PosEncCallback in trainer.callbacks (compare_encodings
+    builds one PosEncCallback per encoding from its list, said in its YAML)."""
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        raw = yaml.safe_load(path.read_text())
+        if path.stem == "compare_encodings":
+            assert "PosEncCallback" in path.read_text()
+            continue
+        paths = [c.get("class_path") for c in (raw.get("trainer", {}).get("callbacks") or [])]
+        assert "posenc_lightning.PosEncCallback" in paths, path.name
