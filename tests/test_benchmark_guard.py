@@ -97,12 +97,16 @@ def test_rotary_fast_path_beats_the_formula(one_thread):
     cos, sin = rope_cos_sin(torch.arange(2048)[None], rope_inv_freq(64))
     fns = {(f, lay): (lambda f=f, lay=lay: f(q, cos, sin, lay))
            for f in (apply_rotary, apply_rotary_reference) for lay in ("half", "interleaved")}
-    for attempt in range(2):
+    # the best ratio of up to 6 rounds per layout: a busy machine inflates single rounds (measured 0.55-0.98
+    # for 'half' on a loaded 2-core machine), a lost fast path is ~1 in every round
+    best = {"half": float("inf"), "interleaved": float("inf")}
+    for _ in range(6):
         med = interleaved_medians(fns, reps=9, warmup=1)
-        ratios = {lay: med[(apply_rotary, lay)] / med[(apply_rotary_reference, lay)] for lay in ("half", "interleaved")}
-        if all(r < 0.9 for r in ratios.values()):
+        for lay in best:
+            best[lay] = min(best[lay], med[(apply_rotary, lay)] / med[(apply_rotary_reference, lay)])
+        if all(r < 0.9 for r in best.values()):
             break
-    assert all(r < 0.9 for r in ratios.values()), f"rotary fast path lost: fast/formula = {ratios}"
+    assert all(r < 0.9 for r in best.values()), f"rotary fast path lost: fast/formula = {best}"
 
 
 #: peak allocated memory of one attention layer (d_model 512, 8 heads) at N=2048 / nope's. The
