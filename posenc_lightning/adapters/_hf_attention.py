@@ -199,7 +199,8 @@ def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     state = _cache_state(module)
     if state is not None and (state.extra or enc.keeps_cache_state):
         _align_state(state, enc.name, type(call.cache).__name__, n_k - n_q, seen + n_q - first == n_k)
-    ctx = AttentionContext(q_pos, k_pos, True, call.hidden, state, module)
+    causal = bool(getattr(module, "is_causal", True))
+    ctx = AttentionContext(q_pos, k_pos, causal, call.hidden, state, module)
     stages = enc.stages
     if "rotate" in stages:
         query, key = enc.rotate(query, key, ctx)
@@ -208,7 +209,7 @@ def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     if window is not None and seen + n_q - first > int(window):
         bias = _window_bias(int(window), seen, first, n_q, n_k, query.device) + bias
     q_seg, k_seg = _segments(attention_mask, q_pos, seen, first, n_q, n_k)
-    mask = AttentionMask(True, seen - first, n_q, n_k, q_seg, k_seg)
+    mask = AttentionMask(causal, seen - first, n_q, n_k, q_seg, k_seg)
     requires_grad = torch.is_grad_enabled() and (query.requires_grad or any(p.requires_grad for p in enc.parameters()))
     backend = resolve_backend(getattr(module, "posenc_backend", "auto"), enc, query.device, requires_grad)
     scale = (scaling if scaling is not None else d ** -0.5) * enc.softmax_scale(d) * d ** 0.5
