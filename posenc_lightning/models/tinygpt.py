@@ -129,8 +129,9 @@ class TinyGPT(CausalLMSteps, pl.LightningModule):
         """FSDP2 (``fully_shard``) over ``mesh``: every parameter, the encoding's included, becomes
         a DTensor sharded over the mesh on its longest dim (CoPE's ``[1, head_dim, P]`` table has a
         dim 0 of 1), gathered for forward and backward. One unit for the whole model: an encoding
-        shared across layers is one module referenced by every block, and a per-block unit would
-        leave it to the first block's unit."""
+        shared across layers is one module referenced by every block, and per-block units fail
+        (block 1 finds block 0's DTensors: "Cannot concatenate overlapping meshes", torch 2.13).
+        Override this for another layout (e.g. per-block units with ``share_across_layers=False``)."""
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import Shard
 
