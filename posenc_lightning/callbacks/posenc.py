@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from posenc_lightning.encodings.base import Encoding
-from posenc_lightning.inject import CHECKPOINT_KEY, inject, injected_spec
+from posenc_lightning.inject import CHECKPOINT_KEY, find_mixin_modules, inject, injected_spec
 
 
 class PosEncCallback(pl.Callback):
@@ -64,8 +64,8 @@ class PosEncCallback(pl.Callback):
         try:
             self._inject(pl_module)
         except ValueError:
-            if not is_overridden("configure_model", pl_module):
-                raise  # no layers yet and none coming: the error stands
+            if not is_overridden("configure_model", pl_module) or any(find_mixin_modules(pl_module)):
+                raise  # layers there (or none coming): the error stands; else configure_model builds them
         if self.log_hparams and self.injected is not None:
             for logger in trainer.loggers:
                 logger.log_hyperparams(self.injected.hparams_for_logging())
@@ -82,6 +82,12 @@ class PosEncCallback(pl.Callback):
 
         pl_module.configure_model = configure_model  # type: ignore[method-assign]
         pl_module._posenc_wrapped = True
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # undo the wrap: a local function in the module's __dict__ would stop it from pickling
+        # (ddp_spawn, torch.save(model)) after the run; the next setup wraps again
+        if pl_module.__dict__.pop("_posenc_wrapped", False):
+            pl_module.__dict__.pop("configure_model", None)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:

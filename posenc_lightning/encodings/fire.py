@@ -38,10 +38,18 @@ class FIRE(Encoding):
         self.mlp_width = mlp_width
         self.eps = eps
         self.use_relative = use_relative
-        self.c = nn.Parameter(torch.tensor(float(init_c)))
+        # 1-element vectors, not scalars: FSDP2 (fully_shard) shards dim 0 and refuses 0-d parameters
+        self.c = nn.Parameter(torch.tensor([float(init_c)]))
         self.register_buffer("init_L", torch.tensor(float(init_L)))
-        self.L_multiplier = nn.Parameter(torch.tensor(1.0), requires_grad=learn_L)
+        self.L_multiplier = nn.Parameter(torch.tensor([1.0]), requires_grad=learn_L)
         self.mlp: nn.Sequential | None = None
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object, **kwargs: object) -> None:
+        for key in ("c", "L_multiplier"):  # checkpoints from before they were 1-element vectors
+            v = state_dict.get(prefix + key)
+            if isinstance(v, Tensor) and v.dim() == 0:
+                state_dict[prefix + key] = v.reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _ready(self) -> bool:
         return self.n_heads is not None

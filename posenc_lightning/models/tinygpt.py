@@ -115,6 +115,31 @@ class TinyGPT(CausalLMSteps, pl.LightningModule):
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 
+    # ---------------------------------------------------------------- FSDP2
+    def configure_model(self) -> None:
+        """Shard with FSDP2 (`shard`) when the trainer's strategy gives a device mesh (Lightning's
+        ``ModelParallelStrategy``); otherwise (and when already sharded) nothing. Lightning calls
+        this after the callbacks' ``setup``, so an encoding a `PosEncCallback` injected is sharded too."""
+        mesh = self.device_mesh
+        if mesh is None or _is_sharded(self):
+            return
+        self.shard(mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh)
+
+    def shard(self, mesh: Any) -> None:
+        """FSDP2 (``fully_shard``) over ``mesh``: every parameter, the encoding's included, becomes
+        a DTensor sharded over the mesh on its longest dim (CoPE's ``[1, head_dim, P]`` table has a
+        dim 0 of 1), gathered for forward and backward. One unit for the whole model: an encoding
+        shared across layers is one module referenced by every block, and per-block units fail
+        (block 1 finds block 0's DTensors: "Cannot concatenate overlapping meshes", torch 2.13).
+        Override this for another layout (e.g. per-block units with ``share_across_layers=False``)."""
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard
+
+        def longest_dim(p: nn.Parameter) -> Shard:
+            return Shard(max(range(p.dim()), key=lambda d: (p.shape[d], -d)))
+
+        fully_shard(self, mesh=mesh, shard_placement_fn=longest_dim)
+
     # ---------------------------------------------------------------- model
     def new_cache(self) -> KVCache:
         return KVCache(len(self.blocks))
@@ -139,3 +164,9 @@ class TinyGPT(CausalLMSteps, pl.LightningModule):
             out = torch.cat((out, nxt), dim=1)
             step_in = nxt
         return out
+
+
+def _is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
