@@ -13,16 +13,12 @@ from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.attention.backends import triton as triton_backend
 from posenc_lightning.encodings.registry import build_encoding
 from posenc_lightning.inject import inject
-from posenc_lightning.kernels import fused
-from tests.helpers import Attn
+from tests.helpers import Attn, fast_triton_interpreter
 
 
 @pytest.fixture(autouse=True)
 def _fast_interpreter(monkeypatch):
-    import triton.runtime.interpreter as ti
-
-    monkeypatch.setattr(ti.interpreter_builder, "options", ti.InterpreterOptions(sanitize_overflow=False))
-    monkeypatch.setattr(fused, "INTERPRET_BLOCKS", (16, 16))
+    fast_triton_interpreter(monkeypatch)
     yield
 
 

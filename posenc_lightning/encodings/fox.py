@@ -90,5 +90,5 @@ class ForgettingAttention(Encoding):
                                f"reset() the cache after injecting an encoding")
         c_new = fox_cumulative(log_f, None if prev is None else prev[..., -1])
         c_all = c_new if prev is None else torch.cat((prev, c_new), dim=-1)
-        cache.extra[CACHE_KEY] = c_all.detach()
+        cache.extra[CACHE_KEY] = c_all  # with its graph, as the cached keys: later tokens' gradients reach earlier gates
         return DecayBias(c_new, c_all)

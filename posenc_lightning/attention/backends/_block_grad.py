@@ -19,7 +19,7 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
                                  add_bias: Callable[[int, int, int, Tensor], None],
                                  on_ds: Callable[[int, int, int, Tensor], None] | None = None,
                                  reverse_rows: bool = False, dq: Tensor | None = None,
-                                 dk: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                                 dk: Tensor | None = None, empty_rows: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the dtypes of q, k, v, computed ``rows`` query rows at a time.
 
     ``add_bias(start, stop, k_stop, s)`` adds the block's bias (and ``-inf`` where masked) in
@@ -29,6 +29,7 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
     reverse order (``rr = stop - 1 - i``), for biases that are zero-copy views only that way.
     ``dq``/``dk``: zero-filled accumulators to add into (float32 or wider, the shapes of q and k),
     so that ``on_ds`` can add a bias's own gradients for q and k to them without more buffers.
+    ``empty_rows``: a query may see no key at all (key padding): its weights are 0, not NaN.
     """
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[-2]
@@ -55,6 +56,8 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
         s = torch.matmul(qb, kb.transpose(-1, -2)).mul_(scale)
         add_bias(start, stop, k_stop, s.view(b, h_kv, g, r, k_stop))
         p = torch.softmax(s, dim=-1)
+        if empty_rows:
+            p = p.nan_to_num_(0.0)
         del s
         ds = torch.matmul(dob, vb.transpose(-1, -2))
         ds.sub_(grouped(delta, start, stop)).mul_(p)

@@ -1,4 +1,4 @@
-"""Eager attention: everything in plain PyTorch, in float32. The reference for every other path."""
+"""Eager attention: everything in plain PyTorch, in float32 (float64 for float64 inputs). The reference for every other path."""
 
 from __future__ import annotations
 
@@ -30,9 +30,11 @@ def repeat_kv(x: Tensor, n_heads: int) -> Tensor:
 
 def attention_weights(q: Tensor, k: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
                       normalize: Callable | None = None, ctx: AttentionContext | None = None) -> Tensor:
-    """The attention matrix ``[B, H, Nq, Nk]`` in float32 (used by the visualizer too)."""
+    """The attention matrix ``[B, H, Nq, Nk]`` in float32, float64 for float64 inputs (used by the
+    visualizer too)."""
     k = repeat_kv(k, q.shape[1])
-    logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    wt = torch.promote_types(q.dtype, torch.float32)
+    logits = torch.matmul(q.to(wt), k.to(wt).transpose(-1, -2)) * scale
     if bias is not None:
         logits = logits + bias.materialize()
     m = mask.materialize(q.device)
@@ -47,5 +49,5 @@ def attention_weights(q: Tensor, k: Tensor, *, bias: Bias | None, mask: Attentio
 def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
            normalize: Callable | None = None, ctx: AttentionContext | None = None) -> Tensor:
     w = attention_weights(q, k, bias=bias, mask=mask, scale=scale, normalize=normalize, ctx=ctx)
-    out = torch.matmul(w, repeat_kv(v, q.shape[1]).float())
+    out = torch.matmul(w, repeat_kv(v, q.shape[1]).to(w.dtype))
     return out.to(q.dtype)

@@ -289,8 +289,15 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMas
     k_stop = min(k.shape[-2], mask.q_offset + stop) if mask.causal else k.shape[-2]
     attn_mask = bias.rows(start, stop, k_stop).to(q.dtype)
     attn_mask = _masked(attn_mask, mask, start, stop, k_stop, inplace=_owned_rows(attn_mask, bias))
-    return F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :k_stop], v[:, :, :k_stop],
-                                          attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
+    empty = None
+    if mask.k_valid is not None:
+        # a query whose keys are all padding: its output is 0 (as eager's), and an all -inf row
+        # would give SDPA's backward NaN gradients; open the row, then zero its output
+        empty = torch.isneginf(attn_mask).all(-1, keepdim=True)
+        attn_mask = attn_mask.masked_fill(empty, 0.0)
+    out = F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :k_stop], v[:, :, :k_stop],
+                                         attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
+    return out if empty is None else out.masked_fill(empty, 0.0)
 
 
 def _owned_rows(rows: Tensor, bias: Bias) -> bool:
@@ -442,7 +449,8 @@ class _BlockwiseAttention(torch.autograd.Function):
             rows = max(8, 3 * rows // 4)
         dq, dk, dv = attention_backward_by_blocks(
             q, k, v, out, d_out, scale=scale, causal=mask.causal, q_offset=mask.q_offset, rows=rows,
-            add_bias=add_bias, on_ds=to_inputs if any(tg is not None for tg in live) else None, dq=dq, dk=dk)
+            add_bias=add_bias, on_ds=to_inputs if any(tg is not None for tg in live) else None, dq=dq, dk=dk,
+            empty_rows=mask.k_valid is not None)
         g_all = [None if g is None else g.to(t.dtype) for g, t in
                  zip(g_extra, [inputs[targets.index(i)] for i in range(len(need_extra))])]
         return (dq, dk, dv, None, *g_all)
