@@ -15,9 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from lightning.pytorch.cli import LightningCLI
-
-from posenc_lightning.curriculum.extend import RunDirSaveConfig
+from posenc_lightning.curriculum.extend import RecipeCLI, RunDirSaveConfig, recipe_parser_kwargs
 from posenc_lightning.data import CorpusDataModule
 from posenc_lightning.models.hf import HFCausalLM
 
@@ -38,9 +36,13 @@ class PretrainOptions:
     tokenizer_files: int = 400
 
 
-class PretrainCLI(LightningCLI):
-    def add_arguments_to_parser(self, parser) -> None:
-        parser.add_class_arguments(PretrainOptions, "pretrain")
+class PretrainCLI(RecipeCLI):
+    """The recipes' CLI (barebones, progress bar, no files in the working directory without a
+    logger: checkpoints go to runs/hf_pretrain) with `PretrainOptions` as ``--pretrain.*``."""
+
+    options_class = PretrainOptions
+    recipe = "hf_pretrain"
+    results_group = "pretrain"
 
 
 def make_tokenizer(opts: PretrainOptions, files: list[str] | None):
@@ -56,8 +58,8 @@ def make_tokenizer(opts: PretrainOptions, files: list[str] | None):
 
 def main(args: list[str] | None = None) -> str:
     cli = PretrainCLI(HFCausalLM, CorpusDataModule, run=False, args=args, save_config_callback=RunDirSaveConfig,
-                      save_config_kwargs={"overwrite": True})  # the config beside the logs; none without a logger
-    opts = PretrainOptions(**cli.config["pretrain"])
+                      save_config_kwargs={"overwrite": True}, parser_kwargs=recipe_parser_kwargs("hf_pretrain", __doc__))
+    opts = cli.options_value
     data, trainer = cli.datamodule, cli.trainer
     out = Path(opts.out)
     tok = make_tokenizer(opts, list(data.files) if data.files else None)
