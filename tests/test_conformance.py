@@ -60,7 +60,7 @@ CPU = torch.device("cpu")
 TOL = {"fp64": 1e-12, "fp32": 2e-5, "bf16": 4e-2}
 #: encodings whose float64 run is only float32-accurate, by design, and where
 FP32_BY_DESIGN = {
-    **{n: "bias kinds materialize in float32 (encodings/bias.py)" for n in
+    **{n: "bias kinds materialize in float32 (encodings/bias/)" for n in
        ("alibi", "relative_bias", "fire", "cope", "fox", "mixture", "rope_alibi", "rse")},
     "sba": "stick-breaking sums softplus in float32 (functional/stick_breaking.py)",
     "rse": "bias and stick-breaking in float32",

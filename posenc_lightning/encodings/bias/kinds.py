@@ -1,24 +1,6 @@
-"""The structured attention-bias kinds (DESIGN.md, "Bias is a description, not a tensor").
-
-A kind owns everything a backend asks of it, so no backend tests a bias's class:
-
-==================== ====================================================== ==============
-method               gives                                                  asked by
-==================== ====================================================== ==============
-``materialize()``    the dense ``[B|1, H, Nq, Nk]`` float32 tensor          eager
-``rows(s, e, ke)``   rows ``s:e``, keys ``:ke`` only (abstract: no kind     sdpa (blocks)
-                     falls back to building ``N x N`` silently)
-``rows_from`` & co.  rows recomputed from stand-ins for its inputs          sdpa (backward)
-``at(q_pos, k_pos)`` the same bias at other positions (``distance_only``)   sdpa (Toeplitz)
-``key_only(...)``    ``q_ch[h] * k_ch[b, h, j]`` + a per-row term           sdpa (1 channel)
-``scaled(w)``        ``w * bias``, the same kind where it can be             mixture
-``score_term(B, H)`` ``f(b, h, q_idx, kv_idx)`` for a flex ``score_mod``     flex
-``fold_into(args)``  its part of the Triton kernels' arguments              triton
-==================== ====================================================== ==============
-
-A new kind implements `materialize` and `rows`; every other method has a default that is exact
-for any kind (dense score term and kernel argument, lazily scaled rows).
-"""
+"""The bias base class, what backends receive from it (`KeyOnly`, `KernelBias`), and the generic
+kinds: `DenseBias` (a tensor, or rows by a function), `ScaledBias`, `BiasSum`. The kinds with O(N)
+data are in `structured` (see the package docstring for what a kind answers)."""
 
 from __future__ import annotations
 
@@ -30,8 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "KernelBias", "KeyOnly", "LinearBias", "RelativeBias",
-           "ScaledBias", "cut", "span"]
+__all__ = ["Bias", "BiasSum", "DenseBias", "KernelBias", "KeyOnly", "ScaledBias", "cut", "span"]
 
 #: a part of a tensor (``t[index]``); None = the whole tensor
 Index = Any
@@ -178,154 +159,6 @@ class Bias(ABC):
         return BiasSum(self.terms + other.terms)
 
     __radd__ = __add__
-
-
-@dataclass(eq=False)
-class LinearBias(Bias):
-    """ALiBi: ``-slopes[h] * |i - j|`` (Press et al., 2022, eq. 1)."""
-
-    slopes: Tensor  # [H]
-    q_pos: Tensor  # [B, Nq]
-    k_pos: Tensor  # [B, Nk]
-    recomputable = True
-    fresh_rows = True
-    distance_only = True
-
-    def materialize(self) -> Tensor:
-        dist = _distance(self.q_pos, self.k_pos).abs().to(torch.float32)
-        return -self.slopes.to(torch.float32)[None, :, None, None] * dist[:, None]
-
-    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
-        return LinearBias(self.slopes, self.q_pos[:, start:stop], self.k_pos[:, :k_stop]).materialize()
-
-    def grad_inputs(self) -> tuple[Tensor, ...]:
-        return (self.slopes,)
-
-    def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
-        return LinearBias(views[0], self.q_pos, self.k_pos).rows(start, stop, k_stop)
-
-    def at(self, q_pos: Tensor, k_pos: Tensor) -> Bias:
-        return LinearBias(self.slopes, q_pos, k_pos)
-
-    def key_only(self, dtype: torch.dtype, plain_causal: bool) -> KeyOnly | None:
-        """Causal ALiBi with keys never after their queries in position: where ``j <= i``,
-        ``-m_h (i - j) = m_h j - m_h i``, i.e. ``m_h (j - c)`` for any constant c (the middle
-        position, which keeps the channel small). bf16 cannot hold ``m_h j``: wide dtypes only."""
-        qp, kp = self.q_pos, self.k_pos
-        if not plain_causal or dtype not in _WIDE or qp.dim() != 2 or qp.shape != kp.shape:
-            return None
-        if (kp is not qp and not torch.equal(kp, qp)) or not bool((qp[:, 1:] >= qp[:, :-1]).all()):
-            return None
-        pos = kp.to(dtype)
-        centered = pos - (pos[:, :1] + pos[:, -1:]) / 2  # [B, Nk]
-        return KeyOnly(self.slopes.to(dtype), centered[:, None, :])
-
-    def scaled(self, w: Tensor) -> Bias:
-        return LinearBias(self.slopes * w, self.q_pos, self.k_pos)
-
-    def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
-        slopes = self.slopes.to(torch.float32)
-        qp, kp = self.q_pos.to(torch.float32), self.k_pos.to(torch.float32)
-        return lambda b, h, qi, ki: -slopes[h] * (qp[b, qi] - kp[b, ki]).abs()
-
-    def fold_into(self, args: KernelBias) -> None:
-        if not args.claim_positions(self.q_pos, self.k_pos):
-            return super().fold_into(args)
-        args.slopes = self.slopes if args.slopes is None else args.slopes + self.slopes
-
-
-@dataclass(eq=False)
-class RelativeBias(Bias):
-    """``table[h, clamp(i - j, -R, R) + R]`` for a table ``[H, 2R + 1]`` (T5, any f(i - j))."""
-
-    table: Tensor  # [H, 2R+1]
-    q_pos: Tensor
-    k_pos: Tensor
-    recomputable = True
-    fresh_rows = True
-    distance_only = True
-
-    @property
-    def max_distance(self) -> int:
-        return (self.table.shape[-1] - 1) // 2
-
-    def materialize(self) -> Tensor:
-        r = self.max_distance
-        idx = _distance(self.q_pos, self.k_pos).long().clamp(-r, r) + r  # [B, Nq, Nk]
-        out = self.table.to(torch.float32)[:, idx]  # [H, B, Nq, Nk]
-        return out.permute(1, 0, 2, 3)
-
-    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
-        return RelativeBias(self.table, self.q_pos[:, start:stop], self.k_pos[:, :k_stop]).materialize()
-
-    def grad_inputs(self) -> tuple[Tensor, ...]:
-        return (self.table,)
-
-    def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
-        return RelativeBias(views[0], self.q_pos, self.k_pos).rows(start, stop, k_stop)
-
-    def at(self, q_pos: Tensor, k_pos: Tensor) -> Bias:
-        return RelativeBias(self.table, q_pos, k_pos)
-
-    def scaled(self, w: Tensor) -> Bias:
-        return RelativeBias(self.table * w, self.q_pos, self.k_pos)
-
-    def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
-        r = self.max_distance
-        table = self.table.to(torch.float32)
-        qp, kp = self.q_pos.long(), self.k_pos.long()
-        return lambda b, h, qi, ki: table[h, (qp[b, qi] - kp[b, ki]).clamp(-r, r) + r]
-
-    def fold_into(self, args: KernelBias) -> None:
-        if args.table is not None or not args.claim_positions(self.q_pos, self.k_pos):
-            return super().fold_into(args)  # the kernels read one table
-        args.table = self.table
-
-
-@dataclass(eq=False)
-class DecayBias(Bias):
-    """``c_q[b, h, i] - c_k[b, h, j]`` from cumulative log-gates (FoX, Lin et al., 2025)."""
-
-    c_q: Tensor  # [B, H, Nq]
-    c_k: Tensor  # [B, H, Nk]
-    recomputable = True
-    fresh_rows = True
-
-    def materialize(self) -> Tensor:
-        return self.c_q.to(torch.float32)[..., :, None] - self.c_k.to(torch.float32)[..., None, :]
-
-    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
-        return DecayBias(self.c_q[..., start:stop], self.c_k[..., :k_stop]).materialize()
-
-    def grad_inputs(self) -> tuple[Tensor, ...]:
-        return (self.c_q, self.c_k)
-
-    def input_windows(self, start: int, stop: int, k_stop: int) -> tuple[Index, ...]:
-        return (span(start, stop), span(0, k_stop))
-
-    def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
-        return DecayBias(views[0], views[1]).materialize()
-
-    def key_only(self, dtype: torch.dtype, plain_causal: bool) -> KeyOnly | None:
-        """``c_i - c_j`` is ``-(c_j - c)`` up to the query's own term, under any mask, for a
-        constant c (the middle of the range, to keep the channel small; it carries no gradient,
-        so ``c_k``'s gradient comes through the channel and ``c_q``'s is exactly 0)."""
-        if dtype not in _WIDE:  # bf16 cannot hold c
-            return None
-        c_k = self.c_k.to(dtype)
-        centre = (c_k.amax(-1, keepdim=True) + c_k.amin(-1, keepdim=True)).detach() / 2
-        return KeyOnly(None, centre - c_k)
-
-    def scaled(self, w: Tensor) -> Bias:
-        return DecayBias(self.c_q * w, self.c_k * w)
-
-    def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
-        cq, ck = self.c_q.to(torch.float32), self.c_k.to(torch.float32)
-        return lambda b, h, qi, ki: cq[b, h, qi] - ck[b, h, ki]
-
-    def fold_into(self, args: KernelBias) -> None:
-        args.c_q = self.c_q if args.c_q is None else args.c_q + self.c_q
-        args.c_k = self.c_k if args.c_k is None else args.c_k + self.c_k
 
 
 @dataclass(eq=False)

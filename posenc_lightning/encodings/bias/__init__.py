@@ -1,0 +1,38 @@
+"""The structured attention-bias kinds (DESIGN.md, "Bias is a description, not a tensor").
+
+A kind owns everything a backend asks of it, so no backend tests a bias's class:
+
+==================== ====================================================== ==============
+method               gives                                                  asked by
+==================== ====================================================== ==============
+``materialize()``    the dense ``[B|1, H, Nq, Nk]`` float32 tensor          eager
+``rows(s, e, ke)``   rows ``s:e``, keys ``:ke`` only (abstract: no kind     sdpa (blocks)
+                     falls back to building ``N x N`` silently)
+``rows_from`` & co.  rows recomputed from stand-ins for its inputs          sdpa (backward)
+``at(q_pos, k_pos)`` the same bias at other positions (``distance_only``)   sdpa (Toeplitz)
+``key_only(...)``    ``q_ch[h] * k_ch[b, h, j]`` + a per-row term           sdpa (1 channel)
+``scaled(w)``        ``w * bias``, the same kind where it can be             mixture
+``score_term(B, H)`` ``f(b, h, q_idx, kv_idx)`` for a flex ``score_mod``     flex
+``fold_into(args)``  its part of the Triton kernels' arguments              triton
+==================== ====================================================== ==============
+
+A new kind implements `materialize` and `rows`; every other method has a default that is exact
+for any kind (dense score term and kernel argument, lazily scaled rows).
+"""
+
+from posenc_lightning.encodings.bias.kinds import (
+    Bias,
+    BiasSum,
+    DenseBias,
+    Index,
+    KernelBias,
+    KeyOnly,
+    ScaledBias,
+    ScoreTerm,
+    cut,
+    span,
+)
+from posenc_lightning.encodings.bias.structured import DecayBias, LinearBias, RelativeBias
+
+__all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "Index", "KernelBias", "KeyOnly", "LinearBias",
+           "RelativeBias", "ScaledBias", "ScoreTerm", "cut", "span"]
