@@ -26,8 +26,9 @@ from posenc_lightning.curriculum.extend import (
     finetune_trainer,
     make_cli,
     perplexity,
-    rope_theta,
+    rope_base,
     run_dir,
+    start_from_pretrained,
     stop_reason,
     write_results,
 )
@@ -71,19 +72,14 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     cli = make_cli(LongRoPEExtendOptions, args, "longrope_extend", __doc__, any_model=True)
     ext = cli.options
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
-    pretrained = getattr(model, "pretrained_info", None)  # a Hugging Face directory: no pre-training here
-    if pretrained is not None:
-        data.tokenizer = model.tokenizer_dir  # its own tokens (None: bytes)
-        data.seq_len = int(pretrained["seq_len"])
-        data.setup("fit")
-        pre_steps, pre_reason = pretrained.get("steps") or 0, None
-    elif ext.pretrained:
+    pre_steps, pre_reason = start_from_pretrained(model, data), None  # a Hugging Face directory: no pre-training
+    if pre_steps is None and ext.pretrained:
         ckpt = torch.load(ext.pretrained, map_location="cpu", weights_only=False)
         restore_from_checkpoint(model, ckpt)
         model.load_state_dict(ckpt["state_dict"])
-        pre_steps, pre_reason = int(ckpt.get("global_step", 0)), None
+        pre_steps = int(ckpt.get("global_step", 0))
         data.setup("fit")
-    else:
+    elif pre_steps is None:
         trainer.fit(model, data)
         pre_steps, pre_reason = trainer.global_step, stop_reason(trainer)
     L, s = data.seq_len, float(ext.factor)
@@ -92,8 +88,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     tokens = data.val_tokens
     held_out = ext.search_windows * n  # evaluation text starts after the search windows
     ppl = lambda m: perplexity(model, tokens, m, ext.eval_tokens, offset_tokens=held_out)
-    # the pre-trained rope's base; a Hugging Face model gives its own (and its partial rotary)
-    theta = {} if pretrained is not None else {"theta": rope_theta(model)}
+    theta = rope_base(model)  # the pre-trained rope's base; a Hugging Face model gives its own (and its partial rotary)
     r: dict[str, float] = {"L": L, "factor": s, "pretrain_steps": pre_steps, "pretrain_stop_reason": pre_reason,
                            "rope_ppl_L": ppl(L), "rope_ppl_sL": ppl(n)}
     for name in ("pi", "yarn"):

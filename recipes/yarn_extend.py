@@ -24,8 +24,9 @@ from posenc_lightning.curriculum.extend import (
     finetune_trainer,
     make_cli,
     perplexity,
-    rope_theta,
+    rope_base,
     run_dir,
+    start_from_pretrained,
     stop_reason,
     write_results,
 )
@@ -68,20 +69,16 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     cli = make_cli(YarnExtendOptions, args, "yarn_extend", __doc__, any_model=True)
     ext = cli.options
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
-    pretrained = getattr(model, "pretrained_info", None)  # a Hugging Face directory: no pre-training here
-    if pretrained is not None:
-        data.tokenizer = model.tokenizer_dir  # its own tokens (None: bytes)
-        data.seq_len = int(pretrained["seq_len"])
-        data.setup()
-        pre_steps, pre_reason = pretrained.get("steps") or 0, None
-    else:
+    pre_steps, pre_reason = start_from_pretrained(model, data), None  # a Hugging Face directory: no pre-training
+    pretrained = pre_steps is not None
+    if not pretrained:
         trainer.fit(model, data)  # 1. pre-train rope at L
         pre_steps, pre_reason = trainer.global_step, stop_reason(trainer)
     L, s = data.seq_len, float(ext.factor)
     long_len = round(L * s)
     ft_steps = ext.finetune_steps if ext.finetune_steps >= 0 else max(1, pre_steps // 20)
     out = run_dir(trainer, ext.results_dir)  # collective: every rank
-    if pretrained is None:
+    if not pretrained:
         trainer.save_checkpoint(str(out / "pretrained.ckpt"))  # longrope_extend can start from it
     tokens = data.val_tokens
 
@@ -89,12 +86,11 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         return perplexity(model, tokens, n, ext.eval_tokens)
 
     r = {"L": L, "factor": s, "pretrain_steps": pre_steps,
-         "pretrain_max_steps": trainer.max_steps if pretrained is None else pre_steps,
+         "pretrain_max_steps": pre_steps if pretrained else trainer.max_steps,
          "rope_ppl_L": ppl(L), "rope_ppl_sL": ppl(long_len)}
 
-    # 2. zero-shot; a Hugging Face model gives its own rope base (and partial rotary) to the encoding
-    theta = {} if pretrained is not None else {"theta": rope_theta(model)}
-    inject(model, ext.encoding, factor=s, original_max_position_embeddings=L, **theta)
+    # 2. zero-shot, at the pre-trained rope's base (a Hugging Face model gives its own, and its partial rotary)
+    inject(model, ext.encoding, factor=s, original_max_position_embeddings=L, **rope_base(model))
     r["zero_shot_ppl_sL"] = ppl(long_len)
     r["zero_shot_ppl_L"] = ppl(L)
 
@@ -120,7 +116,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
 
     e = ext.encoding
     unit = "bytes" if getattr(data, "tokenizer", None) is None else "tokens of the model's own tokenizer"
-    first = "pretrained (rope)" if pretrained is not None else "rope (pre-trained)"
+    first = "pretrained (rope)" if pretrained else "rope (pre-trained)"
     table = [(first, f"{r['rope_ppl_L']:.4f}", f"{r['rope_ppl_sL']:.4f}"),
              (f"{e} zero-shot (s={s:g})", f"{r['zero_shot_ppl_L']:.4f}", f"{r['zero_shot_ppl_sL']:.4f}"),
              (f"{e} + {ft.global_step} fine-tune steps", f"{r['finetuned_ppl_L']:.4f}", f"{r['finetuned_ppl_sL']:.4f}")]

@@ -272,12 +272,26 @@ def encoding_name(model: torch.nn.Module) -> str | None:
     return None if spec is None else spec.get("encoding")
 
 
-def rope_theta(model: torch.nn.Module) -> float:
-    """The rotary base of the encoding injected into ``model`` (10000 if it records none)."""
+def rope_base(model: torch.nn.Module) -> dict[str, float]:
+    """``{"theta": base}`` of the rotary encoding injected into ``model``, or ``{}`` when it records
+    none: the scaled encoding then takes its default, or a Hugging Face model's own ``rope_theta``."""
     from posenc_lightning.inject import injected_spec
 
-    spec = injected_spec(model) or {}
-    return float((spec.get("config") or {}).get("theta", 10000.0))
+    theta = ((injected_spec(model) or {}).get("config") or {}).get("theta")
+    return {} if theta is None else {"theta": float(theta)}
+
+
+def start_from_pretrained(model: torch.nn.Module, data: Any) -> int | None:
+    """For a model loaded from a pretrained directory (`HFCausalLM(pretrained_dir=...)`): the data
+    take its tokenizer (None: bytes) and training length; returns the steps it was pretrained for.
+    None for a model the recipe pre-trains itself."""
+    info = getattr(model, "pretrained_info", None)
+    if info is None:
+        return None
+    data.tokenizer = model.tokenizer_dir
+    data.seq_len = int(info["seq_len"])
+    data.setup("fit")
+    return int(info.get("steps") or 0)
 
 
 def bigram_perplexity(train_tokens: torch.Tensor, tokens: torch.Tensor, eval_tokens: int, vocab: int = 256) -> float:
