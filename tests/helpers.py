@@ -34,3 +34,19 @@ def fast_triton_interpreter(monkeypatch) -> None:
 
     monkeypatch.setattr(ti.interpreter_builder, "options", ti.InterpreterOptions(sanitize_overflow=False))
     monkeypatch.setattr(fused, "INTERPRET_BLOCKS", (16, 16))
+
+
+def run_posenc(*args: str) -> tuple[int, str]:
+    """``posenc ARGS`` in this process: (exit code, what it printed)."""
+    import contextlib
+    import io
+
+    from posenc_lightning.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code or 0
+    return code, buf.getvalue()

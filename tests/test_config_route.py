@@ -5,8 +5,6 @@ LightningCLI whose ``--help`` gives every option a default and ``--print_config`
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 import sys
 from pathlib import Path
@@ -16,6 +14,7 @@ import yaml
 
 from posenc_lightning import PosEncCallback
 from posenc_lightning.curriculum.extend import make_cli
+from tests.helpers import run_posenc as _posenc
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
@@ -88,18 +87,6 @@ def test_compare_config_names_encodings_for_posenc_callback():
     assert "encoding" not in raw["model"]  # compare_encodings injects PosEncCallback(name, config=encoding_cfg[name])
     src = (ROOT / "recipes" / "compare_encodings.py").read_text()
     assert "PosEncCallback(name, config=enc_cfg)" in src
-
-
-def _posenc(*args: str) -> tuple[int, str]:
-    from posenc_lightning.cli import main
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        try:
-            code = main(list(args))
-        except SystemExit as e:
-            code = e.code or 0
-    return code, buf.getvalue()
 
 
 def test_posenc_train_help_gives_every_option_a_default_and_the_backend_choices():

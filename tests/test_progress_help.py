@@ -14,6 +14,7 @@ import pytest
 from posenc_lightning.callbacks.progress import StepRichProgressBar, StepTQDMProgressBar, run_label
 from posenc_lightning.data import CorpusDataModule
 from posenc_lightning.models import TinyGPT
+from tests.helpers import run_posenc as _posenc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,18 +67,6 @@ def test_recipes_show_a_progress_bar_by_default(tmp_path):
     assert cli.trainer.progress_bar_callback is None
     for name in ("fire_train", "clex_train", "yarn_extend", "longrope_extend", "compare_encodings"):
         assert "enable_progress_bar" not in (ROOT / "configs" / f"{name}.yaml").read_text()
-
-
-def _posenc(*args: str) -> tuple[int, str]:
-    from posenc_lightning.cli import main
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        try:
-            code = main(list(args))
-        except SystemExit as e:
-            code = e.code or 0
-    return code, buf.getvalue()
 
 
 def test_posenc_run_help_lists_every_recipe_and_list_has_no_internal_notes():

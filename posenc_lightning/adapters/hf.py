@@ -110,11 +110,12 @@ def defaults_for(hf: nn.Module, encoding_cls: type, cfg: dict[str, Any]) -> dict
     """``cfg`` completed with `model_defaults` for the arguments ``encoding_cls`` takes."""
     params = inspect.signature(encoding_cls.__init__).parameters
     out = dict(cfg)
-    for key, value in model_defaults(hf).items():
+    implied = model_defaults(hf)
+    for key, value in implied.items():
         if key in params and key not in out:
             out[key] = value
     if "max_position_embeddings" in params and "max_position_embeddings" not in out and "factor" in out:
-        base = out.get("original_max_position_embeddings", model_defaults(hf).get("original_max_position_embeddings"))
+        base = out.get("original_max_position_embeddings", implied.get("original_max_position_embeddings"))
         if base is not None and out["factor"] is not None:
             out["max_position_embeddings"] = round(float(out["factor"]) * int(base))
     return out
