@@ -24,21 +24,29 @@ class LayerKVCache:
         self.segments: Tensor | None = None
         self.rotated: bool | None = None
         self.extra: dict[str, Any] = {}
+        #: the cached positions are ``start + arange(length)`` in every row, known without reading
+        #: them (every update said so), else None
+        self.start: int | None = None
 
     @property
     def length(self) -> int:
         return 0 if self.k is None else self.k.shape[-2]
 
     def update(self, k: Tensor, v: Tensor, positions: Tensor, rotated: bool,
-               segments: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """Append and return everything cached so far (keys, values, positions, segments)."""
+               segments: Tensor | None = None, start: int | None = None
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Append and return everything cached so far (keys, values, positions, segments).
+        ``start``: the new positions are known to be ``start + arange(N)`` in every row."""
         if self.rotated is not None and self.rotated != rotated:
             raise RuntimeError("the KV cache was filled by a different encoding; call reset() "
                                "after injecting a new encoding")
         self.rotated = rotated
         if self.k is None:
+            self.start = start
             self.k, self.v, self.positions, self.segments = k, v, positions, segments
         else:
+            if self.start is None or start != self.start + self.length:
+                self.start = None
             self.k = torch.cat((self.k, k), dim=-2)
             self.v = torch.cat((self.v, v), dim=-2)
             self.positions = torch.cat((self.positions, positions), dim=1)

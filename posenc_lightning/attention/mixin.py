@@ -13,6 +13,7 @@ from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.attention.recompute import RotationRecompute
 from posenc_lightning.attention.validate import check_attend, check_embed
 from posenc_lightning.encodings.base import AttentionContext, Encoding
+from posenc_lightning.functional.positions import arange_offset
 
 
 class _NoEncoding(Encoding):
@@ -64,10 +65,11 @@ class PosEncAttentionMixin:
         check_attend(enc, q, k, v, positions, hidden, cache, segment_ids, key_padding_mask)
         b, _, n, _ = q.shape
         offset = cache.length if cache is not None else 0
+        start = None  # positions known to be start + arange(n) in every row (`AttentionContext`)
         if positions is None:
             if enc.position_dims != 1:
                 raise ValueError(f"{enc.name} needs explicit positions of shape [B, N, {enc.position_dims}]")
-            positions = default_positions(b, n, offset, q.device)
+            positions, start = default_positions(b, n, offset, q.device), offset
         elif positions.dim() == 1:
             positions = positions.expand(b, -1)
         want = 2 if enc.position_dims == 1 else 3
@@ -77,7 +79,9 @@ class PosEncAttentionMixin:
                              f"(got shape {tuple(positions.shape)})")
         if enc.requires_hidden and hidden is None:
             raise ValueError(f"{enc.name} is content-dependent: pass hidden=<layer input> to attend()")
-        enc.check_positions(positions)
+        if start is None and positions.dim() == 2:
+            start = arange_offset(positions)  # a look at the values only where that is free
+        enc.check_positions(positions, start)
         stages = enc.stages
         requires_grad = torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in enc.parameters()))
         backend = resolve_backend(getattr(self, "posenc_backend", "auto"), enc, q.device, requires_grad)
@@ -88,24 +92,28 @@ class PosEncAttentionMixin:
 
         recompute = None
         if cache is None:
-            ctx = AttentionContext(positions, positions, causal, hidden, None, self)
+            ctx = AttentionContext(positions, positions, causal, hidden, None, self, q_start=start, k_start=start)
             if rotate:
                 raw = (q, k)
                 q, k = enc.rotate(q, k, ctx)
-                if requires_grad and enc.cheap_rotation and getattr(self, "posenc_recompute_rotation", True):
+                # under torch.compile the compiler decides what backward keeps (and saved-tensor
+                # hooks cannot be traced)
+                if requires_grad and enc.cheap_rotation and getattr(self, "posenc_recompute_rotation", True) \
+                        and not torch.compiler.is_compiling():
                     recompute = RotationRecompute(enc, raw, (q, k), ctx)
             q_seg = k_seg = segment_ids
         elif enc.dynamic or fused_rotary is not None:
-            k, v, k_pos, k_seg = cache.update(k, v, positions, rotated=False, segments=segment_ids)
-            ctx = AttentionContext(positions, k_pos, causal, hidden, cache, self)
+            k, v, k_pos, k_seg = cache.update(k, v, positions, rotated=False, segments=segment_ids, start=start)
+            ctx = AttentionContext(positions, k_pos, causal, hidden, cache, self, q_start=start, k_start=cache.start)
             if rotate:
                 q, k = enc.rotate(q, k, ctx)
             q_seg = segment_ids
         else:
             if rotate:
-                q, k = enc.rotate(q, k, AttentionContext(positions, positions, causal, hidden, cache, self))
-            k, v, k_pos, k_seg = cache.update(k, v, positions, rotated=True, segments=segment_ids)
-            ctx = AttentionContext(positions, k_pos, causal, hidden, cache, self)
+                q, k = enc.rotate(q, k, AttentionContext(positions, positions, causal, hidden, cache, self,
+                                                         q_start=start, k_start=start))
+            k, v, k_pos, k_seg = cache.update(k, v, positions, rotated=True, segments=segment_ids, start=start)
+            ctx = AttentionContext(positions, k_pos, causal, hidden, cache, self, q_start=start, k_start=cache.start)
             q_seg = segment_ids
 
         if fused_rotary is not None:
@@ -134,6 +142,7 @@ class PosEncEmbeddingMixin:
         if enc is None or "embed" not in enc.stages:
             return h
         check_embed(h, positions, getattr(self, "d_model", None))
+        start = None
         if positions is None:
-            positions = default_positions(h.shape[0], h.shape[1], offset, h.device)
-        return enc.embed(h, positions)
+            positions, start = default_positions(h.shape[0], h.shape[1], offset, h.device), offset
+        return enc.embed(h, positions, start)

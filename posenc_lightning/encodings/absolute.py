@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 from posenc_lightning.encodings.registry import register
-from posenc_lightning.functional.positions import arange_offset
+from posenc_lightning.functional.positions import arange_offset, max_position
 from posenc_lightning.functional.sinusoidal import sinusoidal_table
 
 
@@ -42,6 +42,10 @@ class Sinusoidal(Encoding):
     def _ready(self) -> bool:
         return self.d_model is not None
 
+    def reserve(self, n_positions: int, device: torch.device | None = None) -> None:
+        if self.d_model is not None:
+            self.table(n_positions, device if device is not None else self._table.device)
+
     def table(self, n: int, device: torch.device) -> Tensor:
         if self._table.shape[0] < n or self._table.device != device:
             size = max(n, 2 * self._table.shape[0])
@@ -49,17 +53,20 @@ class Sinusoidal(Encoding):
             self._table = sinusoidal_table(pos, self.d_model, self.base)
         return self._table[:n]
 
-    def embed(self, h: Tensor, positions: Tensor) -> Tensor:
+    def embed(self, h: Tensor, positions: Tensor, start: int | None = None) -> Tensor:
         if self.d_model is None:
             self.bind(d_model=h.shape[-1])
         alpha = math.sqrt(self.d_model) if self.scale_input else 1.0
-        a = arange_offset(positions)
-        if a is not None and a >= 0:  # the common case: a zero-copy slice of the table, one fused op
-            pe = self.table(a + positions.shape[1], h.device)[a:]
-        elif positions.dtype.is_floating_point:
+        a = arange_offset(positions, start)
+        size = max_position(positions, a) if not positions.dtype.is_floating_point else None
+        if size is None or (torch.compiler.is_compiling() and self._table.shape[0] < size):
+            # float positions, or values not known without a read, or a table too small to grow
+            # inside a traced graph: the formula at these positions
             pe = sinusoidal_table(positions, self.d_model, self.base)
+        elif a is not None and a >= 0:  # the common case: a zero-copy slice of the table, one fused op
+            pe = self.table(size, h.device)[a:]
         else:
-            pe = self.table(int(positions.max()) + 1, h.device)[positions]
+            pe = self.table(size, h.device)[positions]
         return torch.add(pe.to(h.dtype), h, alpha=alpha)  # sqrt(d) h + PE
 
 
@@ -98,27 +105,30 @@ class Learned(Encoding):
             self.max_seq_len, self.n_heads, self.head_dim)
         self.table = nn.Parameter(torch.randn(*shape) * self.init_std)
 
-    def check_positions(self, positions: Tensor) -> None:
-        if positions.numel() and int(positions.max()) >= self.max_seq_len:
+    def check_positions(self, positions: Tensor, start: int | None = None) -> None:
+        # the bound is checked where it costs no device sync and no graph break (a GPU then
+        # raises a device-side index error for a position beyond the table)
+        end = max_position(positions, start) if not positions.dtype.is_floating_point else None
+        if end is not None and end > self.max_seq_len:
             raise ValueError(
-                f"learned: position {int(positions.max())} is beyond the learned table "
+                f"learned: position {end - 1} is beyond the learned table "
                 f"(max_seq_len={self.max_seq_len}); a learned table cannot extrapolate. Build it "
                 f"with a larger max_seq_len, or use a relative encoding (rope, alibi, fire, ...)")
         if positions.dtype.is_floating_point:
             raise ValueError("learned: positions must be integers (a table cannot be interpolated)")
 
-    def embed(self, h: Tensor, positions: Tensor) -> Tensor:
+    def embed(self, h: Tensor, positions: Tensor, start: int | None = None) -> Tensor:
         if self.mode != "input":
             return h
-        self.check_positions(positions)
-        a = arange_offset(positions)
+        self.check_positions(positions, start)
+        a = arange_offset(positions, start)
         pe = self.table[a:a + positions.shape[1]] if a is not None else self.table[positions]
         return h + pe.to(h.dtype)
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         if self.mode != "qk":
             return q, k
-        self.check_positions(ctx.k_pos)
+        self.check_positions(ctx.k_pos, ctx.k_start)
         pq = self.table[ctx.q_pos].permute(0, 2, 1, 3)  # [B, H, Nq, D]
         pk = self.table[ctx.k_pos].permute(0, 2, 1, 3)
         if k.shape[1] != pk.shape[1]:  # grouped kv heads: use each group's first head

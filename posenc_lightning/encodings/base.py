@@ -18,7 +18,7 @@ import copy
 import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -37,6 +37,7 @@ from posenc_lightning.encodings.bias import (
     cut,
     span,
 )
+from posenc_lightning.functional.positions import max_position
 
 __all__ = ["AttentionContext", "Bias", "BiasSum", "DecayBias", "DenseBias", "Encoding", "KernelBias", "KeyOnly",
            "LinearBias", "RelativeBias", "ScaledBias", "cut", "span"]
@@ -54,6 +55,10 @@ class AttentionContext:
     ``cache`` the layer's `LayerKVCache` (encodings with per-token state keep it there);
     ``rotary`` the encoding whose rotation a fused backend applies in-kernel (`Encoding.fused_rotary`;
     q and k then arrive un-rotated), set by the mixin only for backends with ``FUSES_ROTARY``.
+    ``q_start`` / ``k_start``: when known without reading the positions (the mixin made them, or a
+    cache filled only so), every row of ``q_pos`` / ``k_pos`` is ``start + arange(N)``; None: not
+    known. Fast paths read these instead of the values (no device sync, nothing data-dependent to
+    trace: `functional.positions`).
     """
 
     q_pos: Tensor
@@ -63,11 +68,33 @@ class AttentionContext:
     cache: Any = None
     module: nn.Module | None = None
     rotary: Encoding | None = None
+    q_start: int | None = None
+    k_start: int | None = None
 
-    @functools.cached_property
+    @property
+    def ascending(self) -> bool:
+        """Queries and keys are the same tokens at ``start + arange(N)`` (known without a read)."""
+        return self.k_pos is self.q_pos and self.q_start is not None
+
+    _seq_len: int | None = field(default=None, init=False, repr=False)
+
+    @property
     def seq_len(self) -> int:
-        """Current context length: largest key position + 1 (as HF's dynamic scaling uses)."""
-        return int(self.k_pos.max().item()) + 1 if self.k_pos.numel() else 0
+        """Current context length: largest key position + 1 (as HF's dynamic scaling uses);
+        static when ``k_start`` is known, else one read of the positions, kept (for dynamic laws
+        only: under ``torch.compile`` a graph break at that read, `_read_seq_len`)."""
+        if self._seq_len is None:
+            n = max_position(self.k_pos, self.k_start)
+            self._seq_len = n if n is not None else _read_seq_len(self.k_pos)
+        return self._seq_len
+
+
+def _read_seq_len(k_pos: Tensor) -> int:
+    """The one host read a dynamic rotary law needs when the positions are not known statically
+    (its frequencies depend on the largest position). Declared: on a GPU it is a sync, under
+    ``torch.compile`` a graph break here (and an error with ``fullgraph=True``); positions the
+    mixin makes itself, or a cache filled by them, never get here (`AttentionContext.k_start`)."""
+    return int(k_pos.max()) + 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,8 +213,9 @@ class Encoding(nn.Module):
         """Create parameters/buffers that depend on ``n_heads``/``head_dim``/``d_model``."""
 
     # ---------------------------------------------------------------- stages
-    def embed(self, h: Tensor, positions: Tensor) -> Tensor:
-        """Stage 1: return ``h`` with position information added."""
+    def embed(self, h: Tensor, positions: Tensor, start: int | None = None) -> Tensor:
+        """Stage 1: return ``h`` with position information added (``start``: the positions are
+        known to be ``start + arange(N)`` in every row, or None)."""
         return h
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
@@ -231,8 +259,13 @@ class Encoding(nn.Module):
         return frozenset(s for s in ("embed", "rotate", "bias", "normalize")
                          if getattr(type(self), s) is not getattr(Encoding, s))
 
-    def check_positions(self, positions: Tensor) -> None:
-        """Raise a clear error for positions the encoding cannot represent."""
+    def reserve(self, n_positions: int, device: torch.device | None = None) -> None:
+        """Build position tables for positions ``< n_positions`` now, outside any traced region
+        (a table cannot grow inside a ``torch.compile`` graph). Default: no table, nothing to do."""
+
+    def check_positions(self, positions: Tensor, start: int | None = None) -> None:
+        """Raise a clear error for positions the encoding cannot represent (``start``: as in
+        `embed`; a check that needs the values reads them only where `host_reads_ok`)."""
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Encoding:
         """``.to()`` / ``.half()`` cast parameters (they follow the model's dtype) but only move the

@@ -114,7 +114,10 @@ class CLEX(RotaryEncoding):
         return torch.exp(z), 1.0
 
     def frequencies_key(self, seq_len: int | None) -> Any:
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
-            return None  # trained frequencies: recompute every call so gradients flow
+        if (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())) \
+                or torch.compiler.is_compiling():
+            # trained frequencies: recompute every call so gradients flow; compiled: in the graph
+            # (a parameter's storage and version are no traceable cache key)
+            return None
         versions = tuple((p.data_ptr(), p._version) for p in self.parameters())
         return ("clex", self.scale_for(seq_len), self.ode_step, versions)

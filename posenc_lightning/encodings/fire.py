@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, RelativeBias
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.functional.fire import fire_mlp, fire_normalized_distance, fire_psi
+from posenc_lightning.functional.positions import host_reads_ok
 
 
 @register("fire", "bias", "FIRE: learned MLP of the log-transformed, progressively normalized distance (Li et al., 2024)")
@@ -98,7 +99,7 @@ class FIRE(Encoding):
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
         qp, kp = ctx.q_pos, ctx.k_pos
         if self.use_relative and not qp.dtype.is_floating_point and not kp.dtype.is_floating_point \
-                and qp.numel() and kp.numel():
+                and qp.numel() and kp.numel() and host_reads_ok(qp):
             # one sync: are all queries below the threshold L? then bias = f(i - j): a RelativeBias
             q_max, q_min, k_max, k_min = torch.stack((qp.max(), qp.min(), kp.max(), kp.min())).tolist()
             if q_max < float(self.threshold.detach()):

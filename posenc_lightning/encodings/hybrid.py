@@ -71,17 +71,21 @@ class CompositeEncoding(Encoding):
             return None
         return rot[0].fused_rotary
 
-    def check_positions(self, positions: Tensor) -> None:
+    def reserve(self, n_positions: int, device: torch.device | None = None) -> None:
         for m in self.members:
-            m.check_positions(positions)
+            m.reserve(n_positions, device)
+
+    def check_positions(self, positions: Tensor, start: int | None = None) -> None:
+        for m in self.members:
+            m.check_positions(positions, start)
 
     def softmax_scale(self, head_dim: int) -> float:
         return self.members[0].softmax_scale(head_dim)
 
-    def embed(self, h: Tensor, positions: Tensor) -> Tensor:
+    def embed(self, h: Tensor, positions: Tensor, start: int | None = None) -> Tensor:
         for m in self.members:
             if "embed" in m.stages:
-                h = m.embed(h, positions)
+                h = m.embed(h, positions, start)
         return h
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 from posenc_lightning.encodings.registry import register
-from posenc_lightning.functional.positions import arange_offset
+from posenc_lightning.functional.positions import arange_offset, max_position
 from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin, rope_inv_freq
 
 
@@ -78,20 +78,24 @@ class RotaryEncoding(Encoding):
         inv_freq, scaling = self.frequencies(seq_len, positions.device)
         return rope_cos_sin(self.positions_for_angles(positions), inv_freq, scaling)
 
-    def cos_sin(self, positions: Tensor, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
-        """cos/sin ``[B, N, R/2]`` (or per head ``[B, H, N, R/2]``), float32."""
+    def cos_sin(self, positions: Tensor, seq_len: int | None = None, start: int | None = None
+                ) -> tuple[Tensor, Tensor]:
+        """cos/sin ``[B, N, R/2]`` (or per head ``[B, H, N, R/2]``), float32. ``start``: the
+        positions are known to be ``start + arange(N)`` (`AttentionContext.q_start`)."""
         device = positions.device
         key = self.frequencies_key(seq_len)
         if key is None or positions.dtype.is_floating_point or not positions.numel():
             return self.cos_sin_of(positions, seq_len)
-        need = int(positions.max()) + 1
+        a = arange_offset(positions, start)
+        need = max_position(positions, a)
         have = self._cos.shape[-2] if self._cos.dim() >= 2 else 0
         full_key = (key, device)
-        if full_key != self._table_key or need > have:
-            size = max(need, 2 * have if full_key == self._table_key else need, 256)
-            self._cos, self._sin = self.cos_sin_of(torch.arange(size, device=device), seq_len)
-            self._table_key = full_key
-        a = arange_offset(positions)
+        if full_key != self._table_key or need is None or need > have:
+            if need is None or torch.compiler.is_compiling():
+                # values not known without a read, or a table that would have to grow inside a
+                # traced graph (`reserve` sizes it beforehand): the formula at these positions
+                return self.cos_sin_of(positions, seq_len)
+            self._grow(full_key, need, have, seq_len)
         if a is not None and a >= 0:  # zero-copy slices of the tables
             b, n = positions.shape
             sl = slice(a, a + n)
@@ -101,6 +105,23 @@ class RotaryEncoding(Encoding):
         if self._cos.dim() == 3:
             return self._cos[:, positions].transpose(0, 1), self._sin[:, positions].transpose(0, 1)
         return self._cos[positions], self._sin[positions]
+
+    def _grow(self, full_key: Any, need: int, have: int, seq_len: int | None) -> None:
+        size = max(need, 2 * have if full_key == self._table_key else need, 256)
+        self._cos, self._sin = self.cos_sin_of(torch.arange(size, device=full_key[1]), seq_len)
+        self._table_key = full_key
+
+    def reserve(self, n_positions: int, device: torch.device | None = None) -> None:
+        """Build the cos/sin table for positions ``< n_positions`` now, outside any traced region
+        (`torch.compile` then reads slices of it; a table cannot grow inside a graph)."""
+        key = self.frequencies_key(None)
+        if key is None or self.head_dim is None:
+            return
+        device = device if device is not None else self._cos.device
+        full_key = (key, device)
+        have = self._cos.shape[-2] if self._cos.dim() >= 2 and full_key == self._table_key else 0
+        if n_positions > have:
+            self._grow(full_key, n_positions, have, None)
 
     @property
     def fused_rotary(self) -> Encoding | None:
@@ -112,8 +133,8 @@ class RotaryEncoding(Encoding):
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         seq_len = ctx.seq_len if self.frequencies_key(None) != "static" else None
-        cq, sq = self.cos_sin(ctx.q_pos, seq_len)
-        ck, sk = (cq, sq) if ctx.k_pos is ctx.q_pos else self.cos_sin(ctx.k_pos, seq_len)
+        cq, sq = self.cos_sin(ctx.q_pos, seq_len, ctx.q_start)
+        ck, sk = (cq, sq) if ctx.k_pos is ctx.q_pos else self.cos_sin(ctx.k_pos, seq_len, ctx.k_start)
         if ck.dim() == 4 and k.shape[1] != ck.shape[1]:  # per-head freqs with grouped kv heads
             raise ValueError(f"{self.name}: per-head frequencies need n_kv_heads == n_heads")
         return apply_rotary(q, cq, sq, self.layout), apply_rotary(k, ck, sk, self.layout)

@@ -91,8 +91,8 @@ class XPos(RotaryEncoding):
         return torch.exp(rel[..., None] / self.scale_base * self.zeta(positions.device).log())
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
-        cq, sq = self.cos_sin(ctx.q_pos)
-        ck, sk = (cq, sq) if ctx.k_pos is ctx.q_pos else self.cos_sin(ctx.k_pos)
+        cq, sq = self.cos_sin(ctx.q_pos, start=ctx.q_start)
+        ck, sk = (cq, sq) if ctx.k_pos is ctx.q_pos else self.cos_sin(ctx.k_pos, start=ctx.k_start)
         kp = ctx.k_pos.to(torch.float64)
         center = torch.floor((kp.amin(-1) + kp.amax(-1)) / 2) if kp.numel() else kp.new_zeros(kp.shape[0])
         zq, zk = self.xpos_scale(ctx.q_pos, center), 1.0 / self.xpos_scale(ctx.k_pos, center)
@@ -139,7 +139,8 @@ class RoPE2D(RotaryEncoding):
         return torch.stack((torch.div(positions, self.grid_width, rounding_mode="floor"),
                             torch.remainder(positions, self.grid_width)), dim=-1)
 
-    def cos_sin(self, positions: Tensor, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
+    def cos_sin(self, positions: Tensor, seq_len: int | None = None, start: int | None = None
+                ) -> tuple[Tensor, Tensor]:
         grid = self.grid_positions(positions)
         f = self.axis_inv_freq(positions.device)
         cr, sr = rope_cos_sin(grid[..., 0], f)

@@ -49,6 +49,8 @@ def fire_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tenso
     """
     dt = torch.promote_types(x.dtype, w2.dtype)
     x, w1, b1, w2, b2 = (t.to(dt) for t in (x, w1, b1, w2, b2))
+    if torch.compiler.is_compiling():  # the compiler fuses the plain formula (the unit selection
+        return fire_mlp_reference(x, w1, b1, w2, b2)  # below has a data-dependent shape)
     if x.numel() == 0:
         return x.new_zeros(x.shape[0], w2.shape[0], x.shape[1]) + 0 * b2.sum()
     with torch.no_grad():
@@ -61,6 +63,12 @@ def fire_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tenso
     b = b2 + (w2 * (b1 * on)).sum(1)  # their intercept, plus b2  [H]
     w_aug = torch.cat((w2.index_select(1, switching), a[:, None], b[:, None]), 1)  # [H, K + 2]
     return _SwitchingReluMLP.apply(x, w1.index_select(0, switching), b1.index_select(0, switching), w_aug)
+
+
+def fire_mlp_reference(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
+    """`fire_mlp` as written: ``W2 relu(w1 x + b1) + b2`` with its ``[B, W, M]`` hidden tensor."""
+    hidden = torch.relu(w1[None, :, None] * x[:, None, :] + b1[None, :, None])  # [B, W, M]
+    return torch.einsum("hw,bwm->bhm", w2, hidden) + b2[None, :, None]
 
 
 def _hidden(x: Tensor, w1: Tensor, b1: Tensor, out: Tensor) -> Tensor:

@@ -104,6 +104,8 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "half") -> T
     """
     if layout not in ("half", "interleaved"):
         raise ValueError(f"unknown rotary layout {layout!r}; use 'half' or 'interleaved'")
+    if torch.compiler.is_compiling():  # the compiler fuses the formula itself (out= views and
+        return apply_rotary_reference(x, cos, sin, layout)  # storage offsets do not trace)
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
     if layout == "half":

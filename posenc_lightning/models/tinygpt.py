@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from posenc_lightning.attention.kv_cache import KVCache
 from posenc_lightning.attention.mixin import PosEncAttentionMixin, PosEncEmbeddingMixin
+from posenc_lightning.encodings.base import Encoding
 from posenc_lightning.inject import inject
 from posenc_lightning.models.lm import CausalLMSteps
 
@@ -86,16 +87,20 @@ class TinyGPT(CausalLMSteps, pl.LightningModule):
         weight_decay: AdamW weight decay (matrices only).
         warmup_steps: linear warmup steps.
         min_lr_ratio: the cosine decay's floor, as a fraction of lr.
+        compile: run the forward without a KV cache through ``torch.compile`` (inductor; built on
+            the first call, recompiled when the encoding changes); cached decoding stays eager.
+            Position tables are sized for ``max_seq_len`` before each compiled call, outside the graph.
     """
 
     def __init__(self, vocab_size: int = 256, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
                  n_kv_heads: int | None = None, max_seq_len: int = 1024, mlp_ratio: int = 4,
                  dropout: float = 0.0, encoding: str | None = "rope", encoding_cfg: dict[str, Any] | None = None,
                  backend: str = "auto", lr: float = 3e-3, weight_decay: float = 0.1, warmup_steps: int = 30,
-                 min_lr_ratio: float = 0.1) -> None:
+                 min_lr_ratio: float = 0.1, compile: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.max_seq_len = max_seq_len
+        self.compile_forward = compile
         self.embed = TokenEmbedding(vocab_size, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_heads, n_kv_heads, mlp_ratio, dropout) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
@@ -146,6 +151,30 @@ class TinyGPT(CausalLMSteps, pl.LightningModule):
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, cache: KVCache | None = None,
                 segment_ids: Tensor | None = None) -> Tensor:
+        if self.compile_forward and cache is None and not torch.compiler.is_compiling():
+            return self._compiled_forward()(input_ids, positions, None, segment_ids)
+        return self._forward(input_ids, positions, cache, segment_ids)
+
+    def _compiled_forward(self) -> Any:
+        """`_forward` compiled once per model (not pickled: rebuilt in each process), with the
+        encodings' position tables reserved for ``max_seq_len`` first (a table cannot grow
+        inside a compiled graph; longer inputs compute their angles in-graph instead)."""
+        for m in self.modules():
+            if isinstance(m, Encoding):
+                m.reserve(self.max_seq_len, self.embed.tok.weight.device)
+        fn = self.__dict__.get("_compiled_fn")
+        if fn is None:
+            fn = self.__dict__["_compiled_fn"] = torch.compile(self._forward)
+        return fn
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else dict(self.__dict__)
+        state = dict(state)
+        state.pop("_compiled_fn", None)
+        return state
+
+    def _forward(self, input_ids: Tensor, positions: Tensor | None, cache: KVCache | None,
+                 segment_ids: Tensor | None) -> Tensor:
         offset = cache.length if cache is not None else 0
         x = self.embed(input_ids, positions, offset)
         for i, block in enumerate(self.blocks):

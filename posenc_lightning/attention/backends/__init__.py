@@ -20,14 +20,33 @@ BACKENDS = ("eager", "sdpa", "flex", "triton")
 _AUTO_ORDER = {"cuda": ("triton", "flex", "sdpa", "eager"), "cpu": ("sdpa", "eager")}
 
 
+#: the backend modules imported so far (`get_backend`), so that resolving one inside a traced
+#: forward is a dict lookup, not an import
+_LOADED: dict[str, ModuleType] = {}
+
+
 def get_backend(name: str) -> ModuleType:
+    mod = _LOADED.get(name)
+    if mod is not None:
+        return mod
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {('auto',) + BACKENDS}")
     try:
-        return importlib.import_module(f"posenc_lightning.attention.backends.{name}")
+        mod = _LOADED[name] = importlib.import_module(f"posenc_lightning.attention.backends.{name}")
     except ImportError as e:
         raise ValueError(f"attention backend {name!r} is not available here ({e}); "
                          f"use backend='auto', 'sdpa' or 'eager'") from e
+    return mod
+
+
+def load_backends() -> None:
+    """Import every backend module now (they import their heavy dependencies lazily), so that no
+    forward ever imports one: `inject` calls it."""
+    for name in BACKENDS:
+        try:
+            get_backend(name)
+        except ValueError:
+            pass
 
 
 def _why_not(name: str, encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:
@@ -53,3 +72,6 @@ def resolve_backend(name: str, encoding: Encoding, device: torch.device, require
         raise ValueError(f"backend {name!r} cannot run encoding {encoding.name!r} on {device.type}: "
                          f"{reason}. Use backend='auto' or one of {ok}")
     return get_backend(name)
+
+
+load_backends()

@@ -5,7 +5,7 @@ causal case uses SDPA's ``is_causal`` fast path."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +52,7 @@ def _attend_biased(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionM
     """The cheapest exact form of a biased attention, in this order: a key-only bias
     (`Bias.key_only`: ALiBi, FoX) as a key mask or one extra q/k channel, a zero-copy Toeplitz view (``f(i - j)`` at
     arange positions; a learned table gets its own backward), blocks of query rows."""
-    key_only = bias.key_only(q.dtype, mask.is_plain_causal)
+    key_only = bias.key_only(q.dtype, mask.is_plain_causal, ctx is not None and ctx.ascending)
     if key_only is not None:
         key_bias = key_only.key_bias()
         if (mask.is_plain_causal or mask.is_trivial) and _key_mask_works(q, k, key_bias):
@@ -75,7 +75,7 @@ FLUSH_DENORMALS = True
 
 def _flush_in_backward(*xs: Tensor) -> bool:
     return (FLUSH_DENORMALS and torch.is_grad_enabled() and xs[0].device.type == "cpu"
-            and any(x.requires_grad for x in xs))
+            and any(x.requires_grad for x in xs) and not torch.compiler.is_compiling())
 
 
 class _DenormalsOnForBackward(torch.autograd.Function):
@@ -112,7 +112,8 @@ class _DenormalsOffAfterBackward(torch.autograd.Function):
 
 @contextlib.contextmanager
 def _flush_denormals(device: torch.device):
-    if not (FLUSH_DENORMALS and device.type == "cpu" and torch.set_flush_denormal(True)):
+    if torch.compiler.is_compiling() or not (FLUSH_DENORMALS and device.type == "cpu"
+                                               and torch.set_flush_denormal(True)):
         yield
         return
     try:
@@ -130,9 +131,9 @@ def _toeplitz_template(bias: Bias, mask: AttentionMask, n_q: int, n_k: int,
     """
     if ctx is None or mask.q_segments is not None or mask.k_valid is not None:
         return None
-    if not bias.distance_only:
+    if not bias.distance_only or torch.compiler.is_compiling():  # strided views of storage offsets do not trace
         return None
-    a, c = arange_offset(ctx.q_pos), arange_offset(ctx.k_pos)
+    a, c = arange_offset(ctx.q_pos, ctx.q_start), arange_offset(ctx.k_pos, ctx.k_start)
     if a is None or c is None or ctx.q_pos.shape[1] != n_q or ctx.k_pos.shape[1] != n_k:
         return None
     dev = ctx.q_pos.device
@@ -304,7 +305,7 @@ def _owned_rows(rows: Tensor, bias: Bias) -> bool:
     """The rows were computed just now (not a view or one of the bias's own tensors), so the mask
     may be written into them: one block-sized copy less. Only for kinds whose rows are new
     tensors (`Bias.fresh_rows`)."""
-    if not bias.fresh_rows or rows.requires_grad or rows._base is not None:
+    if not bias.fresh_rows or rows.requires_grad or rows._base is not None or torch.compiler.is_compiling():
         return False
     ptr = rows.untyped_storage().data_ptr()
     return all(t.untyped_storage().data_ptr() != ptr for t in bias.grad_inputs() or ())
@@ -322,7 +323,9 @@ def _attend_blockwise(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attenti
     """
     n_q = q.shape[-2]
     inputs = bias.grad_inputs() if torch.is_grad_enabled() else None
-    if inputs is not None and bias.recomputable:
+    # under torch.compile: checkpointed blocks (the own backward differentiates each block's rows
+    # with autograd.grad, which a compiled backward cannot)
+    if inputs is not None and bias.recomputable and not torch.compiler.is_compiling():
         # where each input's gradient goes: into dq / dk when it is q or k itself, else to the
         # distinct other tensors that need one (passed to the Function), or nowhere (None)
         uniq: dict[int, int] = {}
@@ -356,15 +359,15 @@ def _attend_by_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attention
 
     n_q = q.shape[-2]
 
-    def blocks():
-        for start in range(0, n_q, rows):
-            args = (q, k, v, bias, mask, scale, gqa, start, min(n_q, start + rows))
-            yield args[-2:] + (checkpoint(_attend_rows, *args, use_reentrant=False) if checkpointed else _attend_rows(*args),)
+    def block(start: int) -> tuple[int, int, Tensor]:
+        args = (q, k, v, bias, mask, scale, gqa, start, min(n_q, start + rows))
+        return args[-2:] + (checkpoint(_attend_rows, *args, use_reentrant=False) if checkpointed else _attend_rows(*args),)
 
-    return _collect_rows(q, v, blocks())
+    starts = range(0, n_q, rows)
+    return _collect_rows(q, v, [block(s) for s in starts] if torch.is_grad_enabled() else map(block, starts))
 
 
-def _collect_rows(q: Tensor, v: Tensor, blocks: Iterator[tuple[int, int, Tensor]]) -> Tensor:
+def _collect_rows(q: Tensor, v: Tensor, blocks: Iterable[tuple[int, int, Tensor]]) -> Tensor:
     """The attention output from its blocks of query rows ``(start, stop, out)``. Without autograd
     each block is written into one buffer as it comes (never the list of blocks and their
     concatenation together), laid out ``[B, N, H, D]`` as SDPA's own outputs are, so that the

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KernelBias
+from posenc_lightning.functional.positions import host_reads_ok
 
 NAME = "triton"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
@@ -28,8 +29,12 @@ FUSES_ROTARY = True
 MAX_HEAD_DIM = 128
 
 
+#: looked up once (a forward must not search the import path)
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:
-    if importlib.util.find_spec("triton") is None:
+    if not _HAVE_TRITON:
         return "triton is not installed (pip install 'posenc-lightning[triton]')"
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if device.type != "cuda" and not (device.type == "cpu" and interpret):
@@ -51,11 +56,17 @@ def rotary_tables(rot: Encoding, ctx: AttentionContext):  # rot: a `RotaryEncodi
         raise ValueError(f"{rot.name}: fused rotary takes [B, N] positions, got {tuple(qp.shape)}")
     seq_len = ctx.seq_len if rot.frequencies_key(None) != "static" else None
     integer = not qp.dtype.is_floating_point and not kp.dtype.is_floating_point
-    if integer and qp.numel() and kp.numel() and int(min(qp.min(), kp.min())) >= 0 \
-            and rot.frequencies_key(seq_len) is not None:
-        rows = torch.arange(int(max(qp.max(), kp.max())) + 1, device=qp.device)[None]
-        cos, sin = rot.cos_sin(rows, seq_len)  # [1, L, R/2] or [1, H, L, R/2]
-        return RotaryTables(cos, sin, qp, cos, sin, kp, rot.layout)
+    if integer and qp.numel() and kp.numel() and rot.frequencies_key(seq_len) is not None:
+        if ctx.q_start is not None and ctx.k_start is not None:  # known without reading the positions
+            lo, hi = min(ctx.q_start, ctx.k_start), max(ctx.q_start + qp.shape[1], ctx.k_start + kp.shape[1])
+        elif host_reads_ok(qp):
+            lo, hi = int(min(qp.min(), kp.min())), int(max(qp.max(), kp.max())) + 1
+        else:
+            lo = hi = -1
+        if lo >= 0:
+            rows = torch.arange(hi, device=qp.device)[None]
+            cos, sin = rot.cos_sin(rows, seq_len, 0)  # [1, L, R/2] or [1, H, L, R/2]
+            return RotaryTables(cos, sin, qp, cos, sin, kp, rot.layout)
     cq, sq = rot.cos_sin(qp, seq_len)
     ck, sk = rot.cos_sin(kp, seq_len)
     b = qp.shape[0]

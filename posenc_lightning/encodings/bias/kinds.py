@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from posenc_lightning.functional.positions import host_reads_ok
+
 __all__ = ["Bias", "BiasSum", "DenseBias", "KernelBias", "KeyOnly", "ScaledBias", "cut", "span"]
 
 #: a part of a tensor (``t[index]``); None = the whole tensor
@@ -38,7 +40,8 @@ def _distance(q_pos: Tensor, k_pos: Tensor) -> Tensor:
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
-    return a is b or (a.shape == b.shape and bool(torch.equal(a, b)))
+    """The same positions: the same tensor, or equal values where reading them is free."""
+    return a is b or (a.shape == b.shape and host_reads_ok(a) and bool(torch.equal(a, b)))
 
 
 @dataclass(eq=False)
@@ -130,9 +133,12 @@ class Bias(ABC):
         """The same bias at other positions (None unless `distance_only`)."""
         return None
 
-    def key_only(self, dtype: torch.dtype, plain_causal: bool) -> KeyOnly | None:
+    def key_only(self, dtype: torch.dtype, plain_causal: bool, ascending: bool = False) -> KeyOnly | None:
         """The key-only form under softmax in ``dtype`` (None: there is none). ``plain_causal``:
-        query i sees keys ``0..i`` and nothing else (forms that hold only there need it)."""
+        query i sees keys ``0..i`` and nothing else (forms that hold only there need it);
+        ``ascending``: the queries and keys are the same tokens at ascending positions, known
+        without reading them (`AttentionContext.ascending`; False: not known, a kind may read
+        the positions where `host_reads_ok`)."""
         return None
 
     def scaled(self, w: Tensor) -> Bias:

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.encodings.bias.kinds import _WIDE, Bias, Index, KernelBias, KeyOnly, ScoreTerm, _distance, span
+from posenc_lightning.functional.positions import host_reads_ok
 
 __all__ = ["DecayBias", "LinearBias", "RelativeBias"]
 
@@ -41,14 +42,16 @@ class LinearBias(Bias):
     def at(self, q_pos: Tensor, k_pos: Tensor) -> Bias:
         return LinearBias(self.slopes, q_pos, k_pos)
 
-    def key_only(self, dtype: torch.dtype, plain_causal: bool) -> KeyOnly | None:
+    def key_only(self, dtype: torch.dtype, plain_causal: bool, ascending: bool = False) -> KeyOnly | None:
         """Causal ALiBi with keys never after their queries in position: where ``j <= i``,
         ``-m_h (i - j) = m_h j - m_h i``, i.e. ``m_h (j - c)`` for any constant c (the middle
-        position, which keeps the channel small). bf16 cannot hold ``m_h j``: wide dtypes only."""
+        position, which keeps the channel small). bf16 cannot hold ``m_h j``: wide dtypes only.
+        Ascending positions are known (``ascending``) or read where that is free."""
         qp, kp = self.q_pos, self.k_pos
         if not plain_causal or dtype not in _WIDE or qp.dim() != 2 or qp.shape != kp.shape:
             return None
-        if (kp is not qp and not torch.equal(kp, qp)) or not bool((qp[:, 1:] >= qp[:, :-1]).all()):
+        if not ascending and not (host_reads_ok(qp) and (kp is qp or torch.equal(kp, qp))
+                                  and bool((qp[:, 1:] >= qp[:, :-1]).all())):
             return None
         pos = kp.to(dtype)
         centered = pos - (pos[:, :1] + pos[:, -1:]) / 2  # [B, Nk]
@@ -140,7 +143,7 @@ class DecayBias(Bias):
     def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
         return DecayBias(views[0], views[1]).materialize()
 
-    def key_only(self, dtype: torch.dtype, plain_causal: bool) -> KeyOnly | None:
+    def key_only(self, dtype: torch.dtype, plain_causal: bool, ascending: bool = False) -> KeyOnly | None:
         """``c_i - c_j`` is ``-(c_j - c)`` up to the query's own term, under any mask, for a
         constant c (the middle of the range, to keep the channel small; it carries no gradient,
         so ``c_k``'s gradient comes through the channel and ``c_q``'s is exactly 0)."""

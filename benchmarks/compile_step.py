@@ -1,0 +1,100 @@
+"""Compiled vs eager TinyGPT training step on this machine (forward, backward, AdamW step).
+
+    python benchmarks/compile_step.py [--encodings rope alibi fire fox] [--seq-len 512] [--threads 1]
+
+``TinyGPT(compile=True)`` (inductor, the forward without a cache) against the same model eager, the
+two interleaved in every repetition (medians), after warm-up steps that include the compilation
+(reported separately). Writes ``benchmarks/results/compile-<device>-<date>.md`` with the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import machine  # noqa: E402
+from posenc_lightning.models.tinygpt import TinyGPT  # noqa: E402
+
+
+def _step(model: TinyGPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    t = time.perf_counter()
+    loss = model.token_nll(x, y).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t
+
+
+def measure(name: str, args: argparse.Namespace) -> dict:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
+    y = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
+    runs = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        m = TinyGPT(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, max_seq_len=args.seq_len,
+                    encoding=name, compile=compiled)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            _step(m, opt, x, y)
+        runs[compiled] = {"model": m, "opt": opt, "warmup_s": time.perf_counter() - t0, "times": []}
+    for _ in range(args.reps):  # interleaved: a load change slows both alike
+        for compiled in (False, True):
+            r = runs[compiled]
+            r["times"].append(_step(r["model"], r["opt"], x, y))
+    eager, comp = (statistics.median(runs[c]["times"]) for c in (False, True))
+    return {"encoding": name, "eager_ms": 1e3 * eager, "compiled_ms": 1e3 * comp, "speedup": eager / comp,
+            "compile_warmup_s": runs[True]["warmup_s"], "eager_warmup_s": runs[False]["warmup_s"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--encodings", nargs="+", default=["rope", "alibi", "fire", "fox"])
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load0 = os.getloadavg()
+    rows = [measure(n, args) for n in args.encodings]
+    load1 = os.getloadavg()
+    cmd = "python benchmarks/compile_step.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = [f"# Compiled vs eager TinyGPT training step ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
+             f"- machine: {machine()}", f"- command: `{cmd.strip()}`",
+             f"- load average (1/5/15 min) before: {' / '.join(f'{v:.1f}' for v in load0)}, "
+             f"after: {' / '.join(f'{v:.1f}' for v in load1)}",
+             f"- TinyGPT d_model={args.d_model}, {args.n_layers} layers, {args.n_heads} heads; batch {args.batch} x "
+             f"{args.seq_len} tokens; one step = forward + backward + AdamW; {args.reps} interleaved reps, medians, "
+             f"after {args.warmup} warm-up steps (the compiled model's include compiling)",
+             "- compiled: `TinyGPT(compile=True)` (torch.compile, inductor) on the default backend", "",
+             "| encoding | eager step (ms) | compiled step (ms) | speedup | compile + warm-up (s) |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['encoding']} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | {r['speedup']:.2f}x | "
+              f"{r['compile_warmup_s']:.1f} |" for r in rows]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
+        f"compile-{dev}-{datetime.now(timezone.utc):%Y%m%d-%H%M}.md")
+    out.write_text(text)
+    print(f"written {out}")
+
+
+if __name__ == "__main__":
+    main()
