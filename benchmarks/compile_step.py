@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import machine  # noqa: E402
-from posenc_lightning.models.tinygpt import TinyGPT  # noqa: E402
+from benchmarks.harness import machine
+from posenc_lightning.models.tinygpt import TinyGPT
 
 
 def _step(model: TinyGPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -77,11 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     cmd = "python benchmarks/compile_step.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [f"# Compiled vs eager TinyGPT training step ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
              f"- machine: {machine()}", f"- command: `{cmd.strip()}`",
-             f"- load average (1/5/15 min) before: {' / '.join(f'{v:.1f}' for v in load0)}, "
-             f"after: {' / '.join(f'{v:.1f}' for v in load1)}",
-             f"- TinyGPT d_model={args.d_model}, {args.n_layers} layers, {args.n_heads} heads; batch {args.batch} x "
+             (f"- load average (1/5/15 min) before: {' / '.join(f'{v:.1f}' for v in load0)}, "
+             f"after: {' / '.join(f'{v:.1f}' for v in load1)}"),
+             (f"- TinyGPT d_model={args.d_model}, {args.n_layers} layers, {args.n_heads} heads; batch {args.batch} x "
              f"{args.seq_len} tokens; one step = forward + backward + AdamW; {args.reps} interleaved reps, medians, "
-             f"after {args.warmup} warm-up steps (the compiled model's include compiling)",
+             f"after {args.warmup} warm-up steps (the compiled model's include compiling)"),
              "- compiled: `TinyGPT(compile=True)` (torch.compile, inductor) on the default backend", "",
              "| encoding | eager step (ms) | compiled step (ms) | speedup | compile + warm-up (s) |",
              "|---|---|---|---|---|"]
