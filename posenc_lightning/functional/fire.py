@@ -49,8 +49,8 @@ def fire_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tenso
     """
     dt = torch.promote_types(x.dtype, w2.dtype)
     x, w1, b1, w2, b2 = (t.to(dt) for t in (x, w1, b1, w2, b2))
-    if torch.compiler.is_compiling():  # the compiler fuses the plain formula (the unit selection
-        return fire_mlp_reference(x, w1, b1, w2, b2)  # below has a data-dependent shape)
+    if torch.compiler.is_compiling():  # the unit selection below has a data-dependent shape; the
+        return fire_mlp_piecewise(x, w1, b1, w2, b2)  # compiler fuses the segment lookup per element
     if x.numel() == 0:
         return x.new_zeros(x.shape[0], w2.shape[0], x.shape[1]) + 0 * b2.sum()
     with torch.no_grad():
@@ -69,6 +69,27 @@ def fire_mlp_reference(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor
     """`fire_mlp` as written: ``W2 relu(w1 x + b1) + b2`` with its ``[B, W, M]`` hidden tensor."""
     hidden = torch.relu(w1[None, :, None] * x[:, None, :] + b1[None, :, None])  # [B, W, M]
     return torch.einsum("hw,bwm->bhm", w2, hidden) + b2[None, :, None]
+
+
+def fire_mlp_piecewise(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
+    """`fire_mlp` as the piecewise-linear function it is: the ``W`` breakpoints ``-b1/w1`` cut the
+    line into ``W + 1`` segments on each of which the set of active units is fixed, so
+    ``f(x) = A[:, s] x + B[:, s]`` with ``s`` the segment of ``x`` (``A = W2 (active * w1)``,
+    ``B = b2 + W2 (active * b1)``, ``[H, W + 1]``, differentiable in every weight). Per element:
+    one binary search and one multiply-add per head, instead of ``W`` hidden units."""
+    # a unit with w1 = 0 is constant: no breakpoint (+inf), active everywhere iff b1 > 0
+    t = torch.where(w1 != 0, -b1 / torch.where(w1 != 0, w1, torch.ones_like(w1)), torch.full_like(w1, float("inf")))
+    t_sorted = torch.sort(t.detach()).values
+    finite = torch.where(torch.isfinite(t_sorted), t_sorted, torch.zeros_like(t_sorted))
+    lo, hi = finite.min() - 1, finite.max() + 1
+    edges = torch.cat((lo[None], torch.where(torch.isfinite(t_sorted), t_sorted, hi)))  # [W + 1]
+    nxt = torch.cat((edges[1:], (hi + 1)[None]))
+    mid = (edges + nxt) / 2  # a point inside each segment (segment s: (t_s, t_{s+1}]]
+    active = ((w1.detach()[:, None] * mid[None, :] + b1.detach()[:, None]) > 0).to(x.dtype)  # [W, W + 1]
+    a = w2 @ (active * w1[:, None])  # [H, W + 1]
+    b = b2[:, None] + w2 @ (active * b1[:, None])
+    seg = torch.searchsorted(t_sorted.contiguous(), x.detach().contiguous())  # [B, M]: #breakpoints < x
+    return a[:, seg].permute(1, 0, 2) * x[:, None, :] + b[:, seg].permute(1, 0, 2)
 
 
 def _hidden(x: Tensor, w1: Tensor, b1: Tensor, out: Tensor) -> Tensor:
