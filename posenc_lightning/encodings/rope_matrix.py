@@ -55,6 +55,9 @@ class MatrixRotary(Encoding):
 
     needs_even_head_dim = True
     accepts_nd_positions: ClassVar[bool] = True
+    #: the ``matrix_exp`` path's chunk: ~this many matrix entries per chunk of tokens (1 MiB fp32;
+    #: matrix_exp's workspace is ~20x that)
+    exact_chunk_elems: int = 1 << 18
 
     def __init__(self, n_axes: int = 1, block_size: int | None = 8, exact: bool = False) -> None:
         super().__init__()
@@ -186,12 +189,12 @@ class MatrixRotary(Encoding):
             aq = self._positions(ctx.q_pos).to(freq.dtype) @ freq
             ak = aq if ctx.k_pos is ctx.q_pos else self._positions(ctx.k_pos).to(freq.dtype) @ freq
             return lie_rotate(q, basis, aq), lie_rotate(k, basis, ak)
-        gens = self.generators().to(self._dtype(q, k))
+        gens, chunk = self.generators().to(self._dtype(q, k)), self.exact_chunk_elems
         if ctx.k_pos is ctx.q_pos:
-            qr, kr = matrix_exp_rotate((q, k), self._positions(ctx.q_pos), gens)
+            qr, kr = matrix_exp_rotate((q, k), self._positions(ctx.q_pos), gens, chunk)
             return qr, kr
-        return (matrix_exp_rotate((q,), self._positions(ctx.q_pos), gens)[0],
-                matrix_exp_rotate((k,), self._positions(ctx.k_pos), gens)[0])
+        return (matrix_exp_rotate((q,), self._positions(ctx.q_pos), gens, chunk)[0],
+                matrix_exp_rotate((k,), self._positions(ctx.k_pos), gens, chunk)[0])
 
 
 @register("liere", "rotate", "LieRE: learned skew-symmetric generators, R(x) = exp(sum x_a A_a) (Ostmeier et al., 2024)")

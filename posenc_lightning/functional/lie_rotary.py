@@ -88,15 +88,10 @@ def relative_spectral_gap(mu: Tensor) -> Tensor:
 
 
 def _rotate_planes(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE's half layout: ``(x1 cos - x2 sin, x2 cos + x1 sin)``, written into one buffer."""
+    """RoPE's half layout: ``(x1 cos - x2 sin, x2 cos + x1 sin)``."""
     m = cos.shape[-1]
-    out = torch.empty_like(x)
     x1, x2 = x[..., :m], x[..., m:]
-    torch.mul(x1, cos, out=out[..., :m])
-    out[..., :m].addcmul_(x2, sin, value=-1.0)
-    torch.mul(x2, cos, out=out[..., m:])
-    out[..., m:].addcmul_(x1, sin)
-    return out
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class _LieRotation(torch.autograd.Function):
@@ -141,11 +136,12 @@ def lie_rotate(x: Tensor, basis: Tensor, angles: Tensor) -> Tensor:
 
 
 def matrix_exp_rotate(xs: tuple[Tensor, ...], positions: Tensor, generators: Tensor,
-                      chunk_elems: int = 1 << 20) -> tuple[Tensor, ...]:
+                      chunk_elems: int = 1 << 18) -> tuple[Tensor, ...]:
     """Exact ``exp(sum_a x_a A_a)`` applied per token and block to each of ``xs`` (``[B, H, N, D]``,
     one set of ``positions`` ``[B, N, n_axes]``; ``generators`` ``[n_axes, K, b, b]``). Tokens go
     in static chunks of ~``chunk_elems`` matrix entries, each recomputed in backward
-    (checkpointing), so neither pass keeps ``[B, N, K, b, b]``; cost: one ``b x b`` ``matrix_exp``
+    (checkpointing), so neither pass keeps ``[B, N, K, b, b]`` (matrix_exp's own workspace is
+    ~20x a chunk); cost: one ``b x b`` ``matrix_exp``
     per token and block forward, and that again plus its adjoint in backward."""
     k, b = generators.shape[1], generators.shape[-1]
     bsz, n = positions.shape[:2]
