@@ -83,6 +83,7 @@ def _run(enc, pos_q, pos_k, dtype, reference: bool):
 def _assert_close_scaled(got: list, ref: list, tol: float) -> float:
     worst = 0.0
     for i, (a, r) in enumerate(zip(got, ref)):
+        a, r = a.detach().double(), r.detach().double()
         err = ((a - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
         worst = max(worst, err)
         assert err <= tol, f"tensor {i} (0: q, 1: k, 2: dq, 3: dk, 4+: parameters): relative error {err:.2e}"
@@ -244,8 +245,7 @@ def test_rotate_is_compile_clean(name, cfg):
         qr, kr = fn(qq, kk, pos)
         grads = torch.autograd.grad(qr.square().sum() + (kr * 1.5).sum(), [qq, kk, *enc.parameters()])
         results.append([qr, kr, *grads])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _assert_close_scaled(*results, 1e-6)  # float32 roundings differ: measured <= 2e-7
 
 
 @pytest.mark.parametrize("name,cfg", [FAST[0], FAST[3]])
@@ -267,8 +267,7 @@ def test_attention_layer_compiles_without_breaks_from_the_rotation(name, cfg):
         ins = [t.clone().requires_grad_() for t in (q, k, v)]
         out = fn(*ins, positions=pos)
         results.append([out, *torch.autograd.grad(out.square().sum(), [*ins, *layer.posenc.parameters()])])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _assert_close_scaled(*results, 1e-5)  # float32 roundings differ: measured <= 1.1e-6
 
 
 def test_degenerate_spectrum_uses_matrix_exp_until_it_is_not():

@@ -11,7 +11,7 @@ learned orthonormal basis ``Q``: two small matmuls and a rotation per token. ``Q
 from one eigen-decomposition of the Hermitian ``i A`` per generator, shared by every position:
 ``i A u_k = mu_k u_k`` gives ``A Re(u_k) = mu_k Im(u_k)``, ``A Im(u_k) = -mu_k Re(u_k)``.
 
-`lie_rotate` applies ``Q R(angles) Q^T x`` with a backward that keeps only ``x`` (which attention
+`lie_rotate` applies ``Q R(angles) Q^T x`` (as ``x + Q (R - I) Q^T x``) with a backward that keeps only ``x`` (which attention
 keeps anyway), ``Q`` and the ``[B, N, b/2]`` cos/sin: nothing ``[N, b, b]`` and no rotated copy.
 `matrix_exp_rotate` is the exact ``torch.linalg.matrix_exp`` path (for non-commuting generators,
 LieRE with several axes), recomputed chunk by chunk in backward.
@@ -87,52 +87,81 @@ def relative_spectral_gap(mu: Tensor) -> Tensor:
     return torch.where(scale > 0, d.amin((-1, -2)) / scale.clamp_min(torch.finfo(mu.dtype).tiny), 0.0)
 
 
-def _rotate_planes(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE's half layout: ``(x1 cos - x2 sin, x2 cos + x1 sin)``."""
-    m = cos.shape[-1]
-    x1, x2 = x[..., :m], x[..., m:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def _rotate_planes_(h: Tensor, cosm1: Tensor, sin: Tensor) -> Tensor:
+    """``(R - I) h`` in place, RoPE's half layout: ``h1 <- h1 (cos - 1) - h2 sin``,
+    ``h2 <- h2 (cos - 1) + h1 sin`` (``cos - 1`` given: exact for small angles)."""
+    m = cosm1.shape[-1]
+    h1, h2 = h[..., :m], h[..., m:]
+    t1 = h1.clone()
+    h1.mul_(cosm1).addcmul_(h2, sin, value=-1.0)
+    h2.mul_(cosm1).addcmul_(t1, sin)
+    return h
+
+
+def _token_major(x: Tensor) -> bool:
+    """``x`` ``[B, H, N, D]`` is a transposed contiguous ``[B, N, H, D]`` (a projection's output):
+    work in that layout, where every token's heads are one contiguous ``[N * H, D]`` matrix."""
+    return not x.is_contiguous() and x.transpose(1, 2).is_contiguous()
 
 
 class _LieRotation(torch.autograd.Function):
-    """``y = Q R(theta) Q^T x`` per token. Backward recomputes ``Q^T x`` rather than keeping it:
-    saved are ``x`` (un-rotated q or k, alive in attention anyway), ``Q`` and cos/sin."""
+    """``y = x + Q (R(theta) - I) Q^T x`` (``= Q R Q^T x``: ``Q`` orthogonal) per token and head.
+
+    Written around ``R - I`` so that the generator's gradient has no cancellation: with ``R`` the
+    two outer products of ``Q``'s gradient are O(|x| |g|) each and cancel to O(theta) in the
+    eigen-coupling that `canonical_basis`'s backward divides by ``mu_i - mu_j`` (float32 rounding
+    of the cancelled parts would be amplified by 1 / gap). Saved: ``x`` (the un-rotated q or k,
+    kept by attention anyway), ``Q`` and ``[B, N, D/2]`` cos - 1 and sin; backward recomputes
+    ``Q^T x``. Transients: ~2.5 copies of ``x``."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, q: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, q, cos, sin)
-        y = _rotate_planes(x.to(q.dtype) @ q, cos, sin) @ q.mT
-        return y.to(x.dtype)
+    def forward(ctx, x: Tensor, q: Tensor, cosm1: Tensor, sin: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, q, cosm1, sin)
+        ctx.token_major = t = _token_major(x)
+        c, s = (cosm1[:, :, None], sin[:, :, None]) if t else (cosm1[:, None], sin[:, None])
+        xl = (x.transpose(1, 2) if t else x).to(q.dtype)
+        y = (_rotate_planes_(xl @ q, c, s) @ q.mT).add_(xl).to(x.dtype)
+        return y.transpose(1, 2) if t else y
 
     @staticmethod
     def backward(ctx, g: Tensor):  # type: ignore[override]
-        x, q, cos, sin = ctx.saved_tensors
-        need_x, need_q, need_cos, need_sin = ctx.needs_input_grad
-        gw = g.to(q.dtype)
-        gh = gw @ q  # Q^T g
-        grad_in = _rotate_planes(gh, cos, -sin)  # R^T Q^T g: the gradient of Q^T x
-        gx = (grad_in @ q.mT).to(x.dtype) if need_x else None
+        x, q, cosm1, sin = ctx.saved_tensors
+        need_x, need_q, need_c, need_s = ctx.needs_input_grad
+        t = ctx.token_major
+        c, s = (cosm1[:, :, None], sin[:, :, None]) if t else (cosm1[:, None], sin[:, None])
+        heads = 2 if t else 1
+        xl, gl = (x.transpose(1, 2), g.transpose(1, 2)) if t else (x, g)
+        xl, gl = xl.to(q.dtype), gl.to(q.dtype)
+        gh = gl @ q  # the gradient of v = (R - I) Q^T x
         gq = gc = gs = None
-        if need_q or need_cos or need_sin:
-            xw = x.to(q.dtype)
-            xh = xw @ q
-            if need_q:  # y = (R Q^T x) Q^T and Q^T x = x Q
-                gq = xw.flatten(0, -2).mT @ grad_in.flatten(0, -2)
-                gq = gq + gw.flatten(0, -2).mT @ _rotate_planes(xh, cos, sin).flatten(0, -2)
-            m = cos.shape[-1]
+        if need_q or need_c or need_s:
+            xh = xl @ q  # Q^T x
+            m = cosm1.shape[-1]
             g1, g2, x1, x2 = gh[..., :m], gh[..., m:], xh[..., :m], xh[..., m:]
-            # cos/sin [B, 1, N, m] broadcast over heads
-            gc = (g1 * x1 + g2 * x2).sum(1, keepdim=True) if need_cos else None
-            gs = (g2 * x1 - g1 * x2).sum(1, keepdim=True) if need_sin else None
+            if need_c:
+                gc = (g1 * x1).sum(heads) + (g2 * x2).sum(heads)
+            if need_s:
+                gs = (g2 * x1).sum(heads) - (g1 * x2).sum(heads)
+            if need_q:  # y = x + v Q^T: the outer Q
+                gq = gl.reshape(-1, gl.shape[-1]).mT @ _rotate_planes_(xh, c, s).reshape(-1, xh.shape[-1])
+            del xh, x1, x2
+        grad_in = _rotate_planes_(gh, c, -s)  # (R - I)^T Q^T g: the gradient of Q^T x
+        if need_q:  # ... and the inner one
+            gq = gq + xl.reshape(-1, xl.shape[-1]).mT @ grad_in.reshape(-1, grad_in.shape[-1])
+        gx = None
+        if need_x:
+            gx = (grad_in @ q.mT).add_(gl).to(x.dtype)
+            gx = gx.transpose(1, 2) if t else gx
         return gx, gq, gc, gs
 
 
 def lie_rotate(x: Tensor, basis: Tensor, angles: Tensor) -> Tensor:
     """``Q R(angles) Q^T x``: x ``[B, H, N, D]``, basis ``Q`` ``[D, D]`` (half-layout columns,
-    see `canonical_basis`), angles ``[B, N, D/2]`` (any float dtype); computed in ``basis.dtype``, returned in
-    ``x.dtype``."""
-    angles = angles[:, None]  # cos/sin in the angles' dtype (float64 from `planes`), then cast
-    return _LieRotation.apply(x, basis, angles.cos().to(basis.dtype), angles.sin().to(basis.dtype))
+    see `canonical_basis`), angles ``[B, N, D/2]`` (any float dtype); computed in ``basis.dtype``,
+    returned in ``x.dtype``."""
+    # cos - 1 = -2 sin^2(theta / 2) and sin in the angles' dtype (float64 from `planes`), then cast
+    cosm1 = -2.0 * (0.5 * angles).sin().square()
+    return _LieRotation.apply(x, basis, cosm1.to(basis.dtype), angles.sin().to(basis.dtype))
 
 
 def matrix_exp_rotate(xs: tuple[Tensor, ...], positions: Tensor, generators: Tensor,
