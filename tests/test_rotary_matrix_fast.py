@@ -294,3 +294,26 @@ def test_degenerate_spectrum_uses_matrix_exp_until_it_is_not():
         enc.weight.copy_(torch.block_diag(j, j).expand_as(enc.weight))
     enc.eval()
     assert not enc.fast_path
+
+
+@pytest.mark.parametrize("delta", [1e-2, 1e-4])
+def test_near_degenerate_spectrum_gradient_error_follows_eps_over_gap(delta):
+    """Two planes with frequencies ``mu`` and ``mu (1 + delta)`` in a random basis: the eigen-
+    gradient divides by their gap, so its error is ~eps / delta: float64 within 1e-14 / delta,
+    float32 within 1e-6 / delta (`MIN_RELATIVE_GAP`). Measured: float64 8e-16 / delta, float32
+    1.4e-7 / delta (which includes rounding the generator itself to float32)."""
+    enc = build_encoding("comrope", variant="ld", block_size=4).bind(n_heads=H, head_dim=D).double()
+    g = torch.Generator().manual_seed(0)
+    j = torch.tensor([[0.0, -1.0], [1.0, 0.0]], dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(enc.n_blocks):
+            o, _ = torch.linalg.qr(torch.randn(4, 4, generator=g, dtype=torch.float64))
+            mu = 0.3 * 10.0 ** -i
+            enc.weight[i] = o @ torch.block_diag(mu * j, mu * (1 + delta) * j) @ o.T
+    enc.check_spectrum()
+    assert enc.fast_path and abs(enc.spectral_gap() - delta / (1 + delta)) < 1e-9
+    pos = _positions("random", 1)
+    ref = _run(enc, pos, pos, torch.float64, True)
+    err64 = _assert_close_scaled(_run(enc, pos, pos, torch.float64, False), ref, 1e-14 / delta)
+    err32 = _assert_close_scaled(_run(enc.float(), pos, pos, torch.float32, False), ref, 1e-6 / delta)
+    print(f"gap {delta:g}: float64 {err64:.1e}, float32 {err32:.1e}")

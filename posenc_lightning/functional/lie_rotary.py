@@ -11,8 +11,10 @@ learned orthonormal basis ``Q``: two small matmuls and a rotation per token. ``Q
 from one eigen-decomposition of the Hermitian ``i A`` per generator, shared by every position:
 ``i A u_k = mu_k u_k`` gives ``A Re(u_k) = mu_k Im(u_k)``, ``A Im(u_k) = -mu_k Re(u_k)``.
 
-`lie_rotate` applies ``Q R(angles) Q^T x`` (as ``x + Q (R - I) Q^T x``) with a backward that keeps only ``x`` (which attention
-keeps anyway), ``Q`` and the ``[B, N, b/2]`` cos/sin: nothing ``[N, b, b]`` and no rotated copy.
+`lie_rotate` applies ``Q R(angles) Q^T x`` (as ``x + Q (R - I) Q^T x``) with a backward that
+keeps only ``x`` (which attention keeps anyway), ``Q`` and the ``[B, N, b/2]`` cos/sin: nothing
+``[N, b, b]`` and no rotated copy. Cost per token and head: two ``D x D`` matmuls forward, four
+backward (``Q`` is block diagonal up to a column order, applied as one dense ``D x D`` matmul).
 `matrix_exp_rotate` is the exact ``torch.linalg.matrix_exp`` path (for non-commuting generators,
 LieRE with several axes), recomputed chunk by chunk in backward.
 """
@@ -78,8 +80,8 @@ def canonical_basis(a: Tensor) -> tuple[Tensor, Tensor]:
 
 def relative_spectral_gap(mu: Tensor) -> Tensor:
     """Per generator block ``mu`` ``[..., m]``: the smallest distance between the eigenvalues
-    ``+-mu_k`` over the largest ``|mu|``; 0 for a zero block. Below ~1e-8 the basis is
-    ill-defined and `canonical_basis`'s gradient inaccurate: use `matrix_exp_rotate` there."""
+    ``+-mu_k`` over the largest ``|mu|``; 0 for a zero block. The eigen-gradient's error grows as
+    eps / gap (eps of the per-token work's dtype): near 0 use `matrix_exp_rotate` instead."""
     lam = torch.cat((mu, -mu), dim=-1)
     d = (lam[..., :, None] - lam[..., None, :]).abs()
     d = d.masked_fill(torch.eye(lam.shape[-1], dtype=torch.bool, device=d.device), float("inf"))
