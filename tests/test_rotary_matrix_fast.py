@@ -115,6 +115,18 @@ def test_distinct_query_and_key_positions(name, cfg):
     _assert_close_scaled(_run(enc, pos_q, pos_k, torch.float64, reference=False), ref, TOL[torch.float64])
 
 
+@pytest.mark.parametrize("name,cfg", [FAST[0], EXACT[1]])
+def test_positions_expanded_over_the_batch(name, cfg):
+    """One row of positions expanded over the batch (the mixin's default) gives what the same
+    positions materialized per row give; the matrix_exp path computes the row once."""
+    enc = _encoding(name, cfg)
+    enc.exact_chunk_elems = 3 * 4 * 16 * 16
+    row = _positions("random", enc.n_axes, b=1)
+    expanded = row.expand(2, *row.shape[1:])
+    _assert_close_scaled(_run(enc, expanded, expanded, torch.float64, False),
+                         _run(enc, expanded.clone(), expanded.clone(), torch.float64, True), 1e-11)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("name,cfg", FAST)
 def test_gradients_at_init_and_after_perturbation(name, cfg, seed):

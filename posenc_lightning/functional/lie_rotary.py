@@ -175,6 +175,8 @@ def matrix_exp_rotate(xs: tuple[Tensor, ...], positions: Tensor, generators: Ten
     ~20x a chunk); cost: one ``b x b`` ``matrix_exp``
     per token and block forward, and that again plus its adjoint in backward."""
     k, b = generators.shape[1], generators.shape[-1]
+    if positions.shape[0] > 1 and positions.stride(0) == 0:  # one row expanded over the batch
+        positions = positions[:1]  # (static metadata, as the mixin's default positions): once
     bsz, n = positions.shape[:2]
     step = max(1, chunk_elems // max(1, bsz * k * b * b))
     if n <= step:
@@ -190,5 +192,6 @@ def _exp_apply(positions: Tensor, generators: Tensor, *xs: Tensor) -> tuple[Tens
     out = []
     for x in xs:
         xb = x.to(rot.dtype).unflatten(-1, (k, b))
-        out.append(torch.einsum("bnkij,bhnkj->bhnki", rot, xb).flatten(-2).to(x.dtype))
+        r = rot.expand(x.shape[0], *rot.shape[1:])
+        out.append(torch.einsum("bnkij,bhnkj->bhnki", r, xb).flatten(-2).to(x.dtype))
     return tuple(out)
