@@ -16,27 +16,53 @@ Positions may be ``[B, N]`` (read as ``[B, N, 1]``; needs ``n_axes = 1``) or ``[
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
 
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 from posenc_lightning.encodings.registry import register
+from posenc_lightning.functional.lie_rotary import (
+    DECOMPOSITION_DTYPE,
+    canonical_basis,
+    lie_rotate,
+    matrix_exp_rotate,
+    relative_spectral_gap,
+    skew,
+)
+
+__all__ = ["ComRoPE", "LieRE", "MatrixRotary", "skew"]
+
+#: below this relative eigenvalue gap (`relative_spectral_gap`) the eigenbasis path falls back to
+#: ``matrix_exp``. The eigen-gradient's error is ~eps / gap in the coupling of the two closest
+#: planes: ~1e-15 / gap in float64, ~1.5e-7 / gap in float32 (measured, tests/test_rotary_matrix_fast.py;
+#: 2e-6 at the 0.03 of a random 8 x 8 block). Random initial generators have gaps
+#: >= 3e-4 (dense 64 x 64, 20 seeds; >= 5e-3 for 8 x 8 blocks).
+MIN_RELATIVE_GAP = 1e-6
 
 
-def skew(m: Tensor) -> Tensor:
-    """The skew-symmetric part ``(M - M^T) / 2`` (over the last two dims)."""
-    return 0.5 * (m - m.transpose(-1, -2))
+def _recheck(module: MatrixRotary, _incompatible: Any) -> None:
+    module.check_spectrum()
 
 
 class MatrixRotary(Encoding):
-    """Shared path: positions -> block rotation matrices -> rotated q and k."""
+    """Shared path: positions -> block rotations ``exp(sum_a x_a A_a)`` -> rotated q and k.
+
+    When every block has one generator direction (``A_{a,k} = c_{a,k} P_k``: LieRE with one axis,
+    ComRoPE AP and LD) the rotation is RoPE in the learned eigenbasis of ``P_k``
+    (`functional.lie_rotary`): ``O(D * D)`` per token, nothing ``D x D`` per token. Otherwise
+    (LieRE with several axes, ``exact=True``, or a degenerate spectrum) it is the exact
+    ``matrix_exp`` per token, recomputed in backward. `rotation_blocks` is the reference.
+    """
 
     needs_even_head_dim = True
     accepts_nd_positions: ClassVar[bool] = True
+    #: the ``matrix_exp`` path's chunk: ~this many matrix entries per chunk of tokens (1 MiB fp32;
+    #: matrix_exp's workspace is ~20x that)
+    exact_chunk_elems: int = 1 << 18
 
-    def __init__(self, n_axes: int = 1, block_size: int | None = 8) -> None:
+    def __init__(self, n_axes: int = 1, block_size: int | None = 8, exact: bool = False) -> None:
         super().__init__()
         if int(n_axes) < 1:
             raise ValueError(f"{self.name}: n_axes must be >= 1, got {n_axes}")
@@ -45,6 +71,10 @@ class MatrixRotary(Encoding):
                              f"head_dim block), got {block_size}")
         self.n_axes = int(n_axes)
         self.block_size_arg = None if block_size is None else int(block_size)
+        self.exact = bool(exact)
+        #: the eigenbasis path is in use (a Python bool: decided by `check_spectrum`, never in rotate)
+        self.fast_path = False
+        self.register_load_state_dict_post_hook(_recheck)
 
     @property
     def block_size(self) -> int:
@@ -66,9 +96,15 @@ class MatrixRotary(Encoding):
         speed = 10000.0 ** (-torch.arange(n, dtype=torch.float32) / max(n, 1))
         return torch.randn(n, b, b) * speed[:, None, None] / math.sqrt(b)
 
+    def directions(self) -> tuple[Tensor, Tensor] | None:
+        """``(P [K, b, b] skew, c [n_axes, K])`` with generators ``A_{a,k} = c_{a,k} P_k``, or None
+        when the generators of a block point in several directions (no shared eigenbasis)."""
+        raise NotImplementedError
+
     def generators(self) -> Tensor:
         """``[n_axes, n_blocks, b, b]`` skew-symmetric generator blocks."""
-        raise NotImplementedError
+        p, c = self.directions()
+        return c[:, :, None, None] * p[None]
 
     def _positions(self, positions: Tensor) -> Tensor:
         if positions.dim() == 2:
@@ -79,14 +115,19 @@ class MatrixRotary(Encoding):
             raise ValueError(f"{self.name}: positions have {positions.shape[-1]} coordinates, n_axes={self.n_axes}")
         return positions
 
+    def _dtype(self, *xs: Tensor) -> torch.dtype:
+        dt = torch.promote_types(self.weight.dtype, torch.float32)
+        for x in xs:
+            dt = torch.promote_types(dt, x.dtype)
+        return dt
+
+    # ---------------------------------------------------------------- the exact reference
     def rotation_blocks(self, positions: Tensor) -> Tensor:
-        """``exp(sum_a x_a A_a)`` per token and block: ``[B, N, n_blocks, b, b]`` float32."""
-        x = self._positions(positions).to(torch.float32)
-        flat = x.reshape(-1, self.n_axes)
-        uniq, inv = torch.unique(flat, dim=0, return_inverse=True)
-        gens = self.generators().to(torch.float32)  # [A, K, b, b]
-        r = torch.linalg.matrix_exp(torch.einsum("ua,akij->ukij", uniq, gens))
-        return r[inv].reshape(*x.shape[:-1], *r.shape[1:])
+        """Reference: ``exp(sum_a x_a A_a)`` per token and block, ``[B, N, n_blocks, b, b]``
+        (float32, or float64 for float64 parameters)."""
+        x = self._positions(positions)
+        gens = self.generators().to(self._dtype())
+        return torch.linalg.matrix_exp(torch.einsum("bna,akij->bnkij", x.to(gens.dtype), gens))
 
     def rotation_matrix(self, positions: Tensor) -> Tensor:
         """The dense ``[..., D, D]`` rotation (for tests and visualization)."""
@@ -97,15 +138,66 @@ class MatrixRotary(Encoding):
             out[..., j * b:(j + 1) * b, j * b:(j + 1) * b] = blocks[..., j, :, :]
         return out
 
-    def apply_rotation(self, x: Tensor, rot: Tensor) -> Tensor:
-        b_, h, n, d = x.shape
-        xb = x.float().reshape(b_, h, n, self.n_blocks, self.block_size)
-        return torch.einsum("bnkij,bhnkj->bhnki", rot, xb).reshape(b_, h, n, d).to(x.dtype)
+    # ---------------------------------------------------------------- the eigenbasis path
+    def planes(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``(Q [D, D] in dtype, F [n_axes, D/2] float64)``: the rotation of a token at ``x`` is RoPE
+        with angles ``x @ F`` (half layout) in the orthonormal basis ``Q`` (block diagonal up to
+        a column order: plane ``k * b/2 + j`` is block k's j-th eigen-plane)."""
+        p, c = self.directions()
+        q, mu = canonical_basis(p)  # [K, b, b], [K, b/2]
+        k, b = q.shape[0], q.shape[-1]
+        order = torch.arange(k * b, device=q.device).view(k, 2, b // 2).transpose(0, 1).reshape(-1)
+        basis = torch.block_diag(*q.unbind(0))[:, order].to(dtype)
+        freq = (c.to(DECOMPOSITION_DTYPE)[:, :, None] * mu[None]).flatten(1)
+        return basis, freq
+
+    def spectral_gap(self) -> float:
+        """The smallest `relative_spectral_gap` over blocks (a host read: a diagnostic)."""
+        with torch.no_grad():
+            p, _ = self.directions()
+            return float(relative_spectral_gap(canonical_basis(p)[1]).min())
+
+    def check_spectrum(self) -> bool:
+        """Choose the path (host read, done at build, after loading a state dict and on
+        ``train()``/``eval()``, never inside `rotate`): the eigenbasis unless ``exact``, the
+        generators are not of one direction per block, or a block's spectrum is degenerate."""
+        fast = False
+        if self._built and not self.exact and self.weight.device.type != "meta":
+            fast = self.directions() is not None and self.spectral_gap() > MIN_RELATIVE_GAP
+        self.fast_path = fast
+        return fast
+
+    def build(self) -> None:
+        self._build_parameters()
+        self._built = True
+        self.check_spectrum()
+
+    def _build_parameters(self) -> None:
+        raise NotImplementedError
+
+    def train(self, mode: bool = True) -> MatrixRotary:
+        super().train(mode)
+        self.check_spectrum()
+        return self
+
+    @property
+    def cheap_rotation(self) -> bool:  # type: ignore[override]
+        """The eigenbasis rotation is two small matmuls and RoPE: attention recomputes it in
+        backward instead of keeping the rotated q and k (not so the ``matrix_exp`` path)."""
+        return self.fast_path
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
-        rq = self.rotation_blocks(ctx.q_pos)
-        rk = rq if ctx.k_pos is ctx.q_pos else self.rotation_blocks(ctx.k_pos)
-        return self.apply_rotation(q, rq), self.apply_rotation(k, rk)
+        if self.fast_path:
+            basis, freq = self.planes(self._dtype(q, k))
+            aq = self._positions(ctx.q_pos).to(freq.dtype) @ freq
+            ak = aq if ctx.k_pos is ctx.q_pos else self._positions(ctx.k_pos).to(freq.dtype) @ freq
+            return lie_rotate(q, basis, aq), lie_rotate(k, basis, ak)
+        gens, chunk = self.generators().to(self._dtype(q, k)), self.exact_chunk_elems
+        if ctx.k_pos is ctx.q_pos:
+            qr, kr = matrix_exp_rotate((q, k), self._positions(ctx.q_pos), gens, chunk)
+            return qr, kr
+        return (matrix_exp_rotate((q,), self._positions(ctx.q_pos), gens, chunk)[0],
+                matrix_exp_rotate((k,), self._positions(ctx.k_pos), gens, chunk)[0])
 
 
 @register("liere", "rotate", "LieRE: learned skew-symmetric generators, R(x) = exp(sum x_a A_a) (Ostmeier et al., 2024)")
@@ -113,15 +205,24 @@ class LieRE(MatrixRotary):
     """LieRE (Ostmeier et al., 2024, eq. 3): one free learned generator per position axis.
 
     Args:
-        n_axes: position coordinates (1 for text, 2 for images).
+        n_axes: position coordinates (1 for text, 2 for images). With 1 the rotation runs in the
+            generator's eigenbasis; with more the generators do not commute and it is the exact
+            per-token ``matrix_exp`` (one ``b x b`` exp per token and block, twice in backward).
         block_size: generator block size; None = one dense ``head_dim x head_dim`` block.
+        exact: always use the per-token ``matrix_exp`` path.
     """
 
-    def __init__(self, n_axes: int = 1, block_size: int | None = None) -> None:
-        super().__init__(n_axes=n_axes, block_size=block_size)
+    def __init__(self, n_axes: int = 1, block_size: int | None = None, exact: bool = False) -> None:
+        super().__init__(n_axes=n_axes, block_size=block_size, exact=exact)
 
-    def build(self) -> None:
+    def _build_parameters(self) -> None:
         self.weight = nn.Parameter(torch.stack([self._init_blocks(self.n_blocks) for _ in range(self.n_axes)]))
+
+    def directions(self) -> tuple[Tensor, Tensor] | None:
+        if self.n_axes != 1:
+            return None
+        p = skew(self.weight[0])
+        return p, p.new_ones(1, p.shape[0])
 
     def generators(self) -> Tensor:
         return skew(self.weight)
@@ -134,17 +235,21 @@ class ComRoPE(MatrixRotary):
     Args:
         variant: ``"ap"`` (axial partition: block j belongs to axis ``j % n_axes``) or ``"ld"``
             (linearly dependent: ``A_a = w_a P`` with learned shared P and per-axis ``w_a``).
+            Either way block k has one direction ``P_k``, rotated by ``x_{j % n_axes}`` (AP) or
+            ``w . x`` (LD): RoPE in ``P_k``'s eigenbasis.
         n_axes: position coordinates.
         block_size: size of the learned blocks (even).
+        exact: always use the per-token ``matrix_exp`` path.
     """
 
-    def __init__(self, variant: Literal["ap", "ld"] = "ap", n_axes: int = 1, block_size: int = 8) -> None:
+    def __init__(self, variant: Literal["ap", "ld"] = "ap", n_axes: int = 1, block_size: int = 8,
+                 exact: bool = False) -> None:
         if variant not in ("ap", "ld"):
             raise ValueError(f"comrope: variant must be 'ap' or 'ld', got {variant!r}")
-        super().__init__(n_axes=n_axes, block_size=block_size)
+        super().__init__(n_axes=n_axes, block_size=block_size, exact=exact)
         self.variant = variant
 
-    def build(self) -> None:
+    def _build_parameters(self) -> None:
         if self.variant == "ap" and self.n_blocks < self.n_axes:
             raise ValueError(f"comrope ap: {self.n_blocks} blocks cannot cover n_axes={self.n_axes}; "
                              f"use a smaller block_size")
@@ -156,8 +261,8 @@ class ComRoPE(MatrixRotary):
             self.register_buffer("axis_mask", (owner[None, :] == torch.arange(self.n_axes)[:, None]).float(),
                                  persistent=False)
 
-    def generators(self) -> Tensor:
-        p = skew(self.weight)[None]  # [1, K, b, b]
+    def directions(self) -> tuple[Tensor, Tensor]:
+        p = skew(self.weight)  # [K, b, b]
         if self.variant == "ld":
-            return self.axis_weight[:, None, None, None] * p
-        return self.axis_mask[:, :, None, None] * p
+            return p, self.axis_weight[:, None].expand(-1, p.shape[0])
+        return p, self.axis_mask.to(p.dtype)
