@@ -20,10 +20,7 @@ from posenc_lightning.models.tinygpt import TinyGPT
 
 #: encodings that cannot be traced on their default backend, with the reason (also in the README);
 #: none today
-EXCEPTIONS: dict[str, str] = {
-    "liere": "exp(x A) per distinct position through torch.unique (a data-dependent shape)",
-    "comrope": "exp(x A) per distinct position through torch.unique (a data-dependent shape)",
-}
+EXCEPTIONS: dict[str, str] = {}
 ENCODINGS = [None, *available_encodings()]  # None: nothing injected (plain SDPA attention)
 N, PREFILL = 24, 20
 
