@@ -62,7 +62,7 @@ def cope_lookup(z: Tensor, positions: Tensor, max_position: int | None = None) -
 
 class _CoPELookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z: Tensor, positions: Tensor, top: int) -> Tensor:
+    def forward(z: Tensor, positions: Tensor, top: int) -> Tensor:  # type: ignore[override]
         p = positions.clamp(max=top)
         lo = p.long()  # floor: p >= 0
         w = p.frac_()
@@ -73,9 +73,13 @@ class _CoPELookup(torch.autograd.Function):
             out = torch.addcmul(g.real, g.imag, w)
         else:
             out = torch.addcmul(z.gather(-1, lo), dz.gather(-1, lo), w)
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:  # functorch-compatible (vjp)
+        z, positions, top = inputs
         ctx.save_for_backward(z, positions)
         ctx.top = top
-        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable

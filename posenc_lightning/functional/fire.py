@@ -106,7 +106,7 @@ class _SwitchingReluMLP(torch.autograd.Function):
     """``out[b] = w_aug @ [relu(w1 x_b + b1); x_b; 1]`` chunk by chunk; backward recomputes."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w1: Tensor, b1: Tensor, w_aug: Tensor) -> Tensor:
+    def forward(x: Tensor, w1: Tensor, b1: Tensor, w_aug: Tensor) -> Tensor:  # type: ignore[override]
         nb, m = x.shape
         out = x.new_empty(nb, w_aug.shape[0], m)
         hid = x.new_empty(w1.shape[0] + 2, min(m, FIRE_MLP_CHUNK))
@@ -115,8 +115,11 @@ class _SwitchingReluMLP(torch.autograd.Function):
                 xc = x[i, s:s + FIRE_MLP_CHUNK]
                 h = _hidden(xc, w1, b1, hid[:, :xc.shape[0]])
                 torch.mm(w_aug, h, out=out[i, :, s:s + xc.shape[0]])
-        ctx.save_for_backward(x, w1, b1, w_aug)
         return out
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[Tensor, ...], output: Tensor) -> None:  # functorch-compatible (vjp)
+        ctx.save_for_backward(*inputs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

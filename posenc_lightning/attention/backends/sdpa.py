@@ -323,9 +323,7 @@ def _attend_blockwise(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attenti
     """
     n_q = q.shape[-2]
     inputs = bias.grad_inputs() if torch.is_grad_enabled() else None
-    # under torch.compile: checkpointed blocks (the own backward differentiates each block's rows
-    # with autograd.grad, which a compiled backward cannot)
-    if inputs is not None and bias.recomputable and not torch.compiler.is_compiling():
+    if inputs is not None and bias.recomputable:
         # where each input's gradient goes: into dq / dk when it is q or k itself, else to the
         # distinct other tensors that need one (passed to the Function), or nowhere (None)
         uniq: dict[int, int] = {}
@@ -417,30 +415,34 @@ class _BlockwiseAttention(torch.autograd.Function):
         block: dict[str, object] = {}
 
         def add_bias(start: int, stop: int, k_stop: int, s: Tensor) -> None:
-            views, leaves = [], []
-            for t, w, tg in zip(inputs, bias.input_windows(start, stop, k_stop), live):
-                view = t.detach() if w is None else t.detach()[w]
+            views, idx = [], []
+            for i, (t, w, tg) in enumerate(zip(inputs, bias.input_windows(start, stop, k_stop), live)):
+                views.append(t.detach() if w is None else t.detach()[w])
                 if tg is not None:
-                    view = view.requires_grad_()
-                    leaves.append((tg, w, view))
-                views.append(view)
-            with torch.enable_grad():
-                rows_ = bias.rows_from(start, stop, k_stop, views)  # [B|1, H, r, K]
-            block["rows"], block["leaves"] = rows_, leaves
+                    idx.append(i)
+
+            def rows_of(*diff: Tensor) -> Tensor:  # the rows as a function of the inputs that need a gradient
+                vs = list(views)
+                for i, d in zip(idx, diff):
+                    vs[i] = d
+                return bias.rows_from(start, stop, k_stop, vs)  # [B|1, H, r, K]
+
+            # torch.func.vjp, not autograd.grad: a compiled backward can trace it
+            rows_, vjp = torch.func.vjp(rows_of, *[views[i] for i in idx]) if idx else (rows_of(), None)
+            block["rows"], block["vjp"], block["idx"] = rows_, vjp, idx
             s.add_(rows_.detach().to(s.dtype).view(-1, *s.shape[1:]))
             _masked(s, mask, start, stop, k_stop, inplace=True, group_dim=True)
 
         def to_inputs(start: int, stop: int, k_stop: int, ds: Tensor) -> None:
-            rows_, leaves = block.pop("rows"), block.pop("leaves")
-            if not leaves or not rows_.requires_grad:
+            rows_, vjp, idx = block.pop("rows"), block.pop("vjp"), block.pop("idx")
+            if vjp is None:
                 return
             d_rows = ds.reshape(b, h, stop - start, k_stop)
             if rows_.shape[0] == 1 and b > 1:
                 d_rows = d_rows.sum(0, keepdim=True)
-            grads = torch.autograd.grad(rows_, [lf for _, _, lf in leaves], d_rows.to(rows_.dtype), allow_unused=True)
-            for (tg, w, _), gi in zip(leaves, grads):
-                if gi is None:
-                    continue
+            windows = bias.input_windows(start, stop, k_stop)
+            for i, gi in zip(idx, vjp(d_rows.to(rows_.dtype))):
+                tg, w = live[i], windows[i]
                 if isinstance(tg, int) and g_extra[tg] is None:
                     t = inputs[targets.index(tg)]
                     g_extra[tg] = torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
