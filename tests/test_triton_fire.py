@@ -236,3 +236,26 @@ def test_score_term_and_rows_equal_the_dense_formula():
         torch.testing.assert_close(bias.rows(2, 6, 5), dense[..., 2:6, :5], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(bias.scaled(torch.tensor(0.3)).materialize(), 0.3 * dense, rtol=1e-5, atol=1e-5)
     assert not bias.distance_only and bias.at(qp, qp) is None
+
+
+@pytest.mark.parametrize("backend", ["flex", "sdpa"])
+def test_flex_and_sdpa_compute_fires_kind_as_eager_does(backend):
+    """The other backends take FIRE's kind by ``score_mod`` (flex; forward on CPU) and by blocks
+    of rows (sdpa, forward and backward), equal to eager on the dense formula."""
+    pos, seg = POSITIONS["packed"]
+    tri, ref = _layers(2)
+    tri.posenc_backend = backend
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, H, N, D, generator=g)
+    k, v = torch.randn(2, 2, N, D, generator=g), torch.randn(2, 2, N, D, generator=g)
+    grad = backend == "sdpa"
+    res = []
+    for m in (tri, ref):
+        with torch.set_grad_enabled(grad):
+            ins = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+            out = m(*ins, positions=pos, segment_ids=seg)
+            params = [p for p in m.encoding.parameters() if p.requires_grad]
+            res.append((out, torch.autograd.grad(out.sum(), ins + params) if grad else ()))
+    _check(res[0][0], res[1][0], 1e-5, "out")
+    for i, (a, b_) in enumerate(zip(res[0][1], res[1][1])):
+        _check(a, b_, 1e-5 if i < 3 else 3e-5, f"grad {i}")
