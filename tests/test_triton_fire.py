@@ -259,3 +259,25 @@ def test_flex_and_sdpa_compute_fires_kind_as_eager_does(backend):
     _check(res[0][0], res[1][0], 1e-5, "out")
     for i, (a, b_) in enumerate(zip(res[0][1], res[1][1])):
         _check(a, b_, 1e-5 if i < 3 else 3e-5, f"grad {i}")
+
+
+def test_bf16_stays_within_bf16_rounding_of_the_float64_reference():
+    """bf16 activations and parameters: positions, the MLP and every sum stay float32 in-kernel."""
+    pos = POSITIONS["offset"][0]
+    tri, ref = _layers(2)
+    tri.to(torch.bfloat16)
+    ref.double()
+    with torch.no_grad():
+        for p, p_ref in zip(tri.encoding.parameters(), ref.encoding.parameters()):
+            p_ref.copy_(p.double())
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, h, N, D, generator=g).bfloat16() for h in (H, 2, 2))
+    outs = []
+    for m, dt in ((tri, torch.bfloat16), (ref, torch.float64)):
+        ins = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        out = m(*ins, positions=pos)
+        out.double().sum().backward()
+        outs.append((out, [t.grad for t in ins] + [p.grad for p in m.encoding.parameters()]))
+    _check(outs[0][0], outs[1][0], 4e-2 / 8, "out")  # ~2^-8 relative: a bf16 ulp or two
+    for i, (a, b_) in enumerate(zip(outs[0][1], outs[1][1])):
+        _check(a, b_, 4e-2, f"grad {i}")

@@ -63,9 +63,9 @@ class KeyOnly:
 @dataclass(eq=False)
 class KernelBias:
     """The bias arguments of the fused Triton kernels, filled term by term (`Bias.fold_into`):
-    summed ALiBi ``slopes [H]`` and one relative ``table [H, 2R+1]`` (both at ``q_pos``/``k_pos``),
-    summed cumulative decays ``c_q``/``c_k``, one FIRE MLP ``fire`` (evaluated per tile), and a
-    ``dense`` rest."""
+    summed ALiBi ``slopes [H]`` and relative tables (one ``table [H, 2R+1]`` over the widest
+    range), both at ``q_pos``/``k_pos``, summed cumulative decays ``c_q``/``c_k``, one FIRE MLP
+    ``fire`` (evaluated per tile), and a ``dense`` rest."""
 
     slopes: Tensor | None = None
     table: Tensor | None = None
