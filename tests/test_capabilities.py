@@ -17,7 +17,7 @@ from tests.helpers import Attn
 
 CAPABILITIES = {"position_dims", "accepts_nd_positions", "scalable", "set_scale", "factor", "searchable",
                 "set_factors", "fused_normalizer", "attend_current", "fused_rotary", "rotary", "requires_hidden",
-                "dynamic", "cheap_rotation", "needs_even_head_dim"}
+                "dynamic", "cheap_rotation", "needs_even_head_dim", "bias_kinds"}
 
 
 def test_every_capability_is_declared_on_the_base_class_with_a_default():
@@ -53,6 +53,7 @@ def test_declarations_match_what_the_class_implements(name):
     enc = build_encoding(name)
     if cls.fused_normalizer is not None:
         assert "normalize" in enc.stages
+    assert bool(enc.bias_kinds) == ("bias" in enc.stages), "bias_kinds declared iff the encoding has a bias"
     if enc.scalable:
         enc.set_scale(2.0)
         assert enc.factor == 2.0 and enc.config()["factor"] == 2.0

@@ -24,10 +24,11 @@ such as FIRE's last bias under softmax, is held to the scale of the case, not to
 
 Size (B=2, N=13, 2 heads of 8; decode = prefill 11 + 2 single tokens; triton under
 TRITON_INTERPRET=1 with 16 x 16 tiles): 27 encodings x 4 backends x 3 dtypes x 5 scenarios =
-1620 cases: 1155 forward and backward, 360 forward only (flex on CPU: 24 encodings x 15), 105
+1620 cases: 1140 forward and backward, 360 forward only (flex on CPU: 24 encodings x 15), 120
 skipped with the backend's reason (sba, rse, exposb replace softmax: sdpa and flex; exposb's
-normalizer: triton). Plus `test_randomized_shapes` (hypothesis, derandomized: batch 1-2, N in
-3..40 not a multiple of the 16-row tiles, grouped kv heads, offsets up to 3000; 40 examples and
+normalizer: triton; cope's rows, which read q and k: triton, which would materialize them).
+Plus `test_randomized_shapes` (hypothesis, derandomized: batch 1-2, N in 3..40 not a multiple of
+the 16-row tiles, grouped kv heads, offsets up to 3000; 40 examples and
 3 explicit ones that meet declared limits) and 4 refusal checks: 1625 tests.
 Measured: 3 min 9 s to 3 min 29 s wall (``OMP_NUM_THREADS=1 python -m pytest
 tests/test_conformance.py -q --durations=10``, a shared 2-core machine); triton ~140 s of it

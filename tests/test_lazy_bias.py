@@ -1,4 +1,4 @@
-"""Lazy dense biases (FIRE, CoPE, mixture): computed one block of query rows at a time, never
+"""Lazy biases (FIRE's kind, CoPE, mixture): computed one block of query rows at a time, never
 ``H x N x N``; equal to the dense formulas forward and backward, and through the blockwise SDPA
 backend equal to eager attention on the dense formula (offset positions, packed documents,
 causal and not, lengths that are not a multiple of the block)."""
@@ -9,7 +9,8 @@ from torch import nn
 
 from posenc_lightning import inject
 from posenc_lightning.attention.backends import sdpa
-from posenc_lightning.encodings.base import AttentionContext, DenseBias
+from posenc_lightning.encodings.base import AttentionContext, DenseBias, RelativeBias
+from posenc_lightning.encodings.bias import FireBias
 from posenc_lightning.functional import fire as ffire
 from posenc_lightning.functional.fire import fire_mlp
 from tests.helpers import Attn
@@ -125,7 +126,7 @@ def test_fire_lazy_bias_equals_the_dense_formula():
     qp = torch.stack([torch.arange(40) + 7, torch.cat([torch.arange(15), torch.arange(25)])])  # offset; packed
     kp = qp
     bias = enc.bias(None, None, AttentionContext(qp, kp))
-    assert isinstance(bias, DenseBias) and bias.is_lazy
+    assert type(bias) is FireBias  # queries past L: the MLP per (i, j), by rows here
     params = [p for p in enc.parameters() if p.requires_grad]
     for s, e, ke in [(0, 40, 40), (5, 23, 23), (23, 40, 31)]:
         new = bias.rows(s, e, ke)
@@ -134,10 +135,10 @@ def test_fire_lazy_bias_equals_the_dense_formula():
         g = torch.randn_like(ref)
         for a, b in zip(torch.autograd.grad((new * g).sum(), params), torch.autograd.grad((ref * g).sum(), params)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    # float positions also go lazy; queries all below L stay a per-distance table
-    assert enc.bias(None, None, AttentionContext(qp.float(), kp.float())).is_lazy
+    # float positions also take FIRE's kind; queries all below L on CPU stay a per-distance table
+    assert type(enc.bias(None, None, AttentionContext(qp.float(), kp.float()))) is FireBias
     short = torch.arange(10)[None]
-    assert not isinstance(enc.bias(None, None, AttentionContext(short, short)), DenseBias)
+    assert type(enc.bias(None, None, AttentionContext(short, short))) is RelativeBias
 
 
 @pytest.mark.parametrize("chunk", [1, 2**20])  # sub-blocks of one row (checkpointed), or none
@@ -216,6 +217,9 @@ def test_blockwise_sdpa_equals_eager_dense_formula_fwd_bwd(name, layout, monkeyp
                 assert t.is_lazy
                 fn = t.fn
                 t.fn = lambda s, e, ke, *ins, fn=fn: (requested.append(e - s), fn(s, e, ke, *ins))[1]
+            elif isinstance(t, FireBias):
+                fn = t.rows_from
+                t.rows_from = lambda s, e, ke, views, fn=fn: (requested.append(e - s), fn(s, e, ke, views))[1]
         return bias
 
     monkeypatch.setattr(enc, "bias", spy)

@@ -18,6 +18,8 @@ class ALiBi(Encoding):
         slope_scale: multiply every slope (1.0 is the paper).
     """
 
+    bias_kinds = (LinearBias,)
+
     def __init__(self, slope_scale: float = 1.0) -> None:
         super().__init__()
         self.slope_scale = slope_scale

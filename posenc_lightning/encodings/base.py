@@ -132,6 +132,9 @@ class Encoding(nn.Module):
     #: keeps per-token state beside the cached keys (``ctx.cache.extra``: FoX's cumulative gates),
     #: so its cache must hold exactly the tokens seen (no fixed-size static buffer)
     keeps_cache_state: ClassVar[bool] = False
+    #: the bias kinds `bias` may return (their ``fused_in`` tells a fused backend whether it can
+    #: compute them without an N x N tensor); none declared = unknown: only blocks of rows (sdpa)
+    bias_kinds: ClassVar[tuple[type[Bias], ...]] = ()
     #: rotary encodings need an even head_dim
     needs_even_head_dim: ClassVar[bool] = False
     #: ``rotate`` is a cheap, deterministic function of (q, k, ctx): attention recomputes it in

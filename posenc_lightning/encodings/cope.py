@@ -23,6 +23,9 @@ class CoPE(Encoding):
         init_std: embeddings start at ``N(0, init_std)`` (0 = zeros, the paper's init).
     """
 
+    #: rows read q and k (the gates): computed by blocks of rows only
+    bias_kinds = (DenseBias,)
+
     def __init__(self, max_position: int = 64, per_head: bool = False, init_std: float = 0.0) -> None:
         super().__init__()
         if max_position < 2:

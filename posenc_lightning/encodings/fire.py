@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, RelativeBias
+from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, RelativeBias
+from posenc_lightning.encodings.bias import FireBias
 from posenc_lightning.encodings.registry import register
-from posenc_lightning.functional.fire import fire_mlp, fire_normalized_distance, fire_psi
+from posenc_lightning.functional.fire import fire_normalized_distance, fire_psi
 from posenc_lightning.functional.positions import host_reads_ok
 
 
@@ -25,10 +26,14 @@ class FIRE(Encoding):
             ``psi(L)``, not ``psi(i)``, so short contexts are not over-stretched.
         learn_L: learn ``L`` (through a multiplier) or keep it fixed.
         eps: added to the normalizer.
-        use_relative: while every query position is below ``L`` the bias depends on ``i - j`` only;
-            return it as a `RelativeBias` table (O(N) MLP calls, fused by backends) instead of a
-            lazy `DenseBias` (O(N^2), computed by blocks of rows). Same values either way.
+        use_relative: on CPU (where reading the positions costs no device sync) and outside
+            ``torch.compile``, while every query position is below ``L`` the bias depends on
+            ``i - j`` only: return it as a `RelativeBias` table (O(N) MLP calls) instead of a
+            `FireBias` (the MLP per (i, j): by rows, per ``score_mod`` element or per kernel
+            tile). Same values either way.
     """
+
+    bias_kinds = (RelativeBias, FireBias)
 
     def __init__(self, mlp_width: int = 32, init_c: float = 0.1, init_L: float = 512.0,
                  learn_L: bool = True, eps: float = 1e-6, use_relative: bool = True) -> None:
@@ -74,14 +79,6 @@ class FIRE(Encoding):
         x = self.normalized_distance(q_pos, k_pos).unsqueeze(-1)  # [B, Nq, Nk, 1] float32
         return self.mlp(x.to(self.mlp[0].weight.dtype)).float().permute(0, 3, 1, 2)
 
-    def bias_rows(self, q_pos: Tensor, k_pos: Tensor, params: tuple[Tensor, ...] | None = None) -> Tensor:
-        """`bias_tensor` by `fire_mlp` (same values and gradients, no ``[.., W]`` hidden tensor).
-        ``params``: stand-ins for `bias_params` (same order)."""
-        c, l_mult, w1, b1, w2, b2 = self.bias_params() if params is None else params
-        x = fire_normalized_distance(q_pos, k_pos, c, (l_mult * self.init_L).abs(), self.eps)  # [B, Nq, Nk]
-        out = fire_mlp(x.flatten(1), w1[:, 0], b1, w2, b2)
-        return out.float().view(x.shape[0], -1, *x.shape[1:])
-
     def bias_params(self) -> tuple[Tensor, ...]:
         """What the bias is computed from: ``(c, L_multiplier, W1, b1, W2, b2)``."""
         lin1, lin2 = self.mlp[0], self.mlp[2]
@@ -97,16 +94,15 @@ class FIRE(Encoding):
         return self.mlp(x[:, None].to(self.mlp[0].weight.dtype)).float().t()
 
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
+        if self.mlp is None:
+            raise RuntimeError("fire: n_heads unknown; call bind(n_heads=...) or inject() first")
         qp, kp = ctx.q_pos, ctx.k_pos
-        if self.use_relative and not qp.dtype.is_floating_point and not kp.dtype.is_floating_point \
-                and qp.numel() and kp.numel() and host_reads_ok(qp):
-            # one sync: are all queries below the threshold L? then bias = f(i - j): a RelativeBias
+        if self.use_relative and host_reads_ok(qp) and not qp.dtype.is_floating_point \
+                and not kp.dtype.is_floating_point and qp.numel() and kp.numel():
+            # host reads are free (CPU, not traced): all queries below the threshold L? then bias = f(i - j)
             q_max, q_min, k_max, k_min = torch.stack((qp.max(), qp.min(), kp.max(), kp.min())).tolist()
             if q_max < float(self.threshold.detach()):
                 r = int(max(abs(q_max - k_min), abs(k_max - q_min)))
                 return RelativeBias(self.relative_table(r), qp, kp)
-        if self.mlp is None:
-            raise RuntimeError("fire: n_heads unknown; call bind(n_heads=...) or inject() first")
-        # computed one block of query rows at a time by the backends that can (never N x N)
-        return DenseBias.lazy(lambda s, e, ke, *params: self.bias_rows(qp[:, s:e], kp[:, :ke], params),
-                              qp.shape[1], kp.shape[1], inputs=self.bias_params())
+        # exact for any positions, no host read: rows (sdpa), a score_mod (flex), per tile (triton)
+        return FireBias(qp, kp, self.c, self.L_multiplier, self.init_L, *self.bias_params()[2:], eps=self.eps)

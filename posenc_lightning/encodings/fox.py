@@ -30,6 +30,8 @@ class ForgettingAttention(Encoding):
         theta, layout: RoPE's arguments when ``rope`` is on.
     """
 
+    bias_kinds = (DecayBias,)
+
     requires_hidden = True
     keeps_cache_state = True
 

@@ -49,6 +49,7 @@ class CompositeEncoding(Encoding):
         self.dynamic = any(m.dynamic for m in members)
         self.requires_hidden = any(m.requires_hidden for m in members)
         self.needs_even_head_dim = any(m.needs_even_head_dim for m in members)
+        self.bias_kinds = tuple(dict.fromkeys(k for m in members if "bias" in m.stages for k in m.bias_kinds))
 
     def bind(self, **sizes: int | None) -> Encoding:
         for m in self.members:
@@ -148,6 +149,8 @@ class Mixture(CompositeEncoding):
         if w.shape != (len(encs),):
             raise ValueError(f"mixture: init_weights needs {len(encs)} values, got {tuple(w.shape)}")
         self.mixture_logits = nn.Parameter(w)
+        if any("rotate" in m.stages for m in encs):  # the logit change of a rotation: rows read q, k
+            self.bias_kinds = (*self.bias_kinds, DenseBias)
 
     @property
     def stages(self) -> frozenset[str]:

@@ -23,6 +23,8 @@ class T5RelativeBias(Encoding):
         bidirectional: T5's encoder (True); decoders use one direction (False).
     """
 
+    bias_kinds = (RelativeBias,)
+
     def __init__(self, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = False) -> None:
         super().__init__()
         self.num_buckets = num_buckets

@@ -60,6 +60,7 @@ class RotaryStickBreaking(StickBreaking):
     """
 
     needs_even_head_dim = True
+    bias_kinds = (LinearBias,)
 
     def __init__(self, theta: float = 10000.0, layout: Literal["half", "interleaved"] = "half",
                  partial_rotary_factor: float = 1.0, penalty_init: float = 0.01,

@@ -4,8 +4,9 @@
   eq. 34: ``x * cos + rotate(x) * sin``) with cos/sin gathered per token from a table at
   arbitrary per-token indices; ``SIGN=-1`` applies the transpose (used to rotate gradients back).
 * `visible`: which (query, key) pairs may attend (causal by index, packed documents, padding).
-* `bias_tile` / `bias_grads`: the structured biases of ``encodings/base.py`` read in-kernel
-  (``LinearBias``, ``RelativeBias``, ``DecayBias``, ``DenseBias``) and their gradients.
+* `bias_tile` / `bias_grads`: the structured biases of ``encodings/bias`` read in-kernel
+  (``LinearBias``, ``RelativeBias``, ``DecayBias``, ``FireBias`` (`_fire`), ``DenseBias``) and
+  their gradients.
 
 Everything is loaded and accumulated in float32 (the interpreter mishandles bf16); q, k and the
 probabilities are cast to the input dtype (``DOT_T``) only for the matrix products, which
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from posenc_lightning.kernels._fire import fire_grads, fire_tile
 
 
 @triton.jit
@@ -73,13 +76,14 @@ def visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG, KSEG, KVALID,
 
 @triton.jit
 def bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP, KP, SLOPES, TABLE, RMAX, stride_th,
-              CQ, CK, DENSE, stride_dm,
+              CQ, CK, DENSE, stride_dm, FIRE, FW, H, feps,
               HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr,
-              HAS_DENSE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr):
+              HAS_DENSE: tl.constexpr, HAS_FIRE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              ACC: tl.constexpr):
     """The additive bias ``[BM, BN]`` in float32. ``QP``/``KP`` (float32 positions), ``CQ``/``CK``
-    and ``DENSE`` already point at this (batch, head)."""
+    and ``DENSE`` already point at this (batch, head); ``FIRE``: FIRE's packed parameters."""
     bias = tl.zeros((BM, BN), dtype=ACC)
-    if HAS_LIN or HAS_REL:
+    if HAS_LIN or HAS_REL or HAS_FIRE:
         qp = tl.load(QP + offs_m, mask=m_mask, other=0.0)
         kp = tl.load(KP + offs_n, mask=n_mask, other=0.0)
         dist = qp[:, None] - kp[None, :]
@@ -89,6 +93,8 @@ def bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP, KP, SLOPES, TABLE, RMAX, st
             idx = tl.minimum(tl.maximum(dist.to(tl.int32), -RMAX), RMAX) + RMAX
             ok = m_mask[:, None] & n_mask[None, :]
             bias += tl.load(TABLE + h * stride_th + idx, mask=ok, other=0.0).to(ACC)
+        if HAS_FIRE:  # FIRE, Li et al. 2024 eq. 3
+            bias += fire_tile(h, qp.to(ACC), kp.to(ACC), FIRE, FW, H, feps, BM, BN, ACC)
     if HAS_DEC:  # FoX: c_i - c_j
         cq = tl.load(CQ + offs_m, mask=m_mask, other=0.0).to(ACC)
         ck = tl.load(CK + offs_n, mask=n_mask, other=0.0).to(ACC)
@@ -101,14 +107,16 @@ def bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP, KP, SLOPES, TABLE, RMAX, st
 
 @triton.jit
 def bias_grads(ds, h, offs_m, offs_n, m_mask, n_mask, QP, KP, DTABLE, RMAX, stride_th,
-               DDENSE, stride_ddm,
+               DDENSE, stride_ddm, FIRE, FW, H, feps,
                HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DENSE: tl.constexpr,
-               ATOMIC_DENSE: tl.constexpr):
+               ATOMIC_DENSE: tl.constexpr, HAS_FIRE: tl.constexpr, FB: tl.constexpr, ACC: tl.constexpr):
     """Scatter ``dL/dlogits`` (zero where masked) into the table / dense-bias gradients and
-    return this tile's contribution to ``dL/dslope[h]`` (``sum ds * -|i - j|``)."""
+    return this tile's contributions to ``dL/dslope[h]`` (``sum ds * -|i - j|``) and to FIRE's
+    parameters (packed ``[FB]``, `_fire.fire_grads`)."""
     dslope = 0.0
+    dfire = tl.zeros((FB,), ACC)
     ok = m_mask[:, None] & n_mask[None, :]
-    if HAS_LIN or HAS_REL:
+    if HAS_LIN or HAS_REL or HAS_FIRE:
         qp = tl.load(QP + offs_m, mask=m_mask, other=0.0)
         kp = tl.load(KP + offs_n, mask=n_mask, other=0.0)
         dist = qp[:, None] - kp[None, :]
@@ -117,13 +125,15 @@ def bias_grads(ds, h, offs_m, offs_n, m_mask, n_mask, QP, KP, DTABLE, RMAX, stri
         if HAS_REL:
             idx = tl.minimum(tl.maximum(dist.to(tl.int32), -RMAX), RMAX) + RMAX
             tl.atomic_add(DTABLE + h * stride_th + idx, ds, mask=ok)
+        if HAS_FIRE:
+            dfire = fire_grads(ds.to(ACC), h, qp.to(ACC), kp.to(ACC), ok, FIRE, FW, H, feps, FB, ACC)
     if HAS_DENSE:
         ptrs = DDENSE + offs_m[:, None] * stride_ddm + offs_n[None, :]
         if ATOMIC_DENSE:
             tl.atomic_add(ptrs, ds, mask=ok)
         else:
             tl.store(ptrs, ds, mask=ok)
-    return dslope
+    return dslope, dfire
 
 
 @triton.jit

@@ -21,12 +21,16 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-KINDS = ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd", "rotate")
+#: ``<kernel>_fire``: the same kernel with FIRE's MLP (width `FIRE_WIDTH`) evaluated per tile on top
+KINDS = ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd", "rotate", "fwd_fire", "bwd_dkdv_fire", "bwd_dq_fire",
+         "sb_fwd_fire", "sb_bwd_fire")
+#: FIRE's MLP width in the ``_fire`` variants (the paper's 32)
+FIRE_WIDTH = 32
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = ("float16", "bfloat16", "float32")
 #: compute capability -> opt-in shared memory per block (bytes): A100 163 KiB, H100 227 KiB
 TARGETS = {80: 163 * 1024, 90: 227 * 1024}
-_ACC = ("O", "LSE", "DELTA", "DQ", "DK", "DV", "DCQ", "DCK", "DTABLE", "DSLOPE", "DDENSE", "X")
+_ACC = ("O", "LSE", "DELTA", "DQ", "DK", "DV", "DCQ", "DCK", "DTABLE", "DSLOPE", "DDENSE", "DFIRE", "X")
 _TY = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
        torch.float64: "fp64", torch.int64: "i64"}
 
@@ -36,25 +40,29 @@ def _kernel(kind: str):
 
     return {"fwd": softmax._fwd_kernel, "bwd_dkdv": softmax._bwd_dkdv_kernel, "bwd_dq": softmax._bwd_dq_kernel,
             "sb_fwd": stick_breaking._sb_fwd_kernel, "sb_bwd": stick_breaking._sb_bwd_kernel,
-            "rotate": _common._rotate_kernel}[kind]
+            "rotate": _common._rotate_kernel}[kind.removesuffix("_fire")]
 
 
 def launch_spec(kind: str, head_dim: int, dtype: torch.dtype):
     """``(kernel, values by argument name, num_warps, num_stages)`` of the GPU launch of ``kind``
-    with every feature on (rotary, packed documents, padding, all four bias kinds)."""
+    with every feature on (rotary, packed documents, padding, all four bias kinds; FIRE's MLP too
+    for the ``_fire`` variants)."""
     from posenc_lightning.kernels.fused import Plan, RotaryTables, block_config, common_args, head_block
 
+    fire = kind.endswith("_fire")
+    kind = kind.removesuffix("_fire")
     b, h, n, d = 1, 2, 8, head_dim
     q = torch.zeros(b, h, n, d, dtype=dtype)
     cos = torch.zeros(n, d // 2)
     pos = torch.zeros(b, n, dtype=torch.long)
     plan = Plan(scale=d ** -0.5, causal=1, rotary=RotaryTables(cos, cos, pos, cos, cos, pos), q_segments=pos,
                 k_valid=pos.bool(), bias_q_pos=pos.float(), bias_k_pos=pos.float(),
-                stick_breaking=kind.startswith("sb"))
+                stick_breaking=kind.startswith("sb"), fire_width=FIRE_WIDTH if fire else 0, fire_eps=1e-6)
     z = torch.zeros(h, dtype=torch.float32)
     args, flags = common_args(q, q, plan, z, torch.zeros(h, 9), torch.zeros(b, h, n), torch.zeros(b, h, n),
-                              torch.zeros(b, h, n, n))
-    cfg = block_config(kind, d, dtype, gpu=True)
+                              torch.zeros(b, h, n, n),
+                              torch.zeros(2 + 2 * FIRE_WIDTH + h * (FIRE_WIDTH + 1)) if fire else None)
+    cfg = block_config(kind, d, dtype, gpu=True)  # FIRE does not change the tiling
     kernel = _kernel(kind)
     if kind == "rotate":
         flags = {"ROT": 1, "SIGN": -1, "BD": head_block(d), "ACC": flags["ACC"]}
@@ -152,18 +160,18 @@ def run_all(jobs: int = 2, ptxas: bool = True, **sel) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'kernel':9} {'D':>4} {'dtype':9} {'target':6} {'BMxBN':>7} {'w/s':>4} {'smem KiB':>9} {'limit':>6} " \
+    head = f"{'kernel':14} {'D':>4} {'dtype':9} {'target':6} {'BMxBN':>7} {'w/s':>4} {'smem KiB':>9} {'limit':>6} " \
            f"{'regs':>5} {'spill st/ld':>12}  status"
     lines = [head, "-" * len(head)]
     for r in rows:
         if "shared_bytes" in r:
-            lines.append(f"{r['kernel']:9} {r['head_dim']:>4} {r['dtype']:9} {r['target']:6} "
+            lines.append(f"{r['kernel']:14} {r['head_dim']:>4} {r['dtype']:9} {r['target']:6} "
                          f"{str(r['BM']) + 'x' + str(r['BN']):>7} {str(r['num_warps']) + '/' + str(r['num_stages']):>4} "
                          f"{r['shared_bytes'] / 1024:9.1f} {r['shared_limit'] // 1024:6d} {r['registers']:5d} "
                          f"{str(r['spill_stores']) + '/' + str(r['spill_loads']):>12}  "
                          f"{'ok' if r['ok'] else 'FAIL ' + r['error']}")
         else:
-            lines.append(f"{r['kernel']:9} {r['head_dim']:>4} {r['dtype']:9} {r['target']:6} FAIL {r['error']}")
+            lines.append(f"{r['kernel']:14} {r['head_dim']:>4} {r['dtype']:9} {r['target']:6} FAIL {r['error']}")
     bad = sum(not r["ok"] for r in rows)
     lines.append(f"{len(rows) - bad} passed, {bad} failed")
     return "\n".join(lines)

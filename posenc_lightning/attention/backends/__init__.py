@@ -4,6 +4,9 @@
 ``supports(encoding, device, requires_grad) -> None | reason``, and the declarations ``NAME`` and
 ``FUSES_ROTARY`` (it rotates q and k in-kernel with ``ctx.rotary``, the encoding's
 `Encoding.fused_rotary`). A backend asks each bias for what it fuses (`posenc_lightning.encodings.bias`).
+A fused backend also declares ``FUSED_BIAS``, the form it computes biases in ("kernel": triton,
+"score_mod": flex), and refuses an encoding that declares a bias kind without that form
+(`unfused_bias`): ``auto`` never picks a backend that would materialize an N x N bias.
 """
 
 from __future__ import annotations
@@ -18,6 +21,21 @@ from posenc_lightning.encodings.base import Encoding
 BACKENDS = ("eager", "sdpa", "flex", "triton")
 #: the order ``auto`` tries, fastest first
 _AUTO_ORDER = {"cuda": ("triton", "flex", "sdpa", "eager"), "cpu": ("sdpa", "eager")}
+
+
+def unfused_bias(encoding: Encoding, form: str, who: str) -> str | None:
+    """Why ``who`` would have to materialize ``encoding``'s bias as an N x N tensor (a declared
+    kind without the fused ``form``, or no declaration at all), or None."""
+    if "bias" not in encoding.stages:
+        return None
+    if not encoding.bias_kinds:
+        return (f"{encoding.name} declares no bias_kinds, so {who} would materialize its bias N x N; "
+                f"declare them on the class (Encoding.bias_kinds) or use backend='sdpa' (blocks of rows)")
+    bad = [k.__name__ for k in encoding.bias_kinds if form not in k.fused_in]
+    if bad:
+        return (f"{who} would materialize {encoding.name}'s {', '.join(bad)} as an N x N tensor; "
+                f"backend='sdpa' computes it by blocks of rows")
+    return None
 
 
 #: the backend modules imported so far (`get_backend`), so that resolving one inside a traced

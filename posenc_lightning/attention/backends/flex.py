@@ -5,6 +5,8 @@ become a ``mask_mod`` and a block mask, so fully masked blocks are skipped.
 
 Compiled on GPU. On CPU flex runs eagerly (the unfused reference path) and has no backward:
 `supports` refuses a CPU call that needs gradients, so ``auto`` never picks flex for CPU training.
+Where it compiles, it refuses an encoding that may return a kind with no ``score_mod`` of its own
+(``fused_in`` without "score_mod": lazy rows that read q and k), which it would materialize.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from posenc_lightning.attention.backends import unfused_bias
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
 
 NAME = "flex"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
 FUSES_ROTARY = False
+#: the fused form it computes a bias kind in (`Bias.fused_in`)
+FUSED_BIAS = "score_mod"
 
 
 def _flex_module():
@@ -41,6 +46,8 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
         return "flex attention has no backward on CPU (it runs eagerly, forward only); use 'sdpa' or 'eager' to train"
     if device.type not in ("cpu", "cuda", "xpu"):
         return f"flex attention does not run on {device.type}"
+    if device.type != "cpu":  # on CPU flex is the eager reference path: every score is computed anyway
+        return unfused_bias(encoding, FUSED_BIAS, "flex attention")
     return None
 
 

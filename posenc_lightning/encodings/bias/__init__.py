@@ -14,12 +14,15 @@ method               gives                                                  aske
 ``scaled(w)``        ``w * bias``, the same kind where it can be             mixture
 ``score_term(B, H)`` ``f(b, h, q_idx, kv_idx)`` for a flex ``score_mod``     flex
 ``fold_into(args)``  its part of the Triton kernels' arguments              triton
+``fused_in``         the fused forms that need no ``N x N`` ("kernel",       triton, flex
+                     "score_mod"), read from `Encoding.bias_kinds`           (`supports`)
 ==================== ====================================================== ==============
 
 A new kind implements `materialize` and `rows`; every other method has a default that is exact
 for any kind (dense score term and kernel argument, lazily scaled rows).
 """
 
+from posenc_lightning.encodings.bias.fire import FireBias
 from posenc_lightning.encodings.bias.kinds import (
     Bias,
     BiasSum,
@@ -34,5 +37,5 @@ from posenc_lightning.encodings.bias.kinds import (
 )
 from posenc_lightning.encodings.bias.structured import DecayBias, LinearBias, RelativeBias
 
-__all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "Index", "KernelBias", "KeyOnly", "LinearBias",
+__all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "FireBias", "Index", "KernelBias", "KeyOnly", "LinearBias",
            "RelativeBias", "ScaledBias", "ScoreTerm", "cut", "span"]

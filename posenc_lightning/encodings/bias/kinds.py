@@ -7,12 +7,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from posenc_lightning.functional.positions import host_reads_ok
+
+if TYPE_CHECKING:
+    from posenc_lightning.encodings.bias.fire import FireBias
 
 __all__ = ["Bias", "BiasSum", "DenseBias", "KernelBias", "KeyOnly", "ScaledBias", "cut", "span"]
 
@@ -63,14 +66,16 @@ class KeyOnly:
 @dataclass(eq=False)
 class KernelBias:
     """The bias arguments of the fused Triton kernels, filled term by term (`Bias.fold_into`):
-    summed ALiBi ``slopes [H]`` and one relative ``table [H, 2R+1]`` (both at ``q_pos``/``k_pos``),
-    summed cumulative decays ``c_q``/``c_k``, and a ``dense`` rest."""
+    summed ALiBi ``slopes [H]`` and relative tables (one ``table [H, 2R+1]`` over the widest
+    range), both at ``q_pos``/``k_pos``, summed cumulative decays ``c_q``/``c_k``, one FIRE MLP
+    ``fire`` (evaluated per tile), and a ``dense`` rest."""
 
     slopes: Tensor | None = None
     table: Tensor | None = None
     c_q: Tensor | None = None
     c_k: Tensor | None = None
     dense: Tensor | None = None
+    fire: FireBias | None = None
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
 
@@ -88,6 +93,12 @@ class KernelBias:
 
 class Bias(ABC):
     """A structured additive bias on the attention logits (see the module docstring)."""
+
+    #: the fused forms that compute this kind with no ``N x N`` tensor: "kernel" (the Triton
+    #: kernels' arguments, `fold_into`) and "score_mod" (flex, `score_term`). Backends that fuse
+    #: one form refuse encodings declaring a kind without it (`Encoding.bias_kinds`); blocks of
+    #: rows (`rows`, SDPA) compute every kind.
+    fused_in: ClassVar[frozenset[str]] = frozenset()
 
     @abstractmethod
     def materialize(self) -> Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -24,6 +25,7 @@ class LinearBias(Bias):
     k_pos: Tensor  # [B, Nk]
     recomputable = True
     fresh_rows = True
+    fused_in: ClassVar[frozenset[str]] = frozenset({"kernel", "score_mod"})
     distance_only = True
 
     def materialize(self) -> Tensor:
@@ -80,6 +82,7 @@ class RelativeBias(Bias):
     k_pos: Tensor
     recomputable = True
     fresh_rows = True
+    fused_in: ClassVar[frozenset[str]] = frozenset({"kernel", "score_mod"})
     distance_only = True
 
     @property
@@ -113,10 +116,23 @@ class RelativeBias(Bias):
         qp, kp = self.q_pos.long(), self.k_pos.long()
         return lambda b, h, qi, ki: table[h, (qp[b, qi] - kp[b, ki]).clamp(-r, r) + r]
 
+    def widened(self, r: int) -> Tensor:
+        """The table over ``[-r, r]`` (``r >= max_distance``), its edges repeated: same values."""
+        if r == self.max_distance:
+            return self.table
+        idx = torch.arange(-r, r + 1, device=self.table.device).clamp(-self.max_distance, self.max_distance)
+        return self.table[:, idx + self.max_distance]
+
     def fold_into(self, args: KernelBias) -> None:
-        if args.table is not None or not args.claim_positions(self.q_pos, self.k_pos):
-            return super().fold_into(args)  # the kernels read one table
-        args.table = self.table
+        if not args.claim_positions(self.q_pos, self.k_pos):
+            return super().fold_into(args)
+        if args.table is None:
+            args.table = self.table
+            return
+        # the kernels read one table: the sum of both over the wider range (FIRE below L + T5 in a mixture)
+        other = RelativeBias(args.table, self.q_pos, self.k_pos)
+        r = max(self.max_distance, other.max_distance)
+        args.table = other.widened(r) + self.widened(r)
 
 
 @dataclass(eq=False)
@@ -127,6 +143,7 @@ class DecayBias(Bias):
     c_k: Tensor  # [B, H, Nk]
     recomputable = True
     fresh_rows = True
+    fused_in: ClassVar[frozenset[str]] = frozenset({"kernel", "score_mod"})
 
     def materialize(self) -> Tensor:
         return self.c_q.to(torch.float32)[..., :, None] - self.c_k.to(torch.float32)[..., None, :]

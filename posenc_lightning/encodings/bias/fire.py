@@ -1,0 +1,111 @@
+"""`FireBias`: FIRE's bias (Li et al., 2024, eq. 3) described by its O(N) data — positions, ``c``,
+the threshold ``L``, ``eps`` and the MLP ``f_theta`` (``1 -> W -> H``, ReLU) — so that every
+``N x N`` value is computed where it is used: rows (SDPA), a ``score_mod`` (flex) or a tile of
+the Triton kernels, which also reduce its parameter gradients per tile."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from posenc_lightning.encodings.bias.kinds import Bias, KernelBias, ScoreTerm
+from posenc_lightning.functional.fire import fire_mlp, fire_normalized_distance
+
+__all__ = ["FireBias"]
+
+
+@dataclass(eq=False)
+class FireBias(Bias):
+    """``weight * f_theta(psi(i - j) / (psi(max(L, i)) + eps))`` with ``psi(x) = log(|c x| + 1)``,
+    ``f_theta(x) = w2 relu(w1 x + b1) + b2`` and ``L = |l_mult * init_L|`` (FIRE eq. 3 and its
+    reference code), at the tokens' positions.
+
+    The parameters are held as given (``c`` ``[1]``, ``l_mult`` ``[1]``, ``init_L`` a constant,
+    ``w1`` ``[W, 1]`` (``Linear(1, W).weight``), ``b1`` ``[W]``, ``w2`` ``[H, W]``, ``b2`` ``[H]``,
+    ``weight`` a scalar or None): whatever is derived from them is derived per call, so one bias
+    can be differentiated several times (blockwise SDPA's recomputed rows)."""
+
+    q_pos: Tensor  # [B, Nq]
+    k_pos: Tensor  # [B, Nk]
+    c: Tensor
+    l_mult: Tensor
+    init_L: Tensor
+    w1: Tensor
+    b1: Tensor
+    w2: Tensor
+    b2: Tensor
+    eps: float = 1e-6
+    weight: Tensor | None = None
+    recomputable = True
+    fresh_rows = True
+    fused_in: ClassVar[frozenset[str]] = frozenset({"kernel", "score_mod"})
+
+    def grad_inputs(self) -> tuple[Tensor, ...]:
+        params = (self.c, self.l_mult, self.w1, self.b1, self.w2, self.b2)
+        return params if self.weight is None else (*params, self.weight)
+
+    @staticmethod
+    def _mlp_out(views: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """``(w2, b2)`` with the scale folded in (``w f = (w w2) relu(..) + w b2``)."""
+        w2, b2 = views[4], views[5]
+        return (w2, b2) if len(views) == 6 else (w2 * views[6], b2 * views[6])
+
+    def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
+        c, l_mult, w1, b1 = views[:4]
+        w2, b2 = self._mlp_out(views)
+        x = fire_normalized_distance(self.q_pos[:, start:stop], self.k_pos[:, :k_stop], c, (l_mult * self.init_L).abs(),
+                                     self.eps)
+        out = fire_mlp(x.flatten(1), w1[:, 0], b1, w2, b2)  # [B, H, rows * keys], no [.., W] hidden tensor
+        return out.float().view(x.shape[0], -1, *x.shape[1:])
+
+    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
+        return self.rows_from(start, stop, k_stop, self.grad_inputs())
+
+    def materialize(self) -> Tensor:
+        return self.rows(0, self.q_pos.shape[1], self.k_pos.shape[1])
+
+    def scaled(self, w: Tensor) -> Bias:
+        """Still a FIRE bias: the scale is folded into ``w2``, ``b2`` where it is used."""
+        return FireBias(self.q_pos, self.k_pos, self.c, self.l_mult, self.init_L, self.w1, self.b1, self.w2, self.b2,
+                        self.eps, w if self.weight is None else self.weight * w)
+
+    def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
+        """The MLP per (b, h, q_idx, kv_idx), one hidden unit at a time (no tensor beyond scalars)."""
+        f32 = torch.float32
+        qp, kp = self.q_pos.to(f32), self.k_pos.to(f32)
+        c = self.c.to(f32).reshape(())
+        thr = (self.l_mult * self.init_L).abs().to(f32).reshape(())
+        w2, b2 = (t.to(f32) for t in self._mlp_out(self.grad_inputs()))
+        w1, b1 = self.w1.to(f32)[:, 0], self.b1.to(f32)
+        eps, width = self.eps, self.width
+
+        def term(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+            i = qp[b, qi]
+            x = torch.log1p((c * (i - kp[b, ki])).abs()) / (torch.log1p((c * torch.maximum(i, thr)).abs()) + eps)
+            out = b2[h]
+            for u in range(width):
+                out = out + w2[h, u] * torch.relu(w1[u] * x + b1[u])
+            return out
+
+        return term
+
+    def fold_into(self, args: KernelBias) -> None:
+        if args.fire is not None or not args.claim_positions(self.q_pos, self.k_pos):
+            return super().fold_into(args)  # the kernels evaluate one FIRE MLP
+        args.fire = self
+
+    def kernel_params(self, dtype: torch.dtype) -> Tensor:
+        """The kernels' packed parameters ``[c, L, w1 (W), b1 (W), b2 (H), w2 (H x W)]`` in ``dtype``
+        (differentiable: the kernels' gradient of it reaches every parameter)."""
+        w2, b2 = self._mlp_out(self.grad_inputs())
+        parts = (self.c.reshape(1), (self.l_mult * self.init_L).abs().reshape(1), self.w1[:, 0], self.b1, b2,
+                 w2.reshape(-1))
+        return torch.cat([t.to(dtype) for t in parts])
+
+    @property
+    def width(self) -> int:
+        return self.w1.shape[0]
