@@ -192,6 +192,8 @@ def test_every_refusal_names_a_reason(backend):
         assert refused == {}
     if backend == "sdpa":
         assert {n for n, _ in refused} == normalizers
+    if backend == "blockwise":  # the declared normalizers only
+        assert {n for n, _ in refused} == set(ENCODINGS) - normalizers
     if backend == "flex":  # forward only on CPU; no softmax replacement
         assert {n for n, g in refused if not g} == normalizers
         assert {n for n, g in refused if g} == set(ENCODINGS)

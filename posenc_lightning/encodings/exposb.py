@@ -31,7 +31,12 @@ from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin
 @register("exposb", "rotate", "ExpoSB: rope with position-decayed rotation, band-pass channel gain and "
           "distance-decayed scores")
 class ExpoSB(RotaryEncoding):
-    """ExpoSB (see the module docstring for the formulas; the defaults are the seed's constants)."""
+    """ExpoSB (see the module docstring for the formulas; the defaults are the seed's constants).
+
+    Declares its stage 4 as ``"distance_modulated_softmax"``: ``softmax(s * distance_modulation)``,
+    which the blockwise backend runs by tiles, asking `distance_modulation` at each tile's positions."""
+
+    fused_normalizer = "distance_modulated_softmax"
 
     def __init__(self, theta: float = 10000.0, position_decay: float = 0.001, position_boost: float = 0.2,
                  band_floor: float = 0.8, band_gain: float = 0.4, band_center: float | None = None,

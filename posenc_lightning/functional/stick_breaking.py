@@ -47,3 +47,48 @@ def stick_breaking_weights(logits: Tensor, mask: Tensor) -> Tensor:
     log_beta = z - sp  # log sigmoid(z) with the seed's stabilized softplus
     log_a = torch.where(mask, log_beta - excl, torch.full((), -torch.inf, device=z.device))
     return log_a.exp()
+
+
+def stick_breaking_tile(z: Tensor, visible: Tensor | None, tail: Tensor) -> tuple[Tensor, Tensor]:
+    """One tile of eq. 3 with its keys in *descending* order (nearest first along the last dim).
+
+    ``tail [..., rows]``: ``sum softplus(z_ik)`` over the visible keys nearer than the tile (the
+    log-space cumulative sum carried across key tiles, as the Triton kernel's). Returns
+    ``A = exp(z_ij - tail - sum_{k >= j in the tile} softplus(z_ik))`` (0 where not visible) and the
+    tail after the tile.
+    """
+    sp = stable_softplus(z)
+    if visible is not None:
+        sp = sp.masked_fill(~visible, 0.0)
+    c = sp.cumsum(-1).add_(tail[..., None])
+    a = (z - c).exp_()
+    if visible is not None:
+        a = a.masked_fill_(~visible, 0.0)
+    return a, c[..., -1]
+
+
+def stick_breaking_tail(z: Tensor, visible: Tensor | None, tail: Tensor) -> Tensor:
+    """``tail`` plus the tile's ``sum softplus(z_ik)`` over its visible keys (the carry of
+    `stick_breaking_tile` alone, for a backward that walks the tiles farthest first)."""
+    sp = stable_softplus(z)
+    if visible is not None:
+        sp = sp.masked_fill(~visible, 0.0)
+    return sp.sum(-1).add_(tail)
+
+
+def stick_breaking_tile_grad(z: Tensor, a: Tensor, dp: Tensor, visible: Tensor | None,
+                             g_far: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradient of the logits of a `stick_breaking_tile` (keys in descending order), and
+    ``g_far`` with the tile's ``g`` added, for tiles walked farthest first.
+
+    With ``g_ij = A_ij dp_ij`` (``dp = dO_i . v_j``): ``dz_ik = g_ik - sigmoid(z_ik) sum_{j <= k} g_ij``
+    (``d log A_ij / dz_ik = [k = j] - [k >= j] sigmoid(z_ik)``). ``g_far [..., rows]``: ``sum g``
+    over the farther tiles, so that the sum over ``j <= k`` is accumulated from the far end (no
+    cancellation against ``dO . o``, which would cost the far keys their precision).
+    """
+    g = a * dp
+    upto = g.flip(-1).cumsum(-1).flip(-1).add_(g_far[..., None])  # sum over j <= k
+    dz = g - torch.sigmoid(z) * upto
+    if visible is not None:
+        dz = dz.masked_fill_(~visible, 0.0)
+    return dz, upto[..., 0]

@@ -1,0 +1,259 @@
+"""The blockwise normalizers (`blockwise` backend): autograd Functions whose forward and backward
+walk query blocks x key tiles (`_tiles.Tiling`), recomputing each tile in backward: nothing larger
+than a block of rows x the keys it sees is ever built, and nothing but q, k, v, the output (and
+one float per query row) is kept for backward.
+
+- `StickBreakingBlocks`: stick-breaking (Tan et al., 2024, eqs. 1-3) walked nearest key tile
+  first, the log-space sum of ``softplus`` carried across tiles (as the Triton kernel does);
+  backward from the same walk (`functional.stick_breaking.stick_breaking_tile_grad`).
+- `ModulatedSoftmaxBlocks`: ``softmax(s * mod(i, j))`` for a distance modulation of the scaled
+  logits (ExpoSB, stage 4), an online softmax over key tiles (Milakov & Gimelshein, 2018;
+  FlashAttention's forward) with the log-sum-exp kept per row, and the softmax gradient by tiles.
+
+Inputs of a bias that need a gradient come after ``spec`` (so autograd routes their gradients);
+the tiles' bias gradient reaches them through `_tiles.BiasRows`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from posenc_lightning.attention.backends._tiles import BiasRows, Tiling, flat, grouped, ungrouped
+from posenc_lightning.encodings.base import Bias
+from posenc_lightning.functional.stick_breaking import (
+    stick_breaking_tail,
+    stick_breaking_tile,
+    stick_breaking_tile_grad,
+)
+
+
+@dataclass(eq=False)
+class Spec:
+    """What the Functions need besides tensors: the tiling, the bias and its inputs that need a
+    gradient (``extra``), the logit scale, and for the modulated softmax the modulation
+    ``mod(q_pos, k_pos) -> [B, 1, Nq, Nk]`` and the positions."""
+
+    tiling: Tiling
+    bias: Bias | None
+    extra: tuple[Tensor, ...]
+    scale: float
+    modulation: Callable[[Tensor, Tensor], Tensor] | None = None
+    q_pos: Tensor | None = None
+    k_pos: Tensor | None = None
+
+    def bias_rows(self, h_kv: int, dtype: torch.dtype, needs: tuple[bool, ...] = ()) -> BiasRows:
+        """`BiasRows` with, per bias input, whether it needs a gradient (it is an ``extra`` that needs one)."""
+        br = BiasRows(self.bias, self.tiling, h_kv, dtype)
+        if needs:
+            br.need = tuple(any(t is x and n for x, n in zip(self.extra, needs)) for t in br.inputs)
+        return br
+
+    def extra_grads(self, br: BiasRows) -> list[Tensor | None]:
+        out: list[Tensor | None] = []
+        for x in self.extra:
+            g = None
+            for t, gi in zip(br.inputs, br.grads):
+                if t is x and gi is not None:
+                    g = gi if g is None else g + gi
+            out.append(None if g is None else g.to(x.dtype))
+        return out
+
+
+def _logits(qb: Tensor, kt: Tensor, shape: tuple[int, ...], scale: float, rows: Tensor | None, cols: slice) -> Tensor:
+    """``q k^T s (+ bias)`` of a tile, ``[B, H_kv, g, r, c]``."""
+    z = torch.matmul(qb, kt.transpose(-1, -2)).view(*shape[:4], kt.shape[-2]).mul_(scale)
+    return z if rows is None else z.add_(rows[..., cols])
+
+
+def _wide(q: Tensor) -> torch.dtype:
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+class StickBreakingBlocks(torch.autograd.Function):
+    """Stick-breaking attention by tiles: ``o_i = sum_j A_ij v_j`` (see the module docstring).
+
+    Backward per query block: the tails (softplus sums) at every tile, nearest first, then the
+    tiles farthest first, where the sum of ``g`` over the farther keys is carried exactly."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: Spec, *extra: Tensor) -> Tensor:
+        out = _sb_forward(q, k, v, spec, _wide(q))
+        ctx.save_for_backward(q, k, v)
+        ctx.spec = spec
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor):
+        q, k, v = ctx.saved_tensors
+        spec: Spec = ctx.spec
+        b, h, _, d = q.shape
+        h_kv, g, wt = k.shape[1], h // k.shape[1], _wide(q)
+        tl = spec.tiling
+        kf, vf = tl.keys(k.to(wt)), tl.keys(v.to(wt))
+        dq = torch.zeros(q.shape, dtype=wt, device=q.device)
+        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+        br = spec.bias_rows(h_kv, wt, ctx.needs_input_grad[4:])
+        for s, e, k_stop in tl.blocks():
+            if k_stop == 0:
+                continue
+            r = e - s
+            shape = (b, h_kv, g, r)
+            qb, dob = flat(grouped(q, s, e, h_kv, wt)), flat(grouped(d_out, s, e, h_kv, wt))
+            rows, take = br.rows_with_grad(s, e, k_stop)
+            d_rows = None if take is None else torch.zeros((b, h_kv, g, r, k_stop), dtype=wt, device=q.device)
+            tiles = tl.tiles(s, k_stop)
+            tails = [torch.zeros(shape, dtype=wt, device=q.device)]
+            for t in tiles[:-1]:
+                z = _logits(qb, kf[:, :, tl.span(t)], shape, spec.scale, rows, tl.row_span(t, k_stop))
+                tails.append(stick_breaking_tail(z, tl.visible(s, e, t, q.device), tails[-1]))
+            g_far = torch.zeros(shape, dtype=wt, device=q.device)
+            dq_b = torch.zeros_like(qb)
+            for t, tail in zip(reversed(tiles), reversed(tails)):
+                sl = tl.span(t)
+                kt, vt = kf[:, :, sl], vf[:, :, sl]
+                z = _logits(qb, kt, shape, spec.scale, rows, tl.row_span(t, k_stop))
+                vis = tl.visible(s, e, t, q.device)
+                a, _ = stick_breaking_tile(z, vis, tail)
+                dp = torch.matmul(dob, vt.transpose(-1, -2)).view_as(z)
+                dz, g_far = stick_breaking_tile_grad(z, a, dp, vis, g_far)
+                dzf = flat(dz)
+                dq_b.add_(torch.matmul(dzf, kt))
+                dk[:, :, sl] += torch.matmul(dzf.transpose(-1, -2), qb)
+                dv[:, :, sl] += torch.matmul(flat(a).transpose(-1, -2), dob)
+                if d_rows is not None:
+                    d_rows[..., tl.row_span(t, k_stop)] = dz
+            dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
+            if take is not None:
+                take(d_rows)
+        dk, dv = tl.keys(dk).mul_(spec.scale), tl.keys(dv)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(br))
+
+
+def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtype) -> Tensor:
+    b, h, n_q, _ = q.shape
+    h_kv, g, d_v = k.shape[1], h // k.shape[1], v.shape[-1]
+    tl = spec.tiling
+    kf, vf = tl.keys(k.to(wt)), tl.keys(v.to(wt))
+    out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
+    br = spec.bias_rows(h_kv, wt)
+    for s, e, k_stop in tl.blocks():
+        if k_stop == 0:
+            continue
+        shape = (b, h_kv, g, e - s)
+        qb = flat(grouped(q, s, e, h_kv, wt))
+        rows = br.rows(s, e, k_stop)
+        acc = torch.zeros((b, h_kv, g * (e - s), d_v), dtype=wt, device=q.device)
+        tail = torch.zeros(shape, dtype=wt, device=q.device)
+        for t in tl.tiles(s, k_stop):
+            sl = tl.span(t)
+            z = _logits(qb, kf[:, :, sl], shape, spec.scale, rows, tl.row_span(t, k_stop))
+            a, tail = stick_breaking_tile(z, tl.visible(s, e, t, q.device), tail)
+            acc.add_(torch.matmul(flat(a), vf[:, :, sl]))
+        out[:, :, s:e] = ungrouped(acc.view(*shape, d_v))
+    return out
+
+
+class ModulatedSoftmaxBlocks(torch.autograd.Function):
+    """``softmax((q k^T s + bias) * mod(i, j))`` by tiles (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: Spec, *extra: Tensor) -> Tensor:
+        wt = _wide(q)
+        out, lse = _softmax_forward(q, k, v, spec, wt)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec = spec
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        spec: Spec = ctx.spec
+        b, h, _, d = q.shape
+        h_kv, g, wt = k.shape[1], h // k.shape[1], out.dtype
+        tl = spec.tiling
+        kf, vf = k.to(wt), v.to(wt)
+        dq = torch.zeros(q.shape, dtype=wt, device=q.device)
+        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+        br = spec.bias_rows(h_kv, wt, ctx.needs_input_grad[4:])
+        for s, e, k_stop in tl.blocks():
+            if k_stop == 0:
+                continue
+            r = e - s
+            shape = (b, h_kv, g, r)
+            qb, dob = flat(grouped(q, s, e, h_kv, wt)), grouped(d_out, s, e, h_kv, wt)
+            delta = (dob * grouped(out, s, e, h_kv, wt)).sum(-1, keepdim=True)
+            dob = flat(dob)
+            lse_b = lse[:, :, s:e].reshape(*shape, 1)
+            rows, take = br.rows_with_grad(s, e, k_stop)
+            d_rows = None if take is None else torch.zeros((b, h_kv, g, r, k_stop), dtype=wt, device=q.device)
+            dq_b = torch.zeros_like(qb)
+            for t in tl.tiles(s, k_stop):
+                sl = tl.span(t)
+                kt, vt = kf[:, :, sl], vf[:, :, sl]
+                z = _logits(qb, kt, shape, spec.scale, rows, sl)
+                mod = _modulation(spec, s, e, t.k0, t.k1, wt)
+                p = z.mul_(mod).sub_(lse_b).exp_()
+                vis = tl.visible(s, e, t, q.device)
+                if vis is not None:
+                    p = p.masked_fill_(~vis, 0.0)
+                dp = torch.matmul(dob, vt.transpose(-1, -2)).view_as(p)
+                dz = dp.sub_(delta).mul_(p).mul_(mod)  # d(q k^T s + bias) = P (dP - delta) mod
+                dzf = flat(dz)
+                dq_b.add_(torch.matmul(dzf, kt))
+                dk[:, :, sl] += torch.matmul(dzf.transpose(-1, -2), qb)
+                dv[:, :, sl] += torch.matmul(flat(p).transpose(-1, -2), dob)
+                if d_rows is not None:
+                    d_rows[..., sl] = dz
+            dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
+            if take is not None:
+                take(d_rows)
+        dk = dk.mul_(spec.scale)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(br))
+
+
+def _modulation(spec: Spec, s: int, e: int, k0: int, k1: int, wt: torch.dtype) -> Tensor:
+    """``mod`` of the tile, ``[B, 1, 1, r, c]``."""
+    return spec.modulation(spec.q_pos[:, s:e], spec.k_pos[:, k0:k1]).to(wt)[:, :, None]
+
+
+def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The output and the log-sum-exp of every row (``+inf`` for a row that sees no key, whose
+    output is 0 as eager's)."""
+    b, h, n_q, _ = q.shape
+    h_kv, g, d_v = k.shape[1], h // k.shape[1], v.shape[-1]
+    tl = spec.tiling
+    kf, vf = k.to(wt), v.to(wt)
+    out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
+    lse = torch.full((b, h, n_q), float("inf"), dtype=wt, device=q.device)
+    br = spec.bias_rows(h_kv, wt)
+    for s, e, k_stop in tl.blocks():
+        if k_stop == 0:
+            continue
+        shape = (b, h_kv, g, e - s)
+        qb = flat(grouped(q, s, e, h_kv, wt))
+        rows = br.rows(s, e, k_stop)
+        acc = torch.zeros((b, h_kv, g * (e - s), d_v), dtype=wt, device=q.device)
+        m = torch.full(shape, float("-inf"), dtype=wt, device=q.device)
+        den = torch.zeros(shape, dtype=wt, device=q.device)
+        for t in tl.tiles(s, k_stop):
+            sl = tl.span(t)
+            z = _logits(qb, kf[:, :, sl], shape, spec.scale, rows, sl).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
+            vis = tl.visible(s, e, t, q.device)
+            if vis is not None:
+                z = z.masked_fill_(~vis, float("-inf"))
+            m_new = torch.maximum(m, z.amax(-1))
+            m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # no key seen yet: exp(-inf) = 0
+            p = z.sub_(m_safe[..., None]).exp_()
+            alpha = (m - m_safe).exp_()
+            den = den.mul_(alpha).add_(p.sum(-1))
+            acc = acc.mul_(alpha.view(*shape[:2], -1, 1)).add_(torch.matmul(flat(p), vf[:, :, sl]))
+            m = m_new
+        m_safe = m.masked_fill(torch.isneginf(m), 0.0)
+        o = acc.view(*shape, d_v) / den[..., None].clamp_min(torch.finfo(wt).tiny)
+        out[:, :, s:e] = ungrouped(o)
+        lse[:, :, s:e] = (m_safe + den.log()).masked_fill(den == 0, float("inf")).reshape(b, h, e - s)
+    return out, lse
