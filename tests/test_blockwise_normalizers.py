@@ -150,3 +150,54 @@ def test_no_n_by_n_tensor_is_allocated(name):
     nn_bytes = 4 * 2048 * 2048 * 4
     assert large / small < 2.5, f"{name}: peak grows {large / small:.2f}x from N=1024 to 2048"
     assert large < nn_bytes / 2, f"{name}: peak {large / 2**20:.1f} MiB at N=2048"
+
+
+# ------------------------------------------------------------- a bias that is not f(i - j)
+def _content_sb():
+    from posenc_lightning.encodings.base import DenseBias, span
+    from posenc_lightning.encodings.stick_breaking import StickBreaking
+
+    class ContentSB(StickBreaking):
+        name = "content_sb_test"
+
+        def build(self) -> None:
+            self.w = torch.nn.Parameter(torch.linspace(-0.5, 0.5, self.n_heads))
+
+        def _ready(self) -> bool:
+            return self.n_heads is not None
+
+        def bias(self, q, k, ctx):
+            n_q, n_k = q.shape[-2], k.shape[-2]
+            pos = ctx.k_pos.to(torch.float32)
+
+            def rows(s, e, ke, w, qq):
+                ramp = torch.cos(0.3 * pos[:, None, None, :ke])  # [B, 1, 1, K]: not a function of i - j
+                return (w[None, :, None, None] * qq.float().sum(-1, keepdim=True)) * ramp
+
+            return DenseBias.lazy(rows, n_q, n_k, inputs=(self.w, q),
+                                  window=lambda s, e, ke: (None, span(s, e, -2)))
+
+    return ContentSB
+
+
+@pytest.mark.parametrize("scenario", ["arange", "packed", "decode", "padding"])
+def test_a_bias_by_blocks_of_rows_and_its_gradients(scenario, small_tiles):
+    from posenc_lightning.inject import inject
+    from tests.conformance import ConfLayer, make_inputs, run_case, scenario_args
+
+    cls = _content_sb()
+    x = make_inputs(2, 23, (2, 2, 8), torch.float64)
+    args = scenario_args(scenario, 2, 23, 1)
+    res = []
+    for backend in ("eager", "blockwise"):
+        torch.manual_seed(0)
+        m = ConfLayer(2, 8)
+        inject(m, cls(), backend=backend)
+        m.to(torch.float64)
+        full = {k: v for k, v in args.items() if k != "prefill"} if backend == "eager" else args
+        res.append(run_case(m, x, full, True))
+    assert res[1][-1] is not None and res[1][-1].abs().sum() > 0  # w gets a gradient
+    for a, b in zip(*res):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, atol=2e-5 * max(a.abs().max().item(), 1e-9), rtol=0)

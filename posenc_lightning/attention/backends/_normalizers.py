@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends._tiles import BiasRows, Tiling, flat, grouped, ungrouped
+from posenc_lightning.attention.backends._tiles import BiasTiles, Tiling, flat, grouped, ungrouped
 from posenc_lightning.encodings.base import Bias
 from posenc_lightning.functional.stick_breaking import (
+    EXP_FLOOR,
     stick_breaking_tail,
     stick_breaking_tile,
     stick_breaking_tile_grad,
@@ -45,28 +46,28 @@ class Spec:
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
 
-    def bias_rows(self, h_kv: int, dtype: torch.dtype, needs: tuple[bool, ...] = ()) -> BiasRows:
-        """`BiasRows` with, per bias input, whether it needs a gradient (it is an ``extra`` that needs one)."""
-        br = BiasRows(self.bias, self.tiling, h_kv, dtype)
+    def bias_tiles(self, h_kv: int, dtype: torch.dtype, needs: tuple[bool, ...] = ()) -> BiasTiles:
+        """`BiasTiles` with, per bias input, whether it needs a gradient (an ``extra`` that needs one)."""
+        bt = BiasTiles(self.bias, self.tiling, h_kv, dtype, self.q_pos, self.k_pos)
         if needs:
-            br.need = tuple(any(t is x and n for x, n in zip(self.extra, needs)) for t in br.inputs)
-        return br
+            bt.need = tuple(any(t is x and n for x, n in zip(self.extra, needs)) for t in bt.inputs)
+        return bt
 
-    def extra_grads(self, br: BiasRows) -> list[Tensor | None]:
+    def extra_grads(self, bt: BiasTiles) -> list[Tensor | None]:
         out: list[Tensor | None] = []
         for x in self.extra:
             g = None
-            for t, gi in zip(br.inputs, br.grads):
+            for t, gi in zip(bt.inputs, bt.grads):
                 if t is x and gi is not None:
                     g = gi if g is None else g + gi
             out.append(None if g is None else g.to(x.dtype))
         return out
 
 
-def _logits(qb: Tensor, kt: Tensor, shape: tuple[int, ...], scale: float, rows: Tensor | None, cols: slice) -> Tensor:
+def _logits(qb: Tensor, kt: Tensor, shape: tuple[int, ...], scale: float, bias: Tensor | None) -> Tensor:
     """``q k^T s (+ bias)`` of a tile, ``[B, H_kv, g, r, c]``."""
     z = torch.matmul(qb, kt.transpose(-1, -2)).view(*shape[:4], kt.shape[-2]).mul_(scale)
-    return z if rows is None else z.add_(rows[..., cols])
+    return z if bias is None else z.add_(bias)
 
 
 def _wide(q: Tensor) -> torch.dtype:
@@ -96,27 +97,25 @@ class StickBreakingBlocks(torch.autograd.Function):
         kf, vf = tl.keys(k.to(wt)), tl.keys(v.to(wt))
         dq = torch.zeros(q.shape, dtype=wt, device=q.device)
         dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-        br = spec.bias_rows(h_kv, wt, ctx.needs_input_grad[4:])
+        bt = spec.bias_tiles(h_kv, wt, ctx.needs_input_grad[4:])
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
                 continue
-            r = e - s
-            shape = (b, h_kv, g, r)
+            shape = (b, h_kv, g, e - s)
             qb, dob = flat(grouped(q, s, e, h_kv, wt)), flat(grouped(d_out, s, e, h_kv, wt))
-            rows, take = br.rows_with_grad(s, e, k_stop)
-            d_rows = None if take is None else torch.zeros((b, h_kv, g, r, k_stop), dtype=wt, device=q.device)
+            bt.start(s, e, k_stop, grad=True)
             tiles = tl.tiles(s, k_stop)
             tails = [torch.zeros(shape, dtype=wt, device=q.device)]
             for t in tiles[:-1]:
-                z = _logits(qb, kf[:, :, tl.span(t)], shape, spec.scale, rows, tl.row_span(t, k_stop))
-                tails.append(stick_breaking_tail(z, tl.visible(s, e, t, q.device), tails[-1]))
+                z = _logits(qb, kf[:, :, tl.span(t)], shape, spec.scale, bt.tile(t))
+                tails.append(stick_breaking_tail(z, tl.keep(s, e, t, wt, q.device), tails[-1]))
             g_far = torch.zeros(shape, dtype=wt, device=q.device)
             dq_b = torch.zeros_like(qb)
             for t, tail in zip(reversed(tiles), reversed(tails)):
                 sl = tl.span(t)
                 kt, vt = kf[:, :, sl], vf[:, :, sl]
-                z = _logits(qb, kt, shape, spec.scale, rows, tl.row_span(t, k_stop))
-                vis = tl.visible(s, e, t, q.device)
+                z = _logits(qb, kt, shape, spec.scale, bt.tile(t, grad=True))
+                vis = tl.keep(s, e, t, wt, q.device)
                 a, _ = stick_breaking_tile(z, vis, tail)
                 dp = torch.matmul(dob, vt.transpose(-1, -2)).view_as(z)
                 dz, g_far = stick_breaking_tile_grad(z, a, dp, vis, g_far)
@@ -124,13 +123,11 @@ class StickBreakingBlocks(torch.autograd.Function):
                 dq_b.add_(torch.matmul(dzf, kt))
                 dk[:, :, sl] += torch.matmul(dzf.transpose(-1, -2), qb)
                 dv[:, :, sl] += torch.matmul(flat(a).transpose(-1, -2), dob)
-                if d_rows is not None:
-                    d_rows[..., tl.row_span(t, k_stop)] = dz
+                bt.tile_grad(t, dz)
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
-            if take is not None:
-                take(d_rows)
+            bt.finish()
         dk, dv = tl.keys(dk).mul_(spec.scale), tl.keys(dv)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(br))
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
 
 
 def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtype) -> Tensor:
@@ -139,19 +136,19 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtype) ->
     tl = spec.tiling
     kf, vf = tl.keys(k.to(wt)), tl.keys(v.to(wt))
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
-    br = spec.bias_rows(h_kv, wt)
+    bt = spec.bias_tiles(h_kv, wt)
     for s, e, k_stop in tl.blocks():
         if k_stop == 0:
             continue
         shape = (b, h_kv, g, e - s)
         qb = flat(grouped(q, s, e, h_kv, wt))
-        rows = br.rows(s, e, k_stop)
+        bt.start(s, e, k_stop)
         acc = torch.zeros((b, h_kv, g * (e - s), d_v), dtype=wt, device=q.device)
         tail = torch.zeros(shape, dtype=wt, device=q.device)
         for t in tl.tiles(s, k_stop):
             sl = tl.span(t)
-            z = _logits(qb, kf[:, :, sl], shape, spec.scale, rows, tl.row_span(t, k_stop))
-            a, tail = stick_breaking_tile(z, tl.visible(s, e, t, q.device), tail)
+            z = _logits(qb, kf[:, :, sl], shape, spec.scale, bt.tile(t))
+            a, tail = stick_breaking_tile(z, tl.keep(s, e, t, wt, q.device), tail)
             acc.add_(torch.matmul(flat(a), vf[:, :, sl]))
         out[:, :, s:e] = ungrouped(acc.view(*shape, d_v))
     return out
@@ -178,41 +175,38 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
         kf, vf = k.to(wt), v.to(wt)
         dq = torch.zeros(q.shape, dtype=wt, device=q.device)
         dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-        br = spec.bias_rows(h_kv, wt, ctx.needs_input_grad[4:])
+        bt = spec.bias_tiles(h_kv, wt, ctx.needs_input_grad[4:])
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
                 continue
-            r = e - s
-            shape = (b, h_kv, g, r)
+            shape = (b, h_kv, g, e - s)
             qb, dob = flat(grouped(q, s, e, h_kv, wt)), grouped(d_out, s, e, h_kv, wt)
             delta = (dob * grouped(out, s, e, h_kv, wt)).sum(-1, keepdim=True)
             dob = flat(dob)
             lse_b = lse[:, :, s:e].reshape(*shape, 1)
-            rows, take = br.rows_with_grad(s, e, k_stop)
-            d_rows = None if take is None else torch.zeros((b, h_kv, g, r, k_stop), dtype=wt, device=q.device)
+            bt.start(s, e, k_stop, grad=True)
             dq_b = torch.zeros_like(qb)
             for t in tl.tiles(s, k_stop):
                 sl = tl.span(t)
                 kt, vt = kf[:, :, sl], vf[:, :, sl]
-                z = _logits(qb, kt, shape, spec.scale, rows, sl)
+                z = _logits(qb, kt, shape, spec.scale, bt.tile(t, grad=True))
                 mod = _modulation(spec, s, e, t.k0, t.k1, wt)
-                p = z.mul_(mod).sub_(lse_b).exp_()
-                vis = tl.visible(s, e, t, q.device)
+                # P = exp(z mod - lse) <= 1 where visible; clamped so that hidden entries stay finite
+                p = z.mul_(mod).sub_(lse_b).clamp_(EXP_FLOOR, 0.0).exp_()
+                vis = tl.keep(s, e, t, wt, q.device)
                 if vis is not None:
-                    p = p.masked_fill_(~vis, 0.0)
+                    p = p.mul_(vis)
                 dp = torch.matmul(dob, vt.transpose(-1, -2)).view_as(p)
                 dz = dp.sub_(delta).mul_(p).mul_(mod)  # d(q k^T s + bias) = P (dP - delta) mod
                 dzf = flat(dz)
                 dq_b.add_(torch.matmul(dzf, kt))
                 dk[:, :, sl] += torch.matmul(dzf.transpose(-1, -2), qb)
                 dv[:, :, sl] += torch.matmul(flat(p).transpose(-1, -2), dob)
-                if d_rows is not None:
-                    d_rows[..., sl] = dz
+                bt.tile_grad(t, dz)
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
-            if take is not None:
-                take(d_rows)
+            bt.finish()
         dk = dk.mul_(spec.scale)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(br))
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
 
 
 def _modulation(spec: Spec, s: int, e: int, k0: int, k1: int, wt: torch.dtype) -> Tensor:
@@ -229,25 +223,27 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtyp
     kf, vf = k.to(wt), v.to(wt)
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
     lse = torch.full((b, h, n_q), float("inf"), dtype=wt, device=q.device)
-    br = spec.bias_rows(h_kv, wt)
+    bt = spec.bias_tiles(h_kv, wt)
     for s, e, k_stop in tl.blocks():
         if k_stop == 0:
             continue
         shape = (b, h_kv, g, e - s)
         qb = flat(grouped(q, s, e, h_kv, wt))
-        rows = br.rows(s, e, k_stop)
+        bt.start(s, e, k_stop)
         acc = torch.zeros((b, h_kv, g * (e - s), d_v), dtype=wt, device=q.device)
         m = torch.full(shape, float("-inf"), dtype=wt, device=q.device)
         den = torch.zeros(shape, dtype=wt, device=q.device)
         for t in tl.tiles(s, k_stop):
             sl = tl.span(t)
-            z = _logits(qb, kf[:, :, sl], shape, spec.scale, rows, sl).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
-            vis = tl.visible(s, e, t, q.device)
-            if vis is not None:
-                z = z.masked_fill_(~vis, float("-inf"))
+            z = _logits(qb, kf[:, :, sl], shape, spec.scale, bt.tile(t)).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
+            vis = tl.keep(s, e, t, wt, q.device)
+            if vis is not None:  # hidden keys: -inf for the running max, then 0
+                z = z.add_(torch.zeros_like(vis).masked_fill_(vis == 0, float("-inf")))
             m_new = torch.maximum(m, z.amax(-1))
             m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # no key seen yet: exp(-inf) = 0
-            p = z.sub_(m_safe[..., None]).exp_()
+            p = z.sub_(m_safe[..., None]).clamp_min_(EXP_FLOOR).exp_()
+            if vis is not None:
+                p = p.mul_(vis)
             alpha = (m - m_safe).exp_()
             den = den.mul_(alpha).add_(p.sum(-1))
             acc = acc.mul_(alpha.view(*shape[:2], -1, 1)).add_(torch.matmul(flat(p), vf[:, :, sl]))

@@ -9,7 +9,7 @@ builds is larger than one block of rows x the keys it sees.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -79,8 +79,9 @@ class Tiling:
     def rows_order(self, rows: Tensor) -> Tensor:
         return rows.flip(-1) if self.descending else rows
 
-    def visible(self, start: int, stop: int, t: Tile, device: torch.device) -> Tensor | None:
-        """bool ``[B|1, 1, 1, r, cols]`` (the grouped layout), None when all visible."""
+    def keep(self, start: int, stop: int, t: Tile, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+        """``[B|1, 1, 1, r, cols]`` (the grouped layout) in ``dtype``: 1 where the key is visible,
+        else 0 (a multiplier); None when all are visible."""
         if t.full:
             return None
         j = torch.arange(t.k0, t.k1, device=device)
@@ -96,7 +97,7 @@ class Tiling:
         if self.k_valid is not None:
             kv = self.k_valid[:, None, sl]
             m = kv if m is None else m & kv
-        return m[:, None, None]
+        return m[:, None, None].to(dtype)
 
 
 def grouped(t: Tensor, start: int, stop: int, h_kv: int, dtype: torch.dtype) -> Tensor:
@@ -116,63 +117,112 @@ def flat(t: Tensor) -> Tensor:
     return t.flatten(2, 3)
 
 
-class BiasRows:
-    """A block's bias rows in walking order and their gradient.
+class BiasTiles:
+    """The bias of each tile, in walking order and the grouped layout, and its gradient.
 
-    Forward: `Bias.rows`. Backward: `Bias.rows_from` on detached windows of `Bias.grad_inputs`
-    differentiated with ``torch.func.vjp`` (traceable by dynamo, unlike ``autograd.grad``), the
-    gradients added window by window into full-size accumulators of the inputs that need one."""
+    A bias that depends on ``i - j`` only (`Bias.distance_only`: rse's penalty, ALiBi, T5) is
+    computed per tile at the tile's positions (`Bias.at`): nothing larger than a tile. Any other
+    kind: one block of `Bias.rows` at a time, sliced. Gradients: `Bias.rows_from` on detached
+    windows of `Bias.grad_inputs`, differentiated with ``torch.func.vjp`` (traceable by dynamo,
+    unlike ``autograd.grad``), added window by window into full-size accumulators of the inputs
+    that need one (``need``, per input)."""
 
     def __init__(self, bias: Bias | None, tiling: Tiling, h_kv: int, dtype: torch.dtype,
-                 need: Sequence[bool] = ()) -> None:
+                 q_pos: Tensor | None = None, k_pos: Tensor | None = None) -> None:
         self.bias, self.tiling, self.h_kv, self.dtype = bias, tiling, h_kv, dtype
         self.inputs = tuple(bias.grad_inputs() or ()) if bias is not None else ()
-        self.need = tuple(need) or (False,) * len(self.inputs)
+        self.need: tuple[bool, ...] = (False,) * len(self.inputs)
         self.grads: list[Tensor | None] = [None] * len(self.inputs)
+        self.per_tile = (bias is not None and bias.distance_only and q_pos is not None and k_pos is not None
+                         and q_pos.dim() == 2)
+        self.q_pos = q_pos
+        self.k_pos = None if k_pos is None else (k_pos.flip(-1) if tiling.descending else k_pos)
+        self._block: tuple[int, int, int] = (0, 0, 0)
+        self._rows: Tensor | None = None
+        self._d_rows: Tensor | None = None
+        self._vjp = None
+
+    @property
+    def grad(self) -> bool:
+        return any(self.need)
 
     def _grouped(self, rows: Tensor) -> Tensor:
-        r = self.tiling.rows_order(rows.to(self.dtype))
+        r = rows.to(self.dtype)
         b, h = r.shape[:2]
         return r.reshape(b, self.h_kv, h // self.h_kv, *r.shape[2:]) if h > 1 else r[:, :, None]
 
-    def rows(self, start: int, stop: int, k_stop: int) -> Tensor | None:
-        """``[B|1, H_kv|1, g|1, r, k_stop]`` in walking order, or None without a bias."""
-        if self.bias is None or k_stop == 0:
-            return None
-        return self._grouped(self.bias.rows(start, stop, k_stop))
-
-    def rows_with_grad(self, start: int, stop: int, k_stop: int):
-        """The rows, and a function taking their gradient (same layout) into `grads`, or None."""
-        if self.bias is None or k_stop == 0:
-            return None, None
-        if not any(self.need):
-            return self.rows(start, stop, k_stop), None
-        windows = self.bias.input_windows(start, stop, k_stop)
-        views = [t.detach() if w is None else t.detach()[w] for t, w in zip(self.inputs, windows)]
-        idx = [i for i, n in enumerate(self.need) if n]
+    def _differentiated(self, bias: Bias, start: int, stop: int, k_stop: int):
+        """``rows_from`` of ``bias`` and its vjp to the inputs that need a gradient."""
+        windows = bias.input_windows(start, stop, k_stop)
+        views = [t.detach() if w is None else t.detach()[w] for t, w in zip(bias.grad_inputs(), windows)]
+        slots = [next((i for i, x in enumerate(self.inputs) if x is t), -1) for t in bias.grad_inputs()]
+        idx = [i for i, slot in enumerate(slots) if slot >= 0 and self.need[slot]]
 
         def f(*live: Tensor) -> Tensor:
             vs = list(views)
             for i, t in zip(idx, live):
                 vs[i] = t
-            return self.bias.rows_from(start, stop, k_stop, vs)
+            return bias.rows_from(start, stop, k_stop, vs)
 
         raw, vjp = torch.func.vjp(f, *[views[i] for i in idx])
 
-        def take(d_rows: Tensor) -> None:
-            d = self.tiling.rows_order(ungrouped_rows(d_rows))
+        def take(d: Tensor) -> None:  # d: [B, H, r, K] in the bias's key order
             if raw.shape[0] == 1 and d.shape[0] > 1:
                 d = d.sum(0, keepdim=True)
             if raw.shape[1] == 1 and d.shape[1] > 1:
                 d = d.sum(1, keepdim=True)
             for i, gi in zip(idx, vjp(d.to(raw.dtype))):
-                t, w = self.inputs[i], windows[i]
-                if self.grads[i] is None:
-                    self.grads[i] = torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32),
-                                                device=t.device)
-                (self.grads[i] if w is None else self.grads[i][w]).add_(gi)
+                slot, w = slots[i], windows[i]
+                t = self.inputs[slot]
+                if self.grads[slot] is None:
+                    self.grads[slot] = torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32),
+                                                   device=t.device)
+                (self.grads[slot] if w is None else self.grads[slot][w]).add_(gi)
 
-        return self._grouped(raw.detach()), take
+        return raw.detach(), take
+
+    def start(self, start: int, stop: int, k_stop: int, grad: bool = False) -> None:
+        """Begin a block of query rows (rows mode: its bias rows, kept with their vjp when ``grad``)."""
+        self._block, self._rows, self._d_rows, self._vjp = (start, stop, k_stop), None, None, None
+        if self.bias is None or self.per_tile or k_stop == 0:
+            return
+        if grad and self.grad:
+            raw, self._vjp = self._differentiated(self.bias, start, stop, k_stop)
+        else:
+            raw = self.bias.rows(start, stop, k_stop)
+        self._rows = self._grouped(self.tiling.rows_order(raw))
+
+    def tile(self, t: Tile, grad: bool = False) -> Tensor | None:
+        """The tile's bias ``[B|1, H_kv|1, g|1, r, c]`` in walking order (None: no bias)."""
+        if self.bias is None:
+            return None
+        s, e, k_stop = self._block
+        if not self.per_tile:
+            return self._rows[..., self.tiling.row_span(t, k_stop)]
+        tb = self.bias.at(self.q_pos[:, s:e], self.k_pos[:, self.tiling.span(t)])
+        if grad and self.grad:
+            raw, self._vjp = self._differentiated(tb, 0, e - s, t.k1 - t.k0)
+        else:
+            raw = tb.rows(0, e - s, t.k1 - t.k0)
+        return self._grouped(raw)
+
+    def tile_grad(self, t: Tile, dz: Tensor) -> None:
+        """Take the gradient of the tile's bias (``dz [B, H_kv, g, r, c]``, walking order)."""
+        if self.bias is None or not self.grad:
+            return
+        if self.per_tile:
+            self._vjp(ungrouped_rows(dz))
+            return
+        if self._d_rows is None:
+            b, h_kv, g, r, _ = dz.shape
+            self._d_rows = torch.zeros((b, h_kv, g, r, self._block[2]), dtype=dz.dtype, device=dz.device)
+        self._d_rows[..., self.tiling.row_span(t, self._block[2])] = dz
+
+    def finish(self) -> None:
+        """End a block (rows mode: its rows' gradient to the inputs)."""
+        if self._vjp is not None and self._d_rows is not None and not self.per_tile:
+            self._vjp(self.tiling.rows_order(ungrouped_rows(self._d_rows)))
+        self._rows = self._d_rows = self._vjp = None
 
 
 def ungrouped_rows(t: Tensor) -> Tensor:

@@ -52,7 +52,8 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
 
 
 def block_rows(bias: Bias | None, b: int, h: int, n_k: int) -> int:
-    if bias is None:
+    """Query rows per block: fewer with a bias computed by blocks of rows (not `Bias.distance_only`)."""
+    if bias is None or bias.distance_only:
         return BLOCK_ROWS
     return int(min(BLOCK_ROWS, max(MIN_BIAS_ROWS, BIAS_BLOCK_BYTES // (4 * b * h * max(n_k, 1)))))
 
@@ -82,7 +83,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         if mask.causal:
             diag = min(diag, mask.q_offset)
         tiling = Tiling(mask, n_q, n_k, diag, rows, BLOCK_KEYS, descending=True)
-        return StickBreakingBlocks.apply(q, k, v, Spec(tiling, bias, extra, scale), *extra)
+        spec = Spec(tiling, bias, extra, scale, None, *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)))
+        return StickBreakingBlocks.apply(q, k, v, spec, *extra)
     if ctx is None:
         raise ValueError(f"{enc.name}: the distance-modulated softmax needs the positions (ctx)")
     tiling = Tiling(mask, n_q, n_k, mask.q_offset if mask.causal else None, rows, BLOCK_KEYS, descending=False)
