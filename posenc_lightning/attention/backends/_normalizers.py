@@ -94,9 +94,9 @@ class StickBreakingBlocks(torch.autograd.Function):
         b, h, _, d = q.shape
         h_kv, g, wt = k.shape[1], h // k.shape[1], _wide(q)
         tl = spec.tiling
-        kf, vf = tl.keys(k.to(wt)), tl.keys(v.to(wt))
         dq = torch.zeros(q.shape, dtype=wt, device=q.device)
-        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+        dk = torch.zeros(k.shape, dtype=wt, device=k.device)
+        dv = torch.zeros(v.shape, dtype=wt, device=v.device)
         bt = spec.bias_tiles(h_kv, wt, ctx.needs_input_grad[4:])
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
@@ -107,13 +107,12 @@ class StickBreakingBlocks(torch.autograd.Function):
             tiles = tl.tiles(s, k_stop)
             tails = [torch.zeros(shape, dtype=wt, device=q.device)]
             for t in tiles[:-1]:
-                z = _logits(qb, kf[:, :, tl.span(t)], shape, spec.scale, bt.tile(t))
+                z = _logits(qb, tl.key_tile(k, t, wt), shape, spec.scale, bt.tile(t))
                 tails.append(stick_breaking_tail(z, tl.keep(s, e, t, wt, q.device), tails[-1]))
             g_far = torch.zeros(shape, dtype=wt, device=q.device)
             dq_b = torch.zeros_like(qb)
             for t, tail in zip(reversed(tiles), reversed(tails)):
-                sl = tl.span(t)
-                kt, vt = kf[:, :, sl], vf[:, :, sl]
+                kt, vt = tl.key_tile(k, t, wt), tl.key_tile(v, t, wt)
                 z = _logits(qb, kt, shape, spec.scale, bt.tile(t, grad=True))
                 vis = tl.keep(s, e, t, wt, q.device)
                 a, _ = stick_breaking_tile(z, vis, tail)
@@ -121,12 +120,12 @@ class StickBreakingBlocks(torch.autograd.Function):
                 dz, g_far = stick_breaking_tile_grad(z, a, dp, vis, g_far)
                 dzf = flat(dz)
                 dq_b.add_(torch.matmul(dzf, kt))
-                dk[:, :, sl] += torch.matmul(dzf.transpose(-1, -2), qb)
-                dv[:, :, sl] += torch.matmul(flat(a).transpose(-1, -2), dob)
+                tl.add_key_tile(dk, t, torch.matmul(dzf.transpose(-1, -2), qb))
+                tl.add_key_tile(dv, t, torch.matmul(flat(a).transpose(-1, -2), dob))
                 bt.tile_grad(t, dz)
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
-        dk, dv = tl.keys(dk).mul_(spec.scale), tl.keys(dv)
+        dk = dk.mul_(spec.scale)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
 
 
@@ -134,7 +133,6 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtype) ->
     b, h, n_q, _ = q.shape
     h_kv, g, d_v = k.shape[1], h // k.shape[1], v.shape[-1]
     tl = spec.tiling
-    kf, vf = tl.keys(k.to(wt)), tl.keys(v.to(wt))
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
     bt = spec.bias_tiles(h_kv, wt)
     for s, e, k_stop in tl.blocks():
@@ -146,10 +144,9 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtype) ->
         acc = torch.zeros((b, h_kv, g * (e - s), d_v), dtype=wt, device=q.device)
         tail = torch.zeros(shape, dtype=wt, device=q.device)
         for t in tl.tiles(s, k_stop):
-            sl = tl.span(t)
-            z = _logits(qb, kf[:, :, sl], shape, spec.scale, bt.tile(t))
+            z = _logits(qb, tl.key_tile(k, t, wt), shape, spec.scale, bt.tile(t))
             a, tail = stick_breaking_tile(z, tl.keep(s, e, t, wt, q.device), tail)
-            acc.add_(torch.matmul(flat(a), vf[:, :, sl]))
+            acc.add_(torch.matmul(flat(a), tl.key_tile(v, t, wt)))
         out[:, :, s:e] = ungrouped(acc.view(*shape, d_v))
     return out
 
@@ -172,9 +169,9 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
         b, h, _, d = q.shape
         h_kv, g, wt = k.shape[1], h // k.shape[1], out.dtype
         tl = spec.tiling
-        kf, vf = k.to(wt), v.to(wt)
         dq = torch.zeros(q.shape, dtype=wt, device=q.device)
-        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+        dk = torch.zeros(k.shape, dtype=wt, device=k.device)
+        dv = torch.zeros(v.shape, dtype=wt, device=v.device)
         bt = spec.bias_tiles(h_kv, wt, ctx.needs_input_grad[4:])
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
@@ -187,8 +184,7 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
             bt.start(s, e, k_stop, grad=True)
             dq_b = torch.zeros_like(qb)
             for t in tl.tiles(s, k_stop):
-                sl = tl.span(t)
-                kt, vt = kf[:, :, sl], vf[:, :, sl]
+                kt, vt = tl.key_tile(k, t, wt), tl.key_tile(v, t, wt)
                 z = _logits(qb, kt, shape, spec.scale, bt.tile(t, grad=True))
                 mod = _modulation(spec, s, e, t.k0, t.k1, wt)
                 # P = exp(z mod - lse) <= 1 where visible; clamped so that hidden entries stay finite
@@ -200,8 +196,8 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
                 dz = dp.sub_(delta).mul_(p).mul_(mod)  # d(q k^T s + bias) = P (dP - delta) mod
                 dzf = flat(dz)
                 dq_b.add_(torch.matmul(dzf, kt))
-                dk[:, :, sl] += torch.matmul(dzf.transpose(-1, -2), qb)
-                dv[:, :, sl] += torch.matmul(flat(p).transpose(-1, -2), dob)
+                tl.add_key_tile(dk, t, torch.matmul(dzf.transpose(-1, -2), qb))
+                tl.add_key_tile(dv, t, torch.matmul(flat(p).transpose(-1, -2), dob))
                 bt.tile_grad(t, dz)
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
@@ -220,7 +216,6 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtyp
     b, h, n_q, _ = q.shape
     h_kv, g, d_v = k.shape[1], h // k.shape[1], v.shape[-1]
     tl = spec.tiling
-    kf, vf = k.to(wt), v.to(wt)
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
     lse = torch.full((b, h, n_q), float("inf"), dtype=wt, device=q.device)
     bt = spec.bias_tiles(h_kv, wt)
@@ -234,8 +229,7 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtyp
         m = torch.full(shape, float("-inf"), dtype=wt, device=q.device)
         den = torch.zeros(shape, dtype=wt, device=q.device)
         for t in tl.tiles(s, k_stop):
-            sl = tl.span(t)
-            z = _logits(qb, kf[:, :, sl], shape, spec.scale, bt.tile(t)).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
+            z = _logits(qb, tl.key_tile(k, t, wt), shape, spec.scale, bt.tile(t)).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
             vis = tl.keep(s, e, t, wt, q.device)
             if vis is not None:  # hidden keys: -inf for the running max, then 0
                 z = z.add_(torch.zeros_like(vis).masked_fill_(vis == 0, float("-inf")))
@@ -246,7 +240,7 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtyp
                 p = p.mul_(vis)
             alpha = (m - m_safe).exp_()
             den = den.mul_(alpha).add_(p.sum(-1))
-            acc = acc.mul_(alpha.view(*shape[:2], -1, 1)).add_(torch.matmul(flat(p), vf[:, :, sl]))
+            acc = acc.mul_(alpha.view(*shape[:2], -1, 1)).add_(torch.matmul(flat(p), tl.key_tile(v, t, wt)))
             m = m_new
         m_safe = m.masked_fill(torch.isneginf(m), 0.0)
         o = acc.view(*shape, d_v) / den[..., None].clamp_min(torch.finfo(wt).tiny)

@@ -48,9 +48,15 @@ class Tiling:
     def _keys(self, t: Tensor) -> Tensor:
         return t.flip(-1) if self.descending else t
 
-    def keys(self, t: Tensor) -> Tensor:
-        """A key-side tensor ``[..., Nk, X]`` in walking order (flipped when descending)."""
-        return t.flip(-2) if self.descending else t
+    def key_tile(self, x: Tensor, t: Tile, dtype: torch.dtype) -> Tensor:
+        """The tile's keys of ``x [B, H_kv, Nk, X]`` in walking order and ``dtype`` (a tile-sized
+        copy at most: never a flipped or widened copy of all keys)."""
+        x = x[:, :, t.k0:t.k1].to(dtype)
+        return x.flip(-2) if self.descending else x
+
+    def add_key_tile(self, acc: Tensor, t: Tile, x: Tensor) -> None:
+        """``acc[:, :, keys of t] += x`` for ``x`` in walking order."""
+        acc[:, :, t.k0:t.k1] += x.flip(-2) if self.descending else x
 
     def blocks(self) -> Iterator[tuple[int, int, int]]:
         """``(start, stop, k_stop)``: query rows ``[start, stop)`` see keys ``[0, k_stop)`` at most."""
