@@ -78,7 +78,16 @@ class ExpoSB(RotaryEncoding):
         return out.to(x.dtype)
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
-        return self._rotate_one(q, ctx.q_pos), self._rotate_one(k, ctx.k_pos)
+        return self._rotated(q, ctx.q_pos), self._rotated(k, ctx.k_pos)
+
+    def _rotated(self, x: Tensor, positions: Tensor) -> Tensor:
+        """`_rotate_one`, recomputed in backward when training: its boosted cos/sin and pre-gain
+        rotation (three ``[B, H, N, D]`` float32 tensors per q and k) are not kept for backward."""
+        if torch.is_grad_enabled() and (x.requires_grad or self.band_weights.requires_grad):
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self._rotate_one, x, positions, use_reentrant=False)
+        return self._rotate_one(x, positions)
 
     def distance_modulation(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """``0.7 + 0.3 exp(-0.005 |m - n|)``: ``[B, 1, Nq, Nk]``."""
