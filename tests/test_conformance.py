@@ -23,12 +23,14 @@ such as FIRE's last bias under softmax, is held to the scale of the case, not to
   q, k, v, the rotated q, k, the weights and the output, each ~2^-9 relative.
 
 Size (B=2, N=13, 2 heads of 8; decode = prefill 11 + 2 single tokens; triton under
-TRITON_INTERPRET=1 with 16 x 16 tiles): 27 encodings x 4 backends x 3 dtypes x 5 scenarios =
-1620 cases: 1155 forward and backward, 360 forward only (flex on CPU: 24 encodings x 15), 105
+TRITON_INTERPRET=1 with 16 x 16 tiles): 27 encodings x 5 backends x 3 dtypes x 5 scenarios =
+2025 cases: 1200 forward and backward, 360 forward only (flex on CPU: 24 encodings x 15), 465
 skipped with the backend's reason (sba, rse, exposb replace softmax: sdpa and flex; exposb's
-normalizer: triton). Plus `test_randomized_shapes` (hypothesis, derandomized: batch 1-2, N in
-3..40 not a multiple of the 16-row tiles, grouped kv heads, offsets up to 3000; 40 examples and
-3 explicit ones that meet declared limits) and 4 refusal checks: 1625 tests.
+normalizer: triton; blockwise runs only those three: 24 x 15). Plus `test_randomized_shapes`
+(hypothesis, derandomized: batch 1-2, N in 3..40 not a multiple of the 16-row tiles, grouped kv
+heads, offsets up to 3000; 40 examples and 3 explicit ones that meet declared limits) and 5
+refusal checks: 2031 tests. The blockwise backend's multi-tile cases (4 x 3 tiles) are in
+tests/test_blockwise_normalizers.py.
 Measured: 3 min 9 s to 3 min 29 s wall (``OMP_NUM_THREADS=1 python -m pytest
 tests/test_conformance.py -q --durations=10``, a shared 2-core machine); triton ~140 s of it
 (its decode ~60 s), flex ~65 s (a dynamo trace per new score_mod), eager + sdpa ~10 s,
