@@ -34,7 +34,8 @@ tests/test_blockwise_normalizers.py.
 Measured: 3 min 9 s to 3 min 29 s wall (``OMP_NUM_THREADS=1 python -m pytest
 tests/test_conformance.py -q --durations=10``, a shared 2-core machine); triton ~140 s of it
 (its decode ~60 s), flex ~65 s (a dynamo trace per new score_mod), eager + sdpa ~10 s,
-hypothesis ~15 s.
+hypothesis ~15 s. With the blockwise backend in the matrix: 2 min 51 s wall on this machine
+(1566 passed, 465 skipped; the blockwise cases ~5 s of it).
 """
 
 from __future__ import annotations
