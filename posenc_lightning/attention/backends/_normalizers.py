@@ -64,9 +64,10 @@ class Spec:
         return out
 
 
-def _logits(qb: Tensor, kt: Tensor, shape: tuple[int, ...], scale: float, bias: Tensor | None) -> Tensor:
-    """``q k^T s (+ bias)`` of a tile, ``[B, H_kv, g, r, c]``."""
-    z = torch.matmul(qb, kt.transpose(-1, -2)).view(*shape[:4], kt.shape[-2]).mul_(scale)
+def _logits(qs: Tensor, kt: Tensor, shape: tuple[int, ...], bias: Tensor | None) -> Tensor:
+    """``(q s) k^T (+ bias)`` of a tile, ``[B, H_kv, g, r, c]``, from the block's scaled queries
+    ``qs`` (the scale applied once per block, not once per tile)."""
+    z = torch.matmul(qs, kt.transpose(-1, -2)).view(*shape[:4], kt.shape[-2])
     return z if bias is None else z.add_(bias)
 
 
@@ -102,18 +103,18 @@ class StickBreakingBlocks(torch.autograd.Function):
             if k_stop == 0:
                 continue
             shape = (b, h_kv, g, e - s)
-            qb, dob = flat(grouped(q, s, e, h_kv, wt)), flat(grouped(d_out, s, e, h_kv, wt))
+            qb, dob = flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale), flat(grouped(d_out, s, e, h_kv, wt))
             bt.start(s, e, k_stop, grad=True)
             tiles = tl.tiles(s, k_stop)
             tails = [torch.zeros(shape, dtype=wt, device=q.device)]
             for t in tiles[:-1]:
-                z = _logits(qb, tl.key_tile(k, t, wt), shape, spec.scale, bt.tile(t))
+                z = _logits(qb, tl.key_tile(k, t, wt), shape, bt.tile(t))
                 tails.append(stick_breaking_tail(z, tl.keep(s, e, t, wt, q.device), tails[-1]))
             g_far = torch.zeros(shape, dtype=wt, device=q.device)
             dq_b = torch.zeros_like(qb)
             for t, tail in zip(reversed(tiles), reversed(tails)):
                 kt, vt = tl.key_tile(k, t, wt), tl.key_tile(v, t, wt)
-                z = _logits(qb, kt, shape, spec.scale, bt.tile(t, grad=True))
+                z = _logits(qb, kt, shape, bt.tile(t, grad=True))
                 vis = tl.keep(s, e, t, wt, q.device)
                 a, _ = stick_breaking_tile(z, vis, tail)
                 dp = torch.matmul(dob, vt.transpose(-1, -2)).view_as(z)
@@ -125,7 +126,6 @@ class StickBreakingBlocks(torch.autograd.Function):
                 bt.tile_grad(t, dz)
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
-        dk = dk.mul_(spec.scale)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
 
 
@@ -139,12 +139,12 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtype) ->
         if k_stop == 0:
             continue
         shape = (b, h_kv, g, e - s)
-        qb = flat(grouped(q, s, e, h_kv, wt))
+        qb = flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale)
         bt.start(s, e, k_stop)
         acc = torch.zeros((b, h_kv, g * (e - s), d_v), dtype=wt, device=q.device)
         tail = torch.zeros(shape, dtype=wt, device=q.device)
         for t in tl.tiles(s, k_stop):
-            z = _logits(qb, tl.key_tile(k, t, wt), shape, spec.scale, bt.tile(t))
+            z = _logits(qb, tl.key_tile(k, t, wt), shape, bt.tile(t))
             a, tail = stick_breaking_tile(z, tl.keep(s, e, t, wt, q.device), tail)
             acc.add_(torch.matmul(flat(a), tl.key_tile(v, t, wt)))
         out[:, :, s:e] = ungrouped(acc.view(*shape, d_v))
@@ -177,7 +177,7 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
             if k_stop == 0:
                 continue
             shape = (b, h_kv, g, e - s)
-            qb, dob = flat(grouped(q, s, e, h_kv, wt)), grouped(d_out, s, e, h_kv, wt)
+            qb, dob = flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale), grouped(d_out, s, e, h_kv, wt)
             delta = (dob * grouped(out, s, e, h_kv, wt)).sum(-1, keepdim=True)
             dob = flat(dob)
             lse_b = lse[:, :, s:e].reshape(*shape, 1)
@@ -185,7 +185,7 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
             dq_b = torch.zeros_like(qb)
             for t in tl.tiles(s, k_stop):
                 kt, vt = tl.key_tile(k, t, wt), tl.key_tile(v, t, wt)
-                z = _logits(qb, kt, shape, spec.scale, bt.tile(t, grad=True))
+                z = _logits(qb, kt, shape, bt.tile(t, grad=True))
                 mod = _modulation(spec, s, e, t.k0, t.k1, wt)
                 # P = exp(z mod - lse) <= 1 where visible; clamped so that hidden entries stay finite
                 p = z.mul_(mod).sub_(lse_b).clamp_(EXP_FLOOR, 0.0).exp_()
@@ -201,7 +201,6 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
                 bt.tile_grad(t, dz)
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
-        dk = dk.mul_(spec.scale)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
 
 
@@ -223,13 +222,13 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtyp
         if k_stop == 0:
             continue
         shape = (b, h_kv, g, e - s)
-        qb = flat(grouped(q, s, e, h_kv, wt))
+        qb = flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale)
         bt.start(s, e, k_stop)
         acc = torch.zeros((b, h_kv, g * (e - s), d_v), dtype=wt, device=q.device)
         m = torch.full(shape, float("-inf"), dtype=wt, device=q.device)
         den = torch.zeros(shape, dtype=wt, device=q.device)
         for t in tl.tiles(s, k_stop):
-            z = _logits(qb, tl.key_tile(k, t, wt), shape, spec.scale, bt.tile(t)).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
+            z = _logits(qb, tl.key_tile(k, t, wt), shape, bt.tile(t)).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
             vis = tl.keep(s, e, t, wt, q.device)
             if vis is not None:  # hidden keys: -inf for the running max, then 0
                 z = z.add_(torch.zeros_like(vis).masked_fill_(vis == 0, float("-inf")))
