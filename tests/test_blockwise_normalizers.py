@@ -214,3 +214,34 @@ def test_a_bias_by_blocks_of_rows_and_its_gradients(scenario, small_tiles):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(b, a, atol=2e-5 * max(a.abs().max().item(), 1e-9), rtol=0)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_bias_without_stand_in_inputs(grad, small_tiles):
+    """A lazy bias that names no inputs cannot be differentiated by blocks: with gradients the
+    backend runs the eager reference for it; without, its rows by blocks. Both equal eager."""
+    from posenc_lightning.encodings.base import DenseBias
+    from posenc_lightning.inject import inject
+    from tests.conformance import ConfLayer, make_inputs, run_case
+
+    base = _content_sb()
+
+    class Opaque(base):
+        name = "opaque_sb_test"
+
+        def bias(self, q, k, ctx):
+            full = super().bias(q, k, ctx)
+            return DenseBias.lazy(lambda s, e, ke: full.rows(s, e, ke), q.shape[-2], k.shape[-2])
+
+    x = make_inputs(1, 21, (2, 2, 8), torch.float64)
+    res = []
+    for backend in ("eager", "blockwise"):
+        torch.manual_seed(0)
+        m = ConfLayer(2, 8)
+        inject(m, Opaque(), backend=backend)
+        m.to(torch.float64)
+        res.append(run_case(m, x, {}, grad))
+    for a, b in zip(*res):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, atol=2e-5 * max(a.abs().max().item(), 1e-9), rtol=0)
