@@ -1,17 +1,19 @@
 """The blockwise normalizers (`blockwise` backend): autograd Functions whose forward and backward
 walk query blocks x key tiles (`_tiles.Tiling`), recomputing each tile in backward: nothing larger
-than a block of rows x the keys it sees is ever built, and nothing but q, k, v, the output (and
-one float per query row) is kept for backward.
+than a block of rows x the keys it sees is ever built, and nothing but q, k, v (stick-breaking),
+plus the output and one log-sum-exp per query row (softmax), is kept for backward.
 
 - `StickBreakingBlocks`: stick-breaking (Tan et al., 2024, eqs. 1-3) walked nearest key tile
   first, the log-space sum of ``softplus`` carried across tiles (as the Triton kernel does);
-  backward from the same walk (`functional.stick_breaking.stick_breaking_tile_grad`).
+  backward per block: the carried sums nearest first, then the gradient farthest first
+  (`functional.stick_breaking.stick_breaking_tile_grad`).
 - `ModulatedSoftmaxBlocks`: ``softmax(s * mod(i, j))`` for a distance modulation of the scaled
   logits (ExpoSB, stage 4), an online softmax over key tiles (Milakov & Gimelshein, 2018;
   FlashAttention's forward) with the log-sum-exp kept per row, and the softmax gradient by tiles.
 
+Weights below ``exp(EXP_FLOOR)`` are computed as that (x86 computes denormal exps ~30x slower).
 Inputs of a bias that need a gradient come after ``spec`` (so autograd routes their gradients);
-the tiles' bias gradient reaches them through `_tiles.BiasRows`.
+the tiles' bias gradient reaches them through `_tiles.BiasTiles`.
 """
 
 from __future__ import annotations

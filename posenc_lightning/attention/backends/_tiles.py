@@ -1,10 +1,10 @@
 """Query blocks x key tiles of one attention call, for the blockwise normalizers (`blockwise`).
 
 A `Tiling` knows, from Python ints only (shapes, the mask's offset), which keys a block of query
-rows may see and in which order the key tiles are walked; it gives each tile's visibility mask,
-its slice of the bias (from the block's `Bias.rows`, so any kind works) and the grouped layout
-of the query heads (``[B, H_kv, g, r, .]``: grouped kv heads are never repeated). Nothing it
-builds is larger than one block of rows x the keys it sees.
+rows may see and in which order the key tiles are walked, and gives each tile's keys and
+visibility mask; `BiasTiles` gives each tile's bias (any kind) and routes its gradient. Query
+heads are laid out grouped (``[B, H_kv, g, r, .]``: grouped kv heads are never repeated).
+Nothing built here is larger than one block of rows x the keys it sees.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Tile:
 class Tiling:
     """The blocks of one call. ``diag``: query ``i`` may see key ``j`` only if ``j <= i + diag``
     (None: any key); ``descending``: key tiles are walked nearest first, each tile's keys in
-    descending order (stick-breaking; the key-side tensors are then read from flipped copies)."""
+    descending order (stick-breaking: `key_tile` flips each tile's keys)."""
 
     def __init__(self, mask: AttentionMask, n_q: int, n_k: int, diag: int | None, rows: int, cols: int,
                  descending: bool) -> None:
@@ -41,11 +41,12 @@ class Tiling:
         dense = mask.q_segments is not None or mask.k_valid is not None
         self.dense_mask = dense
         ks = mask.k_segments if mask.k_segments is not None else mask.q_segments
-        flip = self._keys
-        self.k_seg = None if mask.q_segments is None else flip(ks)
-        self.k_valid = None if mask.k_valid is None else flip(mask.k_valid)
+        # the per-key masks ([B, Nk], small) in walking order, read through `span`
+        self.k_seg = None if mask.q_segments is None else self.walking(ks)
+        self.k_valid = None if mask.k_valid is None else self.walking(mask.k_valid)
 
-    def _keys(self, t: Tensor) -> Tensor:
+    def walking(self, t: Tensor) -> Tensor:
+        """A per-key ``[B, Nk]`` tensor in walking order."""
         return t.flip(-1) if self.descending else t
 
     def key_tile(self, x: Tensor, t: Tile, dtype: torch.dtype) -> Tensor:
@@ -75,7 +76,7 @@ class Tiling:
         return out
 
     def span(self, t: Tile) -> slice:
-        """The tile's keys in a key-side tensor taken through `keys` (walking order)."""
+        """The tile's keys in a per-key ``[B, Nk]`` tensor in walking order (flipped when descending)."""
         return slice(self.n_k - t.k1, self.n_k - t.k0) if self.descending else slice(t.k0, t.k1)
 
     def row_span(self, t: Tile, k_stop: int) -> slice:
@@ -143,7 +144,7 @@ class BiasTiles:
         self.per_tile = (bias is not None and bias.distance_only and q_pos is not None and k_pos is not None
                          and q_pos.dim() == 2)
         self.q_pos = q_pos
-        self.k_pos = None if k_pos is None else (k_pos.flip(-1) if tiling.descending else k_pos)
+        self.k_pos = None if k_pos is None else tiling.walking(k_pos)
         self._block: tuple[int, int, int] = (0, 0, 0)
         self._rows: Tensor | None = None
         self._d_rows: Tensor | None = None
