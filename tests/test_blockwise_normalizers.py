@@ -245,3 +245,23 @@ def test_a_bias_without_stand_in_inputs(grad, small_tiles):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(b, a, atol=2e-5 * max(a.abs().max().item(), 1e-9), rtol=0)
+
+
+def test_bidirectional_modulated_softmax(small_tiles):
+    """exposb without the causal mask (every key tile of every block), with key padding."""
+    from posenc_lightning.inject import inject
+    from tests.conformance import ConfLayer, make_inputs, run_case
+
+    x = make_inputs(2, 17, (2, 2, 8), torch.float64)
+    kpm = torch.ones(2, 17, dtype=torch.bool)
+    kpm[1, :3] = False
+    res = []
+    for backend in ("eager", "blockwise"):
+        torch.manual_seed(0)
+        m = ConfLayer(2, 8)
+        inject(m, "exposb", backend=backend)
+        m.to(torch.float64)
+        res.append(run_case(m, x, {"causal": False, "key_padding_mask": kpm}, True))
+    for a, b in zip(*res):
+        if a is not None:
+            torch.testing.assert_close(b, a, atol=2e-5 * max(a.abs().max().item(), 1e-9), rtol=0)
