@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posenc_lightning.attention.mixin import PosEncEmbeddingMixin
-from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias
+from posenc_lightning.encodings.base import AttentionContext, Bias
 from posenc_lightning.inject import inject
 from posenc_lightning.models.tinygpt import CausalSelfAttention, TinyGPT
 
@@ -111,12 +111,12 @@ def gpt_fns(gpt: TinyGPT, ids: Tensor) -> dict[str, Callable[[], None]]:
 def realize_bias(bias: Bias | None, causal: bool = True, block: int = 256) -> None:
     """Compute a bias's values the way a blockwise backend does, without the attention.
 
-    Lazy rows (FIRE past its threshold, CoPE, mixtures) are computed block by block and
-    dropped; the other kinds already hold what a backend reads after the description call
-    (ALiBi slopes, a Toeplitz table of ``2N - 1`` distances, FoX's cumulative log gates)."""
+    Rows computed on request (`Bias.rows_shape`: FIRE past its threshold, CoPE, mixtures) are
+    computed block by block and dropped; the other kinds already hold what a backend reads after
+    the description call (ALiBi slopes, a Toeplitz table of ``2N - 1`` distances, FoX's gates)."""
     for term in bias.terms if bias is not None else []:
-        if isinstance(term, DenseBias) and term.is_lazy:
-            nq, nk = term.shape_qk
+        if term.rows_shape is not None:
+            nq, nk = term.rows_shape
             for s in range(0, nq, block):
                 e = min(nq, s + block)
                 term.rows(s, e, nk - nq + e if causal else nk)

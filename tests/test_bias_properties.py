@@ -131,14 +131,14 @@ def test_sba_stable_for_logits_of_plus_minus_50():
     assert torch.isfinite(out).all() and torch.isfinite(q.grad).all() and torch.isfinite(v.grad).all()
 
 
-def test_sba_refuses_non_causal_and_auto_uses_eager():
+def test_sba_refuses_non_causal_and_auto_uses_blockwise():
     attn = Attn(n_heads=2, head_dim=4)
     enc = inject(attn, "sba")
     q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
     with pytest.raises(ValueError, match="causal"):
         attn(q, k, v, causal=False)
-    assert resolve_backend("auto", enc, torch.device("cpu"), True).NAME == "eager"
-    with pytest.raises(ValueError, match="eager"):
+    assert resolve_backend("auto", enc, torch.device("cpu"), True).NAME == "blockwise"
+    with pytest.raises(ValueError, match="blockwise"):
         inject(attn, "sba", backend="sdpa")
 
 

@@ -89,8 +89,9 @@ def _inputs():
 def test_every_backend_claims_it_or_refuses_clearly():
     enc = LogDistance().bind(n_heads=4, head_dim=16)
     claims = {b: get_backend(b).supports(enc, CPU, True) is None for b in BACKENDS}
-    assert claims == {"eager": True, "sdpa": True, "flex": False, "triton": False}
-    assert "N x N" in get_backend("triton").supports(enc, CPU, True)  # no in-kernel form of the new kind
+    # triton: no in-kernel form of the new kind; blockwise: only encodings that replace softmax
+    assert claims == {"eager": True, "sdpa": True, "flex": False, "triton": False, "blockwise": False}
+    assert "N x N" in get_backend("triton").supports(enc, CPU, True)
     with pytest.raises(ValueError, match="backend 'flex' cannot run encoding 'log_distance'.*no backward on CPU"):
         resolve_backend("flex", enc, CPU, True)
     assert get_backend("flex").supports(enc, CPU, False) is None  # inference only on CPU

@@ -121,7 +121,8 @@ class Encoding(nn.Module):
     scalable: ClassVar[bool] = False
     #: `set_factors` replaces per-dimension rescale factors (long_rope; LongRoPE's search uses it)
     searchable: ClassVar[bool] = False
-    #: the normalizer a fused kernel may run in place of `normalize` ("stick_breaking"), None: none
+    #: the normalizer a fused kernel may run in place of `normalize` ("stick_breaking"; the blockwise
+    #: backend also "distance_modulated_softmax": softmax of the logits times ``distance_modulation``), None: none
     fused_normalizer: ClassVar[str | None] = None
     #: stick-breaking normalizers: a query may attend to its own key
     attend_current: bool = False

@@ -31,7 +31,12 @@ from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin
 @register("exposb", "rotate", "ExpoSB: rope with position-decayed rotation, band-pass channel gain and "
           "distance-decayed scores")
 class ExpoSB(RotaryEncoding):
-    """ExpoSB (see the module docstring for the formulas; the defaults are the seed's constants)."""
+    """ExpoSB (see the module docstring for the formulas; the defaults are the seed's constants).
+
+    Declares its stage 4 as ``"distance_modulated_softmax"``: ``softmax(s * distance_modulation)``,
+    which the blockwise backend runs by tiles, asking `distance_modulation` at each tile's positions."""
+
+    fused_normalizer = "distance_modulated_softmax"
 
     def __init__(self, theta: float = 10000.0, position_decay: float = 0.001, position_boost: float = 0.2,
                  band_floor: float = 0.8, band_gain: float = 0.4, band_center: float | None = None,
@@ -73,7 +78,16 @@ class ExpoSB(RotaryEncoding):
         return out.to(x.dtype)
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
-        return self._rotate_one(q, ctx.q_pos), self._rotate_one(k, ctx.k_pos)
+        return self._rotated(q, ctx.q_pos), self._rotated(k, ctx.k_pos)
+
+    def _rotated(self, x: Tensor, positions: Tensor) -> Tensor:
+        """`_rotate_one`, recomputed in backward when training: its boosted cos/sin and pre-gain
+        rotation (three ``[B, H, N, D]`` float32 tensors per q and k) are not kept for backward."""
+        if torch.is_grad_enabled() and (x.requires_grad or self.band_weights.requires_grad):
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self._rotate_one, x, positions, use_reentrant=False)
+        return self._rotate_one(x, positions)
 
     def distance_modulation(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """``0.7 + 0.3 exp(-0.005 |m - n|)``: ``[B, 1, Nq, Nk]``."""

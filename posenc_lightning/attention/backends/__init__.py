@@ -18,9 +18,9 @@ import torch
 
 from posenc_lightning.encodings.base import Encoding
 
-BACKENDS = ("eager", "sdpa", "flex", "triton")
+BACKENDS = ("eager", "sdpa", "flex", "triton", "blockwise")
 #: the order ``auto`` tries, fastest first
-_AUTO_ORDER = {"cuda": ("triton", "flex", "sdpa", "eager"), "cpu": ("sdpa", "eager")}
+_AUTO_ORDER = {"cuda": ("triton", "flex", "sdpa", "blockwise", "eager"), "cpu": ("sdpa", "blockwise", "eager")}
 
 
 def unfused_bias(encoding: Encoding, form: str, who: str) -> str | None:

@@ -44,6 +44,10 @@ class FireBias(Bias):
     fresh_rows = True
     fused_in: ClassVar[frozenset[str]] = frozenset({"kernel", "score_mod"})
 
+    @property
+    def rows_shape(self) -> tuple[int, int] | None:
+        return self.q_pos.shape[1], self.k_pos.shape[1]  # the MLP per pair: computed by rows
+
     def grad_inputs(self) -> tuple[Tensor, ...]:
         params = (self.c, self.l_mult, self.w1, self.b1, self.w2, self.b2)
         return params if self.weight is None else (*params, self.weight)

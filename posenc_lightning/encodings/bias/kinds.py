@@ -136,6 +136,13 @@ class Bias(ABC):
         return False
 
     @property
+    def rows_shape(self) -> tuple[int, int] | None:
+        """``(Nq, Nk)`` when the values exist only as `rows` computed on request (a lazy dense
+        bias, FIRE's MLP per pair): what a backend computes block by block; None when the kind
+        holds what backends read (O(N) data: slopes, a table, gates, or a given tensor)."""
+        return None
+
+    @property
     def distance_only(self) -> bool:
         """The value depends on ``i - j`` only, and `at` gives it at other positions."""
         return False
@@ -227,6 +234,10 @@ class DenseBias(Bias):
     @property
     def is_lazy(self) -> bool:
         return self.tensor is None
+
+    @property
+    def rows_shape(self) -> tuple[int, int] | None:
+        return self.shape_qk if self.is_lazy else None
 
     @property
     def recomputable(self) -> bool:

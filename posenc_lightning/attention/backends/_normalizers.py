@@ -1,0 +1,250 @@
+"""The blockwise normalizers (`blockwise` backend): autograd Functions whose forward and backward
+walk query blocks x key tiles (`_tiles.Tiling`), recomputing each tile in backward: nothing larger
+than a block of rows x the keys it sees is ever built, and nothing but q, k, v (stick-breaking),
+plus the output and one log-sum-exp per query row (softmax), is kept for backward.
+
+- `StickBreakingBlocks`: stick-breaking (Tan et al., 2024, eqs. 1-3) walked nearest key tile
+  first, the log-space sum of ``softplus`` carried across tiles (as the Triton kernel does);
+  backward per block: the carried sums nearest first, then the gradient farthest first
+  (`functional.stick_breaking.stick_breaking_tile_grad`).
+- `ModulatedSoftmaxBlocks`: ``softmax(s * mod(i, j))`` for a distance modulation of the scaled
+  logits (ExpoSB, stage 4), an online softmax over key tiles (Milakov & Gimelshein, 2018;
+  FlashAttention's forward) with the log-sum-exp kept per row, and the softmax gradient by tiles.
+
+Weights below ``exp(EXP_FLOOR)`` are computed as that (x86 computes denormal exps ~30x slower).
+Inputs of a bias that need a gradient come after ``spec`` (so autograd routes their gradients);
+the tiles' bias gradient reaches them through `_tiles.BiasTiles`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from posenc_lightning.attention.backends._tiles import BiasTiles, Tiling, flat, grouped, ungrouped
+from posenc_lightning.encodings.base import Bias
+from posenc_lightning.functional.stick_breaking import (
+    EXP_FLOOR,
+    stick_breaking_tail,
+    stick_breaking_tile,
+    stick_breaking_tile_grad,
+)
+
+
+@dataclass(eq=False)
+class Spec:
+    """What the Functions need besides tensors: the tiling, the bias and its inputs that need a
+    gradient (``extra``), the logit scale, and for the modulated softmax the modulation
+    ``mod(q_pos, k_pos) -> [B, 1, Nq, Nk]`` and the positions."""
+
+    tiling: Tiling
+    bias: Bias | None
+    extra: tuple[Tensor, ...]
+    scale: float
+    modulation: Callable[[Tensor, Tensor], Tensor] | None = None
+    q_pos: Tensor | None = None
+    k_pos: Tensor | None = None
+
+    def bias_tiles(self, h_kv: int, dtype: torch.dtype, needs: tuple[bool, ...] = ()) -> BiasTiles:
+        """`BiasTiles` with, per bias input, whether it needs a gradient (an ``extra`` that needs one)."""
+        bt = BiasTiles(self.bias, self.tiling, h_kv, dtype, self.q_pos, self.k_pos)
+        if needs:
+            bt.need = tuple(any(t is x and n for x, n in zip(self.extra, needs)) for t in bt.inputs)
+        return bt
+
+    def extra_grads(self, bt: BiasTiles) -> list[Tensor | None]:
+        out: list[Tensor | None] = []
+        for x in self.extra:
+            g = None
+            for t, gi in zip(bt.inputs, bt.grads):
+                if t is x and gi is not None:
+                    g = gi if g is None else g + gi
+            out.append(None if g is None else g.to(x.dtype))
+        return out
+
+
+def _logits(qs: Tensor, kt: Tensor, shape: tuple[int, ...], bias: Tensor | None) -> Tensor:
+    """``(q s) k^T (+ bias)`` of a tile, ``[B, H_kv, g, r, c]``, from the block's scaled queries
+    ``qs`` (the scale applied once per block, not once per tile)."""
+    z = torch.matmul(qs, kt.transpose(-1, -2)).view(*shape[:4], kt.shape[-2])
+    return z if bias is None else z.add_(bias)
+
+
+def _wide(q: Tensor) -> torch.dtype:
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+class StickBreakingBlocks(torch.autograd.Function):
+    """Stick-breaking attention by tiles: ``o_i = sum_j A_ij v_j`` (see the module docstring).
+
+    Backward per query block: the tails (softplus sums) at every tile, nearest first, then the
+    tiles farthest first, where the sum of ``g`` over the farther keys is carried exactly."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: Spec, *extra: Tensor) -> Tensor:
+        out = _sb_forward(q, k, v, spec, _wide(q))
+        ctx.save_for_backward(q, k, v)
+        ctx.spec = spec
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor):
+        q, k, v = ctx.saved_tensors
+        spec: Spec = ctx.spec
+        b, h, _, d = q.shape
+        h_kv, g, wt = k.shape[1], h // k.shape[1], _wide(q)
+        tl = spec.tiling
+        dq = torch.zeros(q.shape, dtype=wt, device=q.device)
+        dk = torch.zeros(k.shape, dtype=wt, device=k.device)
+        dv = torch.zeros(v.shape, dtype=wt, device=v.device)
+        bt = spec.bias_tiles(h_kv, wt, ctx.needs_input_grad[4:])
+        for s, e, k_stop in tl.blocks():
+            if k_stop == 0:
+                continue
+            shape = (b, h_kv, g, e - s)
+            qb, dob = flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale), flat(grouped(d_out, s, e, h_kv, wt))
+            bt.start(s, e, k_stop, grad=True)
+            tiles = tl.tiles(s, k_stop)
+            tails = [torch.zeros(shape, dtype=wt, device=q.device)]
+            for t in tiles[:-1]:
+                z = _logits(qb, tl.key_tile(k, t, wt), shape, bt.tile(t))
+                tails.append(stick_breaking_tail(z, tl.keep(s, e, t, wt, q.device), tails[-1]))
+            g_far = torch.zeros(shape, dtype=wt, device=q.device)
+            dq_b = torch.zeros_like(qb)
+            for t, tail in zip(reversed(tiles), reversed(tails)):
+                kt, vt = tl.key_tile(k, t, wt), tl.key_tile(v, t, wt)
+                z = _logits(qb, kt, shape, bt.tile(t, grad=True))
+                vis = tl.keep(s, e, t, wt, q.device)
+                a, _ = stick_breaking_tile(z, vis, tail)
+                dp = torch.matmul(dob, vt.transpose(-1, -2)).view_as(z)
+                dz, g_far = stick_breaking_tile_grad(z, a, dp, vis, g_far)
+                dzf = flat(dz)
+                dq_b.add_(torch.matmul(dzf, kt))
+                tl.add_key_tile(dk, t, torch.matmul(dzf.transpose(-1, -2), qb))
+                tl.add_key_tile(dv, t, torch.matmul(flat(a).transpose(-1, -2), dob))
+                bt.tile_grad(t, dz)
+            dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
+            bt.finish()
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
+
+
+def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtype) -> Tensor:
+    b, h, n_q, _ = q.shape
+    h_kv, g, d_v = k.shape[1], h // k.shape[1], v.shape[-1]
+    tl = spec.tiling
+    out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
+    bt = spec.bias_tiles(h_kv, wt)
+    for s, e, k_stop in tl.blocks():
+        if k_stop == 0:
+            continue
+        shape = (b, h_kv, g, e - s)
+        qb = flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale)
+        bt.start(s, e, k_stop)
+        acc = torch.zeros((b, h_kv, g * (e - s), d_v), dtype=wt, device=q.device)
+        tail = torch.zeros(shape, dtype=wt, device=q.device)
+        for t in tl.tiles(s, k_stop):
+            z = _logits(qb, tl.key_tile(k, t, wt), shape, bt.tile(t))
+            a, tail = stick_breaking_tile(z, tl.keep(s, e, t, wt, q.device), tail)
+            acc.add_(torch.matmul(flat(a), tl.key_tile(v, t, wt)))
+        out[:, :, s:e] = ungrouped(acc.view(*shape, d_v))
+    return out
+
+
+class ModulatedSoftmaxBlocks(torch.autograd.Function):
+    """``softmax((q k^T s + bias) * mod(i, j))`` by tiles (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: Spec, *extra: Tensor) -> Tensor:
+        wt = _wide(q)
+        out, lse = _softmax_forward(q, k, v, spec, wt)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec = spec
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        spec: Spec = ctx.spec
+        b, h, _, d = q.shape
+        h_kv, g, wt = k.shape[1], h // k.shape[1], out.dtype
+        tl = spec.tiling
+        dq = torch.zeros(q.shape, dtype=wt, device=q.device)
+        dk = torch.zeros(k.shape, dtype=wt, device=k.device)
+        dv = torch.zeros(v.shape, dtype=wt, device=v.device)
+        bt = spec.bias_tiles(h_kv, wt, ctx.needs_input_grad[4:])
+        for s, e, k_stop in tl.blocks():
+            if k_stop == 0:
+                continue
+            shape = (b, h_kv, g, e - s)
+            qb, dob = flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale), grouped(d_out, s, e, h_kv, wt)
+            delta = (dob * grouped(out, s, e, h_kv, wt)).sum(-1, keepdim=True)
+            dob = flat(dob)
+            lse_b = lse[:, :, s:e].reshape(*shape, 1)
+            bt.start(s, e, k_stop, grad=True)
+            dq_b = torch.zeros_like(qb)
+            for t in tl.tiles(s, k_stop):
+                kt, vt = tl.key_tile(k, t, wt), tl.key_tile(v, t, wt)
+                z = _logits(qb, kt, shape, bt.tile(t, grad=True))
+                mod = _modulation(spec, s, e, t.k0, t.k1, wt)
+                # P = exp(z mod - lse) <= 1 where visible; clamped so that hidden entries stay finite
+                p = z.mul_(mod).sub_(lse_b).clamp_(EXP_FLOOR, 0.0).exp_()
+                vis = tl.keep(s, e, t, wt, q.device)
+                if vis is not None:
+                    p = p.mul_(vis)
+                dp = torch.matmul(dob, vt.transpose(-1, -2)).view_as(p)
+                dz = dp.sub_(delta).mul_(p).mul_(mod)  # d(q k^T s + bias) = P (dP - delta) mod
+                dzf = flat(dz)
+                dq_b.add_(torch.matmul(dzf, kt))
+                tl.add_key_tile(dk, t, torch.matmul(dzf.transpose(-1, -2), qb))
+                tl.add_key_tile(dv, t, torch.matmul(flat(p).transpose(-1, -2), dob))
+                bt.tile_grad(t, dz)
+            dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
+            bt.finish()
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
+
+
+def _modulation(spec: Spec, s: int, e: int, k0: int, k1: int, wt: torch.dtype) -> Tensor:
+    """``mod`` of the tile, ``[B, 1, 1, r, c]``."""
+    return spec.modulation(spec.q_pos[:, s:e], spec.k_pos[:, k0:k1]).to(wt)[:, :, None]
+
+
+def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The output and the log-sum-exp of every row (``+inf`` for a row that sees no key, whose
+    output is 0 as eager's)."""
+    b, h, n_q, _ = q.shape
+    h_kv, g, d_v = k.shape[1], h // k.shape[1], v.shape[-1]
+    tl = spec.tiling
+    out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
+    lse = torch.full((b, h, n_q), float("inf"), dtype=wt, device=q.device)
+    bt = spec.bias_tiles(h_kv, wt)
+    for s, e, k_stop in tl.blocks():
+        if k_stop == 0:
+            continue
+        shape = (b, h_kv, g, e - s)
+        qb = flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale)
+        bt.start(s, e, k_stop)
+        acc = torch.zeros((b, h_kv, g * (e - s), d_v), dtype=wt, device=q.device)
+        m = torch.full(shape, float("-inf"), dtype=wt, device=q.device)
+        den = torch.zeros(shape, dtype=wt, device=q.device)
+        for t in tl.tiles(s, k_stop):
+            z = _logits(qb, tl.key_tile(k, t, wt), shape, bt.tile(t)).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
+            vis = tl.keep(s, e, t, wt, q.device)
+            if vis is not None:  # hidden keys: -inf for the running max, then 0
+                z = z.add_(torch.zeros_like(vis).masked_fill_(vis == 0, float("-inf")))
+            m_new = torch.maximum(m, z.amax(-1))
+            m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # no key seen yet: exp(-inf) = 0
+            p = z.sub_(m_safe[..., None]).clamp_min_(EXP_FLOOR).exp_()
+            if vis is not None:
+                p = p.mul_(vis)
+            alpha = (m - m_safe).exp_()
+            den = den.mul_(alpha).add_(p.sum(-1))
+            acc = acc.mul_(alpha.view(*shape[:2], -1, 1)).add_(torch.matmul(flat(p), tl.key_tile(v, t, wt)))
+            m = m_new
+        m_safe = m.masked_fill(torch.isneginf(m), 0.0)
+        o = acc.view(*shape, d_v) / den[..., None].clamp_min(torch.finfo(wt).tiny)
+        out[:, :, s:e] = ungrouped(o)
+        lse[:, :, s:e] = (m_safe + den.log()).masked_fill(den == 0, float("inf")).reshape(b, h, e - s)
+    return out, lse

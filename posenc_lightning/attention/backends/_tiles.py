@@ -1,0 +1,238 @@
+"""Query blocks x key tiles of one attention call, for the blockwise normalizers (`blockwise`).
+
+A `Tiling` knows, from Python ints only (shapes, the mask's offset), which keys a block of query
+rows may see and in which order the key tiles are walked, and gives each tile's keys and
+visibility mask; `BiasTiles` gives each tile's bias (any kind) and routes its gradient. Query
+heads are laid out grouped (``[B, H_kv, g, r, .]``: grouped kv heads are never repeated).
+Nothing built here is larger than one block of rows x the keys it sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings.base import Bias
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Keys ``[k0, k1)`` of the block's keys ``[0, k_stop)``; ``full``: every key of it is
+    visible to every query of the block (no mask needed)."""
+
+    k0: int
+    k1: int
+    full: bool
+
+
+class Tiling:
+    """The blocks of one call. ``diag``: query ``i`` may see key ``j`` only if ``j <= i + diag``
+    (None: any key); ``descending``: key tiles are walked nearest first, each tile's keys in
+    descending order (stick-breaking: `key_tile` flips each tile's keys)."""
+
+    def __init__(self, mask: AttentionMask, n_q: int, n_k: int, diag: int | None, rows: int, cols: int,
+                 descending: bool) -> None:
+        self.mask, self.n_q, self.n_k, self.diag = mask, n_q, n_k, diag
+        self.rows, self.cols, self.descending = max(1, rows), max(1, cols), descending
+        dense = mask.q_segments is not None or mask.k_valid is not None
+        self.dense_mask = dense
+        ks = mask.k_segments if mask.k_segments is not None else mask.q_segments
+        # the per-key masks ([B, Nk], small) in walking order, read through `span`
+        self.k_seg = None if mask.q_segments is None else self.walking(ks)
+        self.k_valid = None if mask.k_valid is None else self.walking(mask.k_valid)
+
+    def walking(self, t: Tensor) -> Tensor:
+        """A per-key ``[B, Nk]`` tensor in walking order."""
+        return t.flip(-1) if self.descending else t
+
+    def key_tile(self, x: Tensor, t: Tile, dtype: torch.dtype) -> Tensor:
+        """The tile's keys of ``x [B, H_kv, Nk, X]`` in walking order and ``dtype`` (a tile-sized
+        copy at most: never a flipped or widened copy of all keys)."""
+        x = x[:, :, t.k0:t.k1].to(dtype)
+        return x.flip(-2) if self.descending else x
+
+    def add_key_tile(self, acc: Tensor, t: Tile, x: Tensor) -> None:
+        """``acc[:, :, keys of t] += x`` for ``x`` in walking order."""
+        acc[:, :, t.k0:t.k1] += x.flip(-2) if self.descending else x
+
+    def blocks(self) -> Iterator[tuple[int, int, int]]:
+        """``(start, stop, k_stop)``: query rows ``[start, stop)`` see keys ``[0, k_stop)`` at most."""
+        for s in range(0, self.n_q, self.rows):
+            e = min(self.n_q, s + self.rows)
+            k_stop = self.n_k if self.diag is None else max(0, min(self.n_k, e + self.diag))
+            yield s, e, k_stop
+
+    def tiles(self, start: int, k_stop: int) -> list[Tile]:
+        """The key tiles of a block, in walking order."""
+        out = []
+        for i in range(0, k_stop, self.cols):
+            k0, k1 = (max(0, k_stop - i - self.cols), k_stop - i) if self.descending else (i, min(k_stop, i + self.cols))
+            full = not self.dense_mask and (self.diag is None or k1 - 1 <= start + self.diag)
+            out.append(Tile(k0, k1, full))
+        return out
+
+    def span(self, t: Tile) -> slice:
+        """The tile's keys in a per-key ``[B, Nk]`` tensor in walking order (flipped when descending)."""
+        return slice(self.n_k - t.k1, self.n_k - t.k0) if self.descending else slice(t.k0, t.k1)
+
+    def row_span(self, t: Tile, k_stop: int) -> slice:
+        """The tile's keys in a block's bias rows ``[..., :k_stop]`` taken through `rows_order`."""
+        return slice(k_stop - t.k1, k_stop - t.k0) if self.descending else slice(t.k0, t.k1)
+
+    def rows_order(self, rows: Tensor) -> Tensor:
+        return rows.flip(-1) if self.descending else rows
+
+    def keep(self, start: int, stop: int, t: Tile, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+        """``[B|1, 1, 1, r, cols]`` (the grouped layout) in ``dtype``: 1 where the key is visible,
+        else 0 (a multiplier); None when all are visible."""
+        if t.full:
+            return None
+        j = torch.arange(t.k0, t.k1, device=device)
+        j = j.flip(0) if self.descending else j
+        m = None
+        if self.diag is not None:
+            i = torch.arange(start, stop, device=device)
+            m = (j[None, :] <= i[:, None] + self.diag)[None]
+        sl = self.span(t)
+        if self.k_seg is not None:
+            seg = self.mask.q_segments[:, start:stop, None] == self.k_seg[:, None, sl]
+            m = seg if m is None else m & seg
+        if self.k_valid is not None:
+            kv = self.k_valid[:, None, sl]
+            m = kv if m is None else m & kv
+        return m[:, None, None].to(dtype)
+
+
+def grouped(t: Tensor, start: int, stop: int, h_kv: int, dtype: torch.dtype) -> Tensor:
+    """Query rows ``[start, stop)`` of ``t [B, H, N, X]`` as ``[B, H_kv, g, r, X]`` in ``dtype``."""
+    b, h, _, x = t.shape
+    return t[:, :, start:stop].to(dtype).reshape(b, h_kv, h // h_kv, stop - start, x)
+
+
+def ungrouped(t: Tensor) -> Tensor:
+    """``[B, H_kv, g, r, X]`` -> ``[B, H, r, X]``."""
+    b, h_kv, g, r, x = t.shape
+    return t.reshape(b, h_kv * g, r, x)
+
+
+def flat(t: Tensor) -> Tensor:
+    """``[B, H_kv, g, r, X]`` -> ``[B, H_kv, g * r, X]`` for one matmul per kv head."""
+    return t.flatten(2, 3)
+
+
+class BiasTiles:
+    """The bias of each tile, in walking order and the grouped layout, and its gradient.
+
+    A bias that depends on ``i - j`` only (`Bias.distance_only`: rse's penalty, ALiBi, T5) is
+    computed per tile at the tile's positions (`Bias.at` at the context's positions, as the sdpa
+    backend's Toeplitz path reads it): nothing larger than a tile. Any other
+    kind: one block of `Bias.rows` at a time, sliced. Gradients: `Bias.rows_from` on detached
+    windows of `Bias.grad_inputs`, differentiated with ``torch.func.vjp`` (traceable by dynamo,
+    unlike ``autograd.grad``), added window by window into full-size accumulators of the inputs
+    that need one (``need``, per input)."""
+
+    def __init__(self, bias: Bias | None, tiling: Tiling, h_kv: int, dtype: torch.dtype,
+                 q_pos: Tensor | None = None, k_pos: Tensor | None = None) -> None:
+        self.bias, self.tiling, self.h_kv, self.dtype = bias, tiling, h_kv, dtype
+        self.inputs = tuple(bias.grad_inputs() or ()) if bias is not None else ()
+        self.need: tuple[bool, ...] = (False,) * len(self.inputs)
+        self.grads: list[Tensor | None] = [None] * len(self.inputs)
+        self.per_tile = (bias is not None and bias.distance_only and q_pos is not None and k_pos is not None
+                         and q_pos.dim() == 2)
+        self.q_pos = q_pos
+        self.k_pos = None if k_pos is None else tiling.walking(k_pos)
+        self._block: tuple[int, int, int] = (0, 0, 0)
+        self._rows: Tensor | None = None
+        self._d_rows: Tensor | None = None
+        self._vjp = None
+
+    @property
+    def grad(self) -> bool:
+        return any(self.need)
+
+    def _grouped(self, rows: Tensor) -> Tensor:
+        r = rows.to(self.dtype)
+        b, h = r.shape[:2]
+        return r.reshape(b, self.h_kv, h // self.h_kv, *r.shape[2:]) if h > 1 else r[:, :, None]
+
+    def _differentiated(self, bias: Bias, start: int, stop: int, k_stop: int):
+        """``rows_from`` of ``bias`` and its vjp to the inputs that need a gradient."""
+        windows = bias.input_windows(start, stop, k_stop)
+        views = [t.detach() if w is None else t.detach()[w] for t, w in zip(bias.grad_inputs(), windows)]
+        slots = [next((i for i, x in enumerate(self.inputs) if x is t), -1) for t in bias.grad_inputs()]
+        idx = [i for i, slot in enumerate(slots) if slot >= 0 and self.need[slot]]
+
+        def f(*live: Tensor) -> Tensor:
+            vs = list(views)
+            for i, t in zip(idx, live):
+                vs[i] = t
+            return bias.rows_from(start, stop, k_stop, vs)
+
+        raw, vjp = torch.func.vjp(f, *[views[i] for i in idx])
+
+        def take(d: Tensor) -> None:  # d: [B, H, r, K] in the bias's key order
+            if raw.shape[0] == 1 and d.shape[0] > 1:
+                d = d.sum(0, keepdim=True)
+            if raw.shape[1] == 1 and d.shape[1] > 1:
+                d = d.sum(1, keepdim=True)
+            for i, gi in zip(idx, vjp(d.to(raw.dtype))):
+                slot, w = slots[i], windows[i]
+                t = self.inputs[slot]
+                if self.grads[slot] is None:
+                    self.grads[slot] = torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32),
+                                                   device=t.device)
+                (self.grads[slot] if w is None else self.grads[slot][w]).add_(gi)
+
+        return raw.detach(), take
+
+    def start(self, start: int, stop: int, k_stop: int, grad: bool = False) -> None:
+        """Begin a block of query rows (rows mode: its bias rows, kept with their vjp when ``grad``)."""
+        self._block, self._rows, self._d_rows, self._vjp = (start, stop, k_stop), None, None, None
+        if self.bias is None or self.per_tile or k_stop == 0:
+            return
+        if grad and self.grad:
+            raw, self._vjp = self._differentiated(self.bias, start, stop, k_stop)
+        else:
+            raw = self.bias.rows(start, stop, k_stop)
+        self._rows = self._grouped(self.tiling.rows_order(raw))
+
+    def tile(self, t: Tile, grad: bool = False) -> Tensor | None:
+        """The tile's bias ``[B|1, H_kv|1, g|1, r, c]`` in walking order (None: no bias)."""
+        if self.bias is None:
+            return None
+        s, e, k_stop = self._block
+        if not self.per_tile:
+            return self._rows[..., self.tiling.row_span(t, k_stop)]
+        tb = self.bias.at(self.q_pos[:, s:e], self.k_pos[:, self.tiling.span(t)])
+        if grad and self.grad:
+            raw, self._vjp = self._differentiated(tb, 0, e - s, t.k1 - t.k0)
+        else:
+            raw = tb.rows(0, e - s, t.k1 - t.k0)
+        return self._grouped(raw)
+
+    def tile_grad(self, t: Tile, dz: Tensor) -> None:
+        """Take the gradient of the tile's bias (``dz [B, H_kv, g, r, c]``, walking order)."""
+        if self.bias is None or not self.grad:
+            return
+        if self.per_tile:
+            self._vjp(ungrouped_rows(dz))
+            return
+        if self._d_rows is None:
+            b, h_kv, g, r, _ = dz.shape
+            self._d_rows = torch.zeros((b, h_kv, g, r, self._block[2]), dtype=dz.dtype, device=dz.device)
+        self._d_rows[..., self.tiling.row_span(t, self._block[2])] = dz
+
+    def finish(self) -> None:
+        """End a block (rows mode: its rows' gradient to the inputs)."""
+        if self._vjp is not None and self._d_rows is not None and not self.per_tile:
+            self._vjp(self.tiling.rows_order(ungrouped_rows(self._d_rows)))
+        self._rows = self._d_rows = self._vjp = None
+
+
+def ungrouped_rows(t: Tensor) -> Tensor:
+    """``[B, H_kv, g, r, K]`` -> ``[B, H, r, K]``."""
+    return t.flatten(1, 2)

@@ -1,0 +1,107 @@
+"""Blockwise normalizers: the encodings that replace softmax (stage 4), in O(N x block) memory.
+
+Runs the normalizers an encoding declares (`Encoding.fused_normalizer`), never an ``N x N``
+tensor, forward and backward (`_normalizers`: query blocks x key tiles, recomputed in backward):
+
+- ``"stick_breaking"`` (sba, rse): key tiles nearest first, the log-space sum of ``softplus``
+  carried across tiles as the Triton kernel does; any bias kind added per tile (`Bias.rows`),
+  its inputs' gradients (rse's penalty slopes) through `Bias.rows_from`.
+- ``"distance_modulated_softmax"`` (exposb): an online softmax of ``(q k^T s + bias) * mod``
+  over key tiles, ``mod`` from the encoding's ``distance_modulation(q_pos, k_pos)`` at the tile's
+  positions (any positions).
+
+A backend of its own (not a branch of eager or sdpa): ``auto`` picks it on CPU after sdpa (which
+refuses normalizers) and on CUDA after triton and flex (the fallback without triton, and
+exposb's path there), and the conformance suite holds it to the eager reference like the others.
+Compile-clean: loops over Python ints from shapes, no host reads of tensor values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import MethodType
+
+import torch
+from torch import Tensor
+
+from posenc_lightning.attention.backends._normalizers import ModulatedSoftmaxBlocks, Spec, StickBreakingBlocks
+from posenc_lightning.attention.backends._tiles import Tiling
+from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
+
+NAME = "blockwise"
+#: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
+FUSES_ROTARY = False
+#: the declared normalizers (`Encoding.fused_normalizer`) this backend runs
+NORMALIZERS = ("stick_breaking", "distance_modulated_softmax")
+#: query rows per block and keys per tile; with a bias, fewer rows so that a block's bias rows
+#: (``[B, H, rows, keys seen]`` float32, and their gradient in backward) stay near `BIAS_BLOCK_BYTES`
+BLOCK_ROWS, BLOCK_KEYS = 128, 256
+BIAS_BLOCK_BYTES = 2 * 2**20
+MIN_BIAS_ROWS = 16
+
+
+def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:
+    if "normalize" not in encoding.stages:
+        return (f"{encoding.name} keeps softmax; the blockwise backend runs only encodings that replace it "
+                f"(use sdpa, flex or triton)")
+    if encoding.fused_normalizer not in NORMALIZERS:
+        return (f"{encoding.name} replaces softmax with a normalizer this backend does not implement "
+                f"(it runs the declared fused_normalizer {' / '.join(NORMALIZERS)})")
+    return None
+
+
+def block_rows(bias: Bias | None, b: int, h: int, n_k: int) -> int:
+    """Query rows per block: fewer with a bias computed by blocks of rows (not `Bias.distance_only`)."""
+    if bias is None or bias.distance_only:
+        return BLOCK_ROWS
+    return int(min(BLOCK_ROWS, max(MIN_BIAS_ROWS, BIAS_BLOCK_BYTES // (4 * b * h * max(n_k, 1)))))
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
+           normalize: Callable | None = None, ctx: AttentionContext | None = None) -> Tensor:
+    # the encoding's bound normalize, as the triton backend reads it (``getattr(m, "__self__", None)``
+    # loses the module under dynamo: the attribute read is explicit)
+    enc = normalize.__self__ if isinstance(normalize, MethodType) else None
+    if not isinstance(enc, Encoding) or enc.fused_normalizer not in NORMALIZERS:
+        raise ValueError("the blockwise backend runs the declared normalizers "
+                         f"{NORMALIZERS} only; use backend='auto' or 'eager'")
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    extra = _grad_inputs(bias)
+    if extra is None:  # a bias whose rows cannot be recomputed from stand-ins: the reference path
+        from posenc_lightning.attention.backends import eager
+
+        return eager.attend(q, k, v, bias=bias, mask=mask, scale=scale, normalize=normalize, ctx=ctx)
+    rows = block_rows(bias, q.shape[0], q.shape[1], n_k)
+    if enc.fused_normalizer == "stick_breaking":
+        if ctx is not None and not ctx.causal:
+            raise ValueError(f"{enc.name} is causal by construction (keys are broken off nearest first); "
+                             f"call attend(..., causal=True) or use a softmax encoding")
+        # key j is broken off for query i (at index i + n_k - n_q) iff j < i + n_k - n_q (j = i too
+        # when attend_current), within the causal mask
+        diag = n_k - n_q - (0 if enc.attend_current else 1)
+        if mask.causal:
+            diag = min(diag, mask.q_offset)
+        tiling = Tiling(mask, n_q, n_k, diag, rows, BLOCK_KEYS, descending=True)
+        spec = Spec(tiling, bias, extra, scale, None, *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)))
+        return StickBreakingBlocks.apply(q, k, v, spec, *extra)
+    if ctx is None:
+        raise ValueError(f"{enc.name}: the distance-modulated softmax needs the positions (ctx)")
+    tiling = Tiling(mask, n_q, n_k, mask.q_offset if mask.causal else None, rows, BLOCK_KEYS, descending=False)
+    spec = Spec(tiling, bias, extra, scale, enc.distance_modulation, ctx.q_pos, ctx.k_pos)
+    return ModulatedSoftmaxBlocks.apply(q, k, v, spec, *extra)
+
+
+def _grad_inputs(bias: Bias | None) -> tuple[Tensor, ...] | None:
+    """The distinct inputs of ``bias`` that need a gradient (passed to the Functions so autograd
+    routes theirs), () when none does; None when some may but the bias cannot recompute its rows."""
+    if bias is None or not torch.is_grad_enabled():
+        return ()
+    inputs = bias.grad_inputs()
+    if inputs is None or not bias.recomputable:
+        return None
+    out: list[Tensor] = []
+    for t in inputs:
+        if isinstance(t, Tensor) and t.requires_grad and all(t is not x for x in out):
+            out.append(t)
+    return tuple(out)

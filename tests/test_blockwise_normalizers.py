@@ -1,0 +1,267 @@
+"""The blockwise backend (attention/backends/blockwise.py): sba, rse and exposb by query blocks x
+key tiles, against the eager float64 reference, forward and backward (q, k, v, hidden and every
+encoding parameter: rse's penalty slopes, exposb's band_weights / decay_rates), with tiles small
+enough that N=29 spans several of them in both directions; compile-clean; O(N x block) memory.
+
+Tolerances are the conformance suite's (tests/test_conformance.py): these encodings compute in
+float32 by design, so fp32 and fp64 are held to 2e-5 of the case's scale, bf16 to 4e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posenc_lightning.attention.backends import BACKENDS, blockwise, resolve_backend
+from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings.base import AttentionContext, LinearBias
+from posenc_lightning.encodings.registry import build_encoding
+from tests import test_conformance as conf
+
+NORMALIZERS = ("sba", "rse", "exposb")
+#: grouped kv heads where the encoding takes them (exposb's per-head rotation needs n_kv == n_heads)
+HEADS = {"sba": (4, 2, 8), "rse": (4, 2, 8), "exposb": (2, 2, 8)}
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """4 query rows x 3 keys per tile: N=29 is 8 blocks of rows and up to 10 key tiles, with
+    partial tiles at both ends (29 is a multiple of neither)."""
+    monkeypatch.setattr(blockwise, "BLOCK_ROWS", 4)
+    monkeypatch.setattr(blockwise, "BLOCK_KEYS", 3)
+    monkeypatch.setattr(blockwise, "MIN_BIAS_ROWS", 4)
+
+
+@pytest.mark.parametrize("scenario", conf.SCENARIOS)
+@pytest.mark.parametrize("dtype", list(conf.DTYPES))
+@pytest.mark.parametrize("name", NORMALIZERS)
+def test_equals_eager_reference_across_tiles(name, dtype, scenario, small_tiles):
+    """arange, offset positions, packed documents, decoding through a KV cache, key padding."""
+    conf._check(name, "blockwise", dtype, scenario, b=2, n=29, heads=HEADS[name])
+
+
+@pytest.mark.parametrize("name", ["sba", "rse"])
+def test_offsets_and_decode_from_far_positions(name, small_tiles):
+    conf._check(name, "blockwise", "fp32", "decode", b=2, n=17, heads=(3, 1, 8), offset=1500)
+    conf._check(name, "blockwise", "fp32", "offset", b=1, n=31, heads=(2, 2, 16), offset=3000)
+
+
+@pytest.mark.parametrize("scenario", ["arange", "decode", "packed"])
+@pytest.mark.parametrize("name", ["sba", "rse"])
+def test_attend_current(name, scenario, small_tiles):
+    """With ``attend_current`` the diagonal is broken off first (prefill and cached decoding)."""
+    from posenc_lightning.inject import inject
+    from tests.conformance import ConfLayer, make_inputs, run_case, scenario_args
+
+    x = make_inputs(2, 19, (2, 2, 8), torch.float64)
+    args = scenario_args(scenario, 2, 19, 1)
+    outs = []
+    for backend in ("eager", "blockwise"):
+        torch.manual_seed(0)
+        m = ConfLayer(2, 8)
+        inject(m, name, backend=backend, attend_current=True)
+        m.to(torch.float64)
+        outs.append(run_case(m, x, {k: v for k, v in args.items() if k != "prefill" or backend != "eager"}, True))
+    for a, b in zip(*outs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, atol=2e-5 * max(a.abs().max().item(), 1e-9), rtol=0)
+
+
+def test_the_first_query_sees_nothing():
+    """Without ``attend_current`` query 0 has no key to break off: its output is 0."""
+    from posenc_lightning.inject import inject
+    from tests.conformance import ConfLayer, make_inputs, run_case
+
+    x = make_inputs(1, 11, (2, 2, 8), torch.float64)
+    torch.manual_seed(0)
+    m = ConfLayer(2, 8)
+    inject(m, "sba", backend="blockwise")
+    assert run_case(m, x.to(torch.float32), {}, False)[0][:, :, 0].abs().max() == 0
+
+
+def test_auto_picks_it_for_the_normalizers_and_refuses_the_rest():
+    for name in NORMALIZERS:
+        enc = build_encoding(name).bind(n_heads=2, head_dim=8)
+        assert resolve_backend("auto", enc, CPU, True).NAME == "blockwise"
+        assert resolve_backend("auto", enc, CPU, False).NAME == "blockwise"
+    for name in ("rope", "alibi", "nope"):
+        why = blockwise.supports(build_encoding(name).bind(n_heads=2, head_dim=8), CPU, True)
+        assert why and "keeps softmax" in why
+    assert "blockwise" in BACKENDS
+
+
+# ------------------------------------------------------------------------------ compile-clean
+def _case(name: str, n: int = 24, heads: tuple[int, int, int] = (4, 2, 8)):
+    """The backend's own call for ``name`` with fixed shapes: (function of q, k, v, inputs)."""
+    h, hkv, d = heads if name != "exposb" else (heads[0], heads[0], heads[2])
+    enc = build_encoding(name).bind(n_heads=h, head_dim=d)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, hh, n, d, generator=g, requires_grad=True) for hh in (h, hkv, hkv))
+    pos = torch.arange(n)[None]
+    mask = AttentionMask(True, 0, n, n)
+
+    def fn(q, k, v):
+        ctx = AttentionContext(pos, pos, True)
+        bias = LinearBias(enc.penalty, pos, pos) if name == "rse" else None
+        return blockwise.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, normalize=enc.normalize, ctx=ctx)
+
+    return fn, (q, k, v), [p for p in enc.parameters()]
+
+
+@pytest.mark.parametrize("name", NORMALIZERS)
+def test_traces_without_graph_breaks_and_compiles_to_the_same_numbers(name, monkeypatch):
+    """N=24 in 8 x 10 tiles (3 blocks of rows, up to 3 key tiles each: the loops unroll in the trace)."""
+    monkeypatch.setattr(blockwise, "BLOCK_ROWS", 8)
+    monkeypatch.setattr(blockwise, "BLOCK_KEYS", 10)
+    fn, ins, params = _case(name)
+    assert torch._dynamo.explain(fn)(*ins).graph_break_count == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    cot = torch.randn(ins[0].shape, generator=torch.Generator().manual_seed(1))
+    res = []
+    for f in (fn, compiled):
+        out = f(*ins)
+        grads = torch.autograd.grad(out, [*ins, *[p for p in params if p.requires_grad]], cot, allow_unused=True)
+        res.append([out, *grads])
+    if name == "rse":
+        assert res[0][-1] is not None and res[0][-1].abs().sum() > 0  # the penalty slopes get a gradient
+    for a, b in zip(*res):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------- memory
+def _peak_fwd_bwd(name: str, n: int, h: int = 4, d: int = 32) -> int:
+    from benchmarks.memory import peak_allocated_bytes
+
+    enc = build_encoding(name).bind(n_heads=h, head_dim=d)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, d, generator=g, requires_grad=True) for _ in range(3))
+    pos = torch.arange(n)[None]
+    cot = torch.randn(q.shape, generator=g)
+
+    def step():
+        ctx = AttentionContext(pos, pos, True)
+        bias = LinearBias(enc.penalty, pos, pos) if name == "rse" else None
+        out = blockwise.attend(q, k, v, bias=bias, mask=AttentionMask(True, 0, n, n), scale=d ** -0.5,
+                               normalize=enc.normalize, ctx=ctx)
+        torch.autograd.grad(out, [q, k, v, *enc.parameters()], cot, allow_unused=True)
+
+    step()
+    return peak_allocated_bytes(step)
+
+
+@pytest.mark.parametrize("name", NORMALIZERS)
+def test_no_n_by_n_tensor_is_allocated(name):
+    """Allocator peak of forward+backward (default tiles, 4 heads of 32): doubling N from 1024 to
+    2048 about doubles it (an N x N term would quadruple it), and at 2048 it stays under half
+    of one ``H x N x N`` float32 tensor (64 MiB), which the eager path allocates several of."""
+    small, large = _peak_fwd_bwd(name, 1024), _peak_fwd_bwd(name, 2048)
+    nn_bytes = 4 * 2048 * 2048 * 4
+    assert large / small < 2.5, f"{name}: peak grows {large / small:.2f}x from N=1024 to 2048"
+    assert large < nn_bytes / 2, f"{name}: peak {large / 2**20:.1f} MiB at N=2048"
+
+
+# ------------------------------------------------------------- a bias that is not f(i - j)
+def _content_sb():
+    from posenc_lightning.encodings.base import DenseBias, span
+    from posenc_lightning.encodings.stick_breaking import StickBreaking
+
+    class ContentSB(StickBreaking):
+        name = "content_sb_test"
+
+        def build(self) -> None:
+            self.w = torch.nn.Parameter(torch.linspace(-0.5, 0.5, self.n_heads))
+
+        def _ready(self) -> bool:
+            return self.n_heads is not None
+
+        def bias(self, q, k, ctx):
+            n_q, n_k = q.shape[-2], k.shape[-2]
+            pos = ctx.k_pos.to(torch.float32)
+
+            def rows(s, e, ke, w, qq):
+                ramp = torch.cos(0.3 * pos[:, None, None, :ke])  # [B, 1, 1, K]: not a function of i - j
+                return (w[None, :, None, None] * qq.float().sum(-1, keepdim=True)) * ramp
+
+            return DenseBias.lazy(rows, n_q, n_k, inputs=(self.w, q),
+                                  window=lambda s, e, ke: (None, span(s, e, -2)))
+
+    return ContentSB
+
+
+@pytest.mark.parametrize("scenario", ["arange", "packed", "decode", "padding"])
+def test_a_bias_by_blocks_of_rows_and_its_gradients(scenario, small_tiles):
+    from posenc_lightning.inject import inject
+    from tests.conformance import ConfLayer, make_inputs, run_case, scenario_args
+
+    cls = _content_sb()
+    x = make_inputs(2, 23, (2, 2, 8), torch.float64)
+    args = scenario_args(scenario, 2, 23, 1)
+    res = []
+    for backend in ("eager", "blockwise"):
+        torch.manual_seed(0)
+        m = ConfLayer(2, 8)
+        inject(m, cls(), backend=backend)
+        m.to(torch.float64)
+        full = {k: v for k, v in args.items() if k != "prefill"} if backend == "eager" else args
+        res.append(run_case(m, x, full, True))
+    assert res[1][-1] is not None and res[1][-1].abs().sum() > 0  # w gets a gradient
+    for a, b in zip(*res):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, atol=2e-5 * max(a.abs().max().item(), 1e-9), rtol=0)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_bias_without_stand_in_inputs(grad, small_tiles):
+    """A lazy bias that names no inputs cannot be differentiated by blocks: with gradients the
+    backend runs the eager reference for it; without, its rows by blocks. Both equal eager."""
+    from posenc_lightning.encodings.base import DenseBias
+    from posenc_lightning.inject import inject
+    from tests.conformance import ConfLayer, make_inputs, run_case
+
+    base = _content_sb()
+
+    class Opaque(base):
+        name = "opaque_sb_test"
+
+        def bias(self, q, k, ctx):
+            full = super().bias(q, k, ctx)
+            return DenseBias.lazy(lambda s, e, ke: full.rows(s, e, ke), q.shape[-2], k.shape[-2])
+
+    x = make_inputs(1, 21, (2, 2, 8), torch.float64)
+    res = []
+    for backend in ("eager", "blockwise"):
+        torch.manual_seed(0)
+        m = ConfLayer(2, 8)
+        inject(m, Opaque(), backend=backend)
+        m.to(torch.float64)
+        res.append(run_case(m, x, {}, grad))
+    for a, b in zip(*res):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, atol=2e-5 * max(a.abs().max().item(), 1e-9), rtol=0)
+
+
+def test_bidirectional_modulated_softmax(small_tiles):
+    """exposb without the causal mask (every key tile of every block), with key padding."""
+    from posenc_lightning.inject import inject
+    from tests.conformance import ConfLayer, make_inputs, run_case
+
+    x = make_inputs(2, 17, (2, 2, 8), torch.float64)
+    kpm = torch.ones(2, 17, dtype=torch.bool)
+    kpm[1, :3] = False
+    res = []
+    for backend in ("eager", "blockwise"):
+        torch.manual_seed(0)
+        m = ConfLayer(2, 8)
+        inject(m, "exposb", backend=backend)
+        m.to(torch.float64)
+        res.append(run_case(m, x, {"causal": False, "key_padding_mask": kpm}, True))
+    for a, b in zip(*res):
+        if a is not None:
+            torch.testing.assert_close(b, a, atol=2e-5 * max(a.abs().max().item(), 1e-9), rtol=0)
