@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
+from posenc_lightning.attention.backends.sdpa import call_flushing_denormals
 from posenc_lightning.attention.kv_cache import KVCache
 from posenc_lightning.attention.mixin import PosEncAttentionMixin, PosEncEmbeddingMixin
 from posenc_lightning.encodings.base import Encoding
@@ -152,7 +153,8 @@ class TinyGPT(CausalLMSteps, pl.LightningModule):
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, cache: KVCache | None = None,
                 segment_ids: Tensor | None = None) -> Tensor:
         if self.compile_forward and cache is None and not torch.compiler.is_compiling():
-            return self._compiled_forward()(input_ids, positions, None, segment_ids)
+            # flush-to-zero is set around the compiled graph (it cannot be set inside it)
+            return call_flushing_denormals(self._compiled_forward(), input_ids, positions, None, segment_ids)
         return self._forward(input_ids, positions, cache, segment_ids)
 
     def _compiled_forward(self) -> Any:

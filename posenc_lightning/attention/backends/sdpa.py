@@ -110,6 +110,18 @@ class _DenormalsOffAfterBackward(torch.autograd.Function):
         return gq, gk, gv
 
 
+def call_flushing_denormals(fn: Callable[..., Tensor], *args: object) -> Tensor:
+    """``fn(*args)`` with flush-to-zero of denormals on CPU, forward and backward: for a compiled
+    region, inside which the setting cannot be changed (measured: a compiled FIRE TinyGPT step
+    267 -> 180 ms at N=512; biased softmax weights fall into the denormal range). Off again after
+    the call, and at the end of the backward pass (as for the eager biased paths)."""
+    with _flush_denormals(torch.device("cpu")):
+        out = fn(*args)
+    if FLUSH_DENORMALS and torch.is_grad_enabled() and out.requires_grad and out.device.type == "cpu":
+        out = _DenormalsOnForBackward.apply(out)
+    return out
+
+
 @contextlib.contextmanager
 def _flush_denormals(device: torch.device):
     if torch.compiler.is_compiling() or not (FLUSH_DENORMALS and device.type == "cpu"
