@@ -65,7 +65,7 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
     Args:
         model: any ``nn.Module`` whose attention (and optionally embedding) modules use the mixins.
         encoding: a registered name (``posenc list``) or an `Encoding` instance.
-        backend: ``auto``, ``eager``, ``sdpa``, ``flex`` or ``triton``.
+        backend: ``auto``, ``eager``, ``sdpa``, ``flex``, ``triton`` or ``blockwise``.
         share_across_layers: one encoding (and its parameters) for every layer, or one per layer.
         reset: build a fresh encoding (new initialisation) even when the same one is injected.
         **cfg: the encoding's ``__init__`` arguments when ``encoding`` is a name.

@@ -24,7 +24,7 @@ class PosEncCallback(pl.Callback):
 
     Args:
         encoding: a registered name (``posenc list``) or an `Encoding` instance.
-        backend: ``auto``, ``eager``, ``sdpa``, ``flex`` or ``triton``.
+        backend: ``auto``, ``eager``, ``sdpa``, ``flex``, ``triton`` or ``blockwise``.
         share_across_layers: one encoding for all layers (default) or one per layer.
         log_hparams: log the encoding's hyperparameters to the trainer's loggers.
         config: the encoding's arguments, when ``encoding`` is a name, as one dict: the form

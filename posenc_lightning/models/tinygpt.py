@@ -83,7 +83,7 @@ class TinyGPT(CausalLMSteps, pl.LightningModule):
         encoding: the encoding injected at construction (a registered name; None for none: use a
             PosEncCallback in trainer.callbacks instead).
         encoding_cfg: the encoding's arguments.
-        backend: attention backend: auto, eager, sdpa, flex or triton.
+        backend: attention backend: auto, eager, sdpa, flex, triton or blockwise.
         lr: AdamW peak learning rate (linear warmup, then cosine decay over trainer.max_steps).
         weight_decay: AdamW weight decay (matrices only).
         warmup_steps: linear warmup steps.
