@@ -73,6 +73,13 @@ def _logits(qs: Tensor, kt: Tensor, shape: tuple[int, ...], bias: Tensor | None)
     return z if bias is None else z.add_(bias)
 
 
+def _grad_buffers(ctx, spec: Spec, q: Tensor, k: Tensor, v: Tensor, wt: torch.dtype
+                  ) -> tuple[Tensor, Tensor, Tensor, BiasTiles]:
+    """Zeroed ``dq, dk, dv`` accumulators in ``wt`` and the bias tiles of a backward pass."""
+    dq, dk, dv = (torch.zeros(t.shape, dtype=wt, device=t.device) for t in (q, k, v))
+    return dq, dk, dv, spec.bias_tiles(k.shape[1], wt, ctx.needs_input_grad[4:])
+
+
 def _wide(q: Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
@@ -97,10 +104,7 @@ class StickBreakingBlocks(torch.autograd.Function):
         b, h, _, d = q.shape
         h_kv, g, wt = k.shape[1], h // k.shape[1], _wide(q)
         tl = spec.tiling
-        dq = torch.zeros(q.shape, dtype=wt, device=q.device)
-        dk = torch.zeros(k.shape, dtype=wt, device=k.device)
-        dv = torch.zeros(v.shape, dtype=wt, device=v.device)
-        bt = spec.bias_tiles(h_kv, wt, ctx.needs_input_grad[4:])
+        dq, dk, dv, bt = _grad_buffers(ctx, spec, q, k, v, wt)
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
                 continue
@@ -171,10 +175,7 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
         b, h, _, d = q.shape
         h_kv, g, wt = k.shape[1], h // k.shape[1], out.dtype
         tl = spec.tiling
-        dq = torch.zeros(q.shape, dtype=wt, device=q.device)
-        dk = torch.zeros(k.shape, dtype=wt, device=k.device)
-        dv = torch.zeros(v.shape, dtype=wt, device=v.device)
-        bt = spec.bias_tiles(h_kv, wt, ctx.needs_input_grad[4:])
+        dq, dk, dv, bt = _grad_buffers(ctx, spec, q, k, v, wt)
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
                 continue
