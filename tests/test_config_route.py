@@ -99,7 +99,7 @@ def test_posenc_train_help_gives_every_option_a_default_and_the_backend_choices(
     assert len(documented) > 60
     missing = [o for o in documented if "default:" not in opts[o]]
     assert missing == []
-    assert "auto``, ``eager``, ``sdpa``, ``flex`` or ``triton``" in opts["--posenc.backend"]
+    assert "auto``, ``eager``, ``sdpa``, ``flex``, ``triton`` or ``blockwise``" in opts["--posenc.backend"]
     assert "default: rope" in opts["--posenc.encoding"] and "default: 300" in opts["--trainer.max_steps"]
     assert "default: 128" in opts["--model.d_model"] and "default: 4000000" in opts["--data.max_bytes"]
 
