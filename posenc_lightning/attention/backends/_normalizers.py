@@ -80,6 +80,17 @@ def _grad_buffers(ctx, spec: Spec, q: Tensor, k: Tensor, v: Tensor, wt: torch.dt
     return dq, dk, dv, spec.bias_tiles(k.shape[1], wt, ctx.needs_input_grad[4:])
 
 
+def _tile_grads(tl: Tiling, t: object, dz: Tensor, w: Tensor, qb: Tensor, kt: Tensor, dob: Tensor, dq_b: Tensor,
+                dk: Tensor, dv: Tensor, bt: BiasTiles) -> None:
+    """One tile's share of the gradients from ``dz`` (of the scaled logits) and its weights ``w``:
+    ``dq += dz k``, ``dk += dz^T q``, ``dv += w^T dO``, and the tile's bias gradient."""
+    dzf = flat(dz)
+    dq_b.add_(torch.matmul(dzf, kt))
+    tl.add_key_tile(dk, t, torch.matmul(dzf.transpose(-1, -2), qb))
+    tl.add_key_tile(dv, t, torch.matmul(flat(w).transpose(-1, -2), dob))
+    bt.tile_grad(t, dz)
+
+
 def _wide(q: Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
@@ -125,11 +136,7 @@ class StickBreakingBlocks(torch.autograd.Function):
                 a, _ = stick_breaking_tile(z, vis, tail)
                 dp = torch.matmul(dob, vt.transpose(-1, -2)).view_as(z)
                 dz, g_far = stick_breaking_tile_grad(z, a, dp, vis, g_far)
-                dzf = flat(dz)
-                dq_b.add_(torch.matmul(dzf, kt))
-                tl.add_key_tile(dk, t, torch.matmul(dzf.transpose(-1, -2), qb))
-                tl.add_key_tile(dv, t, torch.matmul(flat(a).transpose(-1, -2), dob))
-                bt.tile_grad(t, dz)
+                _tile_grads(tl, t, dz, a, qb, kt, dob, dq_b, dk, dv, bt)
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
@@ -197,11 +204,7 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
                     p = p.mul_(vis)
                 dp = torch.matmul(dob, vt.transpose(-1, -2)).view_as(p)
                 dz = dp.sub_(delta).mul_(p).mul_(mod)  # d(q k^T s + bias) = P (dP - delta) mod
-                dzf = flat(dz)
-                dq_b.add_(torch.matmul(dzf, kt))
-                tl.add_key_tile(dk, t, torch.matmul(dzf.transpose(-1, -2), qb))
-                tl.add_key_tile(dv, t, torch.matmul(flat(p).transpose(-1, -2), dob))
-                bt.tile_grad(t, dz)
+                _tile_grads(tl, t, dz, p, qb, kt, dob, dq_b, dk, dv, bt)
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
