@@ -51,7 +51,13 @@ def _attend_biased(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionM
                    ctx: AttentionContext | None, given: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The cheapest exact form of a biased attention, in this order: a key-only bias
     (`Bias.key_only`: ALiBi, FoX) as a key mask or one extra q/k channel, a zero-copy Toeplitz view (``f(i - j)`` at
-    arange positions; a learned table gets its own backward), blocks of query rows."""
+    arange positions; a learned table gets its own backward), blocks of query rows. Under
+    ``torch.compile``, a kind whose cheapest form depends on values runs as one opaque operator
+    (`COMPILED_FORMS`), eager inside."""
+    if torch.compiler.is_compiling() and ctx is not None and type(bias) in COMPILED_FORMS:
+        out = COMPILED_FORMS[type(bias)](q, k, v, bias, mask, scale, ctx)
+        if out is not None:
+            return out
     key_only = bias.key_only(q.dtype, mask.is_plain_causal, ctx is not None and ctx.ascending)
     if key_only is not None:
         key_bias = key_only.key_bias()
@@ -64,6 +70,13 @@ def _attend_biased(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionM
             return _ToeplitzAttention.apply(q, k, v, u, mask.causal, mask.q_offset, scale, gqa)
         return _attend_toeplitz(q, k, v, u.to(q.dtype), mask, scale, gqa)
     return _attend_blockwise(q, k, v, bias, mask, scale, gqa, given)
+
+
+#: bias kinds whose compiled attention is an opaque operator running the eager choice of form,
+#: registered by the operator's module (`_fire_op`: FIRE's O(N) table below its learned
+#: threshold L, rows past it; CPU only, where the read that decides costs no sync). Each
+#: returns None where it does not apply.
+COMPILED_FORMS: dict[type, Callable[..., Tensor | None]] = {}
 
 
 #: biased softmax weights decay into the denormal range (exp(-90)), where x86 CPU arithmetic
@@ -209,31 +222,39 @@ class _ToeplitzAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out: Tensor):
         q, k, v, u, out = ctx.saved_tensors
-        b, h, n_q, _ = q.shape
-        h_kv, n_k = k.shape[1], k.shape[-2]
-        g = h // h_kv
-        uf = u.detach().to(torch.promote_types(q.dtype, torch.float32)).contiguous()
-        length = uf.shape[-1]
-        du = torch.zeros_like(uf)
+        dq, dk, dv, du = toeplitz_backward(q, k, v, u, out, d_out, ctx.causal, ctx.q_offset, ctx.scale,
+                                           ctx.needs_input_grad[3])
+        return dq, dk, dv, du, None, None, None, None
 
-        # rows in reverse order, rr = stop - 1 - i: the bias rows are the zero-copy view
-        # u[h, j + rr + n_q - stop] (both strides +1), as in the forward
-        def add_bias(start: int, stop: int, k_stop: int, s: Tensor) -> None:
-            s.add_(uf.as_strided((h_kv, g, stop - start, k_stop), (g * length, length, 1, 1), n_q - stop))
 
-        def diagonal_sums(start: int, stop: int, k_stop: int, ds: Tensor) -> None:
-            # pad each row with r zeros and re-read the rows with length k_stop + r - 1: that
-            # shifts row rr right by rr, so column c = j + rr, i.e. u's index minus (n_q - stop)
-            r, w = stop - start, k_stop + stop - start - 1
-            ds_b = (ds[0] if b == 1 else ds.sum(0)).reshape(h, r, k_stop)
-            skew = F.pad(ds_b, (0, r)).flatten(1)[:, :r * w].view(h, r, w)
-            du[:, n_q - stop: n_q - stop + w] += skew.sum(1)
+def toeplitz_backward(q: Tensor, k: Tensor, v: Tensor, u: Tensor, out: Tensor, d_out: Tensor, causal: bool,
+                      q_offset: int, scale: float, need_du: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`_ToeplitzAttention`'s backward: ``dq, dk, dv`` and ``du`` (zeros unless ``need_du``)."""
+    b, h, n_q, _ = q.shape
+    h_kv, n_k = k.shape[1], k.shape[-2]
+    g = h // h_kv
+    uf = u.detach().to(torch.promote_types(q.dtype, torch.float32)).contiguous()
+    length = uf.shape[-1]
+    du = torch.zeros_like(uf)
 
-        rows = backward_rows(b, h, n_q, n_k)
-        dq, dk, dv = attention_backward_by_blocks(
-            q, k, v, out, d_out, scale=ctx.scale, causal=ctx.causal, q_offset=ctx.q_offset, rows=rows,
-            add_bias=add_bias, on_ds=diagonal_sums if ctx.needs_input_grad[3] else None, reverse_rows=True)
-        return dq, dk, dv, du.to(u.dtype), None, None, None, None
+    # rows in reverse order, rr = stop - 1 - i: the bias rows are the zero-copy view
+    # u[h, j + rr + n_q - stop] (both strides +1), as in the forward
+    def add_bias(start: int, stop: int, k_stop: int, s: Tensor) -> None:
+        s.add_(uf.as_strided((h_kv, g, stop - start, k_stop), (g * length, length, 1, 1), n_q - stop))
+
+    def diagonal_sums(start: int, stop: int, k_stop: int, ds: Tensor) -> None:
+        # pad each row with r zeros and re-read the rows with length k_stop + r - 1: that
+        # shifts row rr right by rr, so column c = j + rr, i.e. u's index minus (n_q - stop)
+        r, w = stop - start, k_stop + stop - start - 1
+        ds_b = (ds[0] if b == 1 else ds.sum(0)).reshape(h, r, k_stop)
+        skew = F.pad(ds_b, (0, r)).flatten(1)[:, :r * w].view(h, r, w)
+        du[:, n_q - stop: n_q - stop + w] += skew.sum(1)
+
+    rows = backward_rows(b, h, n_q, n_k)
+    dq, dk, dv = attention_backward_by_blocks(
+        q, k, v, out, d_out, scale=scale, causal=causal, q_offset=q_offset, rows=rows,
+        add_bias=add_bias, on_ds=diagonal_sums if need_du else None, reverse_rows=True)
+    return dq, dk, dv, du.to(u.dtype)
 
 
 #: a bias is materialized one block of query rows at a time, about this many bytes per block
@@ -414,60 +435,68 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out: Tensor):
         q, k, v, out = ctx.saved_tensors
-        bias, mask, scale, inputs, targets = ctx.spec
-        need_extra = ctx.needs_input_grad[4:]
-        live = [tg if (tg == "q" and ctx.needs_input_grad[0]) or (tg == "k" and ctx.needs_input_grad[1])
-                or (isinstance(tg, int) and need_extra[tg]) else None for tg in targets]
-        b, h, n_q, _ = q.shape
-        n_k = k.shape[-2]
-        wt = torch.promote_types(q.dtype, torch.float32)
-        dq = torch.zeros(q.shape, dtype=wt, device=q.device)
-        dk = torch.zeros(k.shape, dtype=wt, device=k.device)
-        g_extra: list[Tensor | None] = [None] * len(need_extra)
-        block: dict[str, object] = {}
+        dq, dk, dv, g_extra = blockwise_backward(q, k, v, out, d_out, ctx.spec, ctx.needs_input_grad)
+        return (dq, dk, dv, None, *g_extra)
 
-        def add_bias(start: int, stop: int, k_stop: int, s: Tensor) -> None:
-            views, idx = [], []
-            for i, (t, w, tg) in enumerate(zip(inputs, bias.input_windows(start, stop, k_stop), live)):
-                views.append(t.detach() if w is None else t.detach()[w])
-                if tg is not None:
-                    idx.append(i)
 
-            def rows_of(*diff: Tensor) -> Tensor:  # the rows as a function of the inputs that need a gradient
-                vs = list(views)
-                for i, d in zip(idx, diff):
-                    vs[i] = d
-                return bias.rows_from(start, stop, k_stop, vs)  # [B|1, H, r, K]
+def blockwise_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, spec: tuple,
+                       needs_input_grad: tuple[bool, ...]) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
+    """`_BlockwiseAttention`'s backward: ``dq, dk, dv`` and the gradients of its extra inputs
+    (``needs_input_grad`` as its Function's: q, k, v, spec, *extra)."""
+    bias, mask, scale, inputs, targets = spec
+    need_extra = needs_input_grad[4:]
+    live = [tg if (tg == "q" and needs_input_grad[0]) or (tg == "k" and needs_input_grad[1])
+            or (isinstance(tg, int) and need_extra[tg]) else None for tg in targets]
+    b, h, n_q, _ = q.shape
+    n_k = k.shape[-2]
+    wt = torch.promote_types(q.dtype, torch.float32)
+    dq = torch.zeros(q.shape, dtype=wt, device=q.device)
+    dk = torch.zeros(k.shape, dtype=wt, device=k.device)
+    g_extra: list[Tensor | None] = [None] * len(need_extra)
+    block: dict[str, object] = {}
 
-            # torch.func.vjp, not autograd.grad: a compiled backward can trace it
-            rows_, vjp = torch.func.vjp(rows_of, *[views[i] for i in idx]) if idx else (rows_of(), None)
-            block["rows"], block["vjp"], block["idx"] = rows_, vjp, idx
-            s.add_(rows_.detach().to(s.dtype).view(-1, *s.shape[1:]))
-            _masked(s, mask, start, stop, k_stop, inplace=True, group_dim=True)
+    def add_bias(start: int, stop: int, k_stop: int, s: Tensor) -> None:
+        views, idx = [], []
+        for i, (t, w, tg) in enumerate(zip(inputs, bias.input_windows(start, stop, k_stop), live)):
+            views.append(t.detach() if w is None else t.detach()[w])
+            if tg is not None:
+                idx.append(i)
 
-        def to_inputs(start: int, stop: int, k_stop: int, ds: Tensor) -> None:
-            rows_, vjp, idx = block.pop("rows"), block.pop("vjp"), block.pop("idx")
-            if vjp is None:
-                return
-            d_rows = ds.reshape(b, h, stop - start, k_stop)
-            if rows_.shape[0] == 1 and b > 1:
-                d_rows = d_rows.sum(0, keepdim=True)
-            windows = bias.input_windows(start, stop, k_stop)
-            for i, gi in zip(idx, vjp(d_rows.to(rows_.dtype))):
-                tg, w = live[i], windows[i]
-                if isinstance(tg, int) and g_extra[tg] is None:
-                    t = inputs[targets.index(tg)]
-                    g_extra[tg] = torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
-                acc = dq if tg == "q" else dk if tg == "k" else g_extra[tg]
-                (acc if w is None else acc[w]).add_(gi)
+        def rows_of(*diff: Tensor) -> Tensor:  # the rows as a function of the inputs that need a gradient
+            vs = list(views)
+            for i, d in zip(idx, diff):
+                vs[i] = d
+            return bias.rows_from(start, stop, k_stop, vs)  # [B|1, H, r, K]
 
-        rows = backward_rows(b, h, n_q, n_k)
-        if "q" in targets or "k" in targets:  # rows computed from q, k (CoPE): more row-sized state
-            rows = max(8, 3 * rows // 4)
-        dq, dk, dv = attention_backward_by_blocks(
-            q, k, v, out, d_out, scale=scale, causal=mask.causal, q_offset=mask.q_offset, rows=rows,
-            add_bias=add_bias, on_ds=to_inputs if any(tg is not None for tg in live) else None, dq=dq, dk=dk,
-            empty_rows=mask.k_valid is not None)
-        g_all = [None if g is None else g.to(t.dtype) for g, t in
-                 zip(g_extra, [inputs[targets.index(i)] for i in range(len(need_extra))])]
-        return (dq, dk, dv, None, *g_all)
+        # torch.func.vjp, not autograd.grad: a compiled backward can trace it
+        rows_, vjp = torch.func.vjp(rows_of, *[views[i] for i in idx]) if idx else (rows_of(), None)
+        block["rows"], block["vjp"], block["idx"] = rows_, vjp, idx
+        s.add_(rows_.detach().to(s.dtype).view(-1, *s.shape[1:]))
+        _masked(s, mask, start, stop, k_stop, inplace=True, group_dim=True)
+
+    def to_inputs(start: int, stop: int, k_stop: int, ds: Tensor) -> None:
+        rows_, vjp, idx = block.pop("rows"), block.pop("vjp"), block.pop("idx")
+        if vjp is None:
+            return
+        d_rows = ds.reshape(b, h, stop - start, k_stop)
+        if rows_.shape[0] == 1 and b > 1:
+            d_rows = d_rows.sum(0, keepdim=True)
+        windows = bias.input_windows(start, stop, k_stop)
+        for i, gi in zip(idx, vjp(d_rows.to(rows_.dtype))):
+            tg, w = live[i], windows[i]
+            if isinstance(tg, int) and g_extra[tg] is None:
+                t = inputs[targets.index(tg)]
+                g_extra[tg] = torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
+            acc = dq if tg == "q" else dk if tg == "k" else g_extra[tg]
+            (acc if w is None else acc[w]).add_(gi)
+
+    rows = backward_rows(b, h, n_q, n_k)
+    if "q" in targets or "k" in targets:  # rows computed from q, k (CoPE): more row-sized state
+        rows = max(8, 3 * rows // 4)
+    dq, dk, dv = attention_backward_by_blocks(
+        q, k, v, out, d_out, scale=scale, causal=mask.causal, q_offset=mask.q_offset, rows=rows,
+        add_bias=add_bias, on_ds=to_inputs if any(tg is not None for tg in live) else None, dq=dq, dk=dk,
+        empty_rows=mask.k_valid is not None)
+    g_all = [None if g is None else g.to(t.dtype) for g, t in
+             zip(g_extra, [inputs[targets.index(i)] for i in range(len(need_extra))])]
+    return dq, dk, dv, g_all

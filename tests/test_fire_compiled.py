@@ -1,0 +1,140 @@
+"""Compiled FIRE on CPU runs the eager choice of form as one opaque operator (``posenc::fire_sdpa``,
+`attention/backends/_fire_op.py`): below the learned threshold ``L`` its O(N) table through the
+Toeplitz mask, past it the MLP rows by blocks. Forward and every gradient equal eager's in both
+forms, at positions given or made, offsets, GQA, cached decoding, frozen parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posenc_lightning.attention.backends import _fire_op
+from posenc_lightning.models.tinygpt import TinyGPT
+
+N = 21  # not a multiple of any block
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(init_L: float, **kw) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(d_model=32, n_layers=2, n_heads=4, max_seq_len=64, encoding="fire",
+                   encoding_cfg={"init_L": init_L}, **kw)
+
+
+def _grads(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+def _forms(monkeypatch) -> dict[str, list[bool]]:
+    """Records what the operator found: every query below L ("below"), and then whether the
+    Toeplitz template applied (positions an arange: "toeplitz")."""
+    seen: dict[str, list[bool]] = {"below": [], "toeplitz": []}
+    real_range, real_template = _fire_op._relative_range, _fire_op._template
+
+    def spy_range(*a):
+        r = real_range(*a)
+        seen["below"].append(r is not None)
+        return r
+
+    def spy_template(*a):
+        u = real_template(*a)
+        seen["toeplitz"].append(u is not None)
+        return u
+
+    monkeypatch.setattr(_fire_op, "_relative_range", spy_range)
+    monkeypatch.setattr(_fire_op, "_template", spy_template)
+    return seen
+
+
+def _compare(m: TinyGPT, x: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+    import torch._dynamo as dynamo
+
+    ref = m(x, positions)
+    ref.square().mean().backward()
+    g_ref = _grads(m)
+    m.zero_grad(set_to_none=True)
+    dynamo.reset()
+    graphs: list[str] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+
+    out = torch.compile(m, fullgraph=True, backend=backend)(x, positions)
+    out.square().mean().backward()
+    assert any("posenc.fire_sdpa" in g for g in graphs)  # the operator, not the traced rows
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    g = _grads(m)
+    assert set(g) == set(g_ref)
+    assert any("L_multiplier" in n for n in g) and any(".mlp." in n for n in g)
+    for n in g_ref:
+        torch.testing.assert_close(g[n], g_ref[n], rtol=1e-5, atol=1e-7, msg=lambda s, n=n: f"{n}: {s}")
+
+
+@pytest.mark.parametrize("init_L, toeplitz", [(512.0, True), (7.0, False)])
+def test_compiled_equals_eager_in_both_forms(monkeypatch, init_L, toeplitz):
+    forms = _forms(monkeypatch)
+    x = torch.randint(0, 256, (2, N), generator=torch.Generator().manual_seed(1))
+    _compare(_model(init_L), x)
+    # queries below L: the table; past it: rows
+    assert forms["below"] and all(f is toeplitz for f in forms["below"])
+    assert all(forms["toeplitz"]) and bool(forms["toeplitz"]) is toeplitz
+
+
+def test_given_positions_offsets_and_gqa(monkeypatch):
+    """Positions given (read inside the operator): an offset arange takes the table below L; a
+    batch with gaps and different rows takes the rows; GQA (2 key heads for 4 query heads)."""
+    forms = _forms(monkeypatch)
+    x = torch.randint(0, 256, (2, N), generator=torch.Generator().manual_seed(4))
+    offset = (37 + torch.arange(N)).expand(2, N)
+    _compare(_model(512.0, n_kv_heads=2), x, offset)
+    assert forms["toeplitz"] and all(forms["toeplitz"])
+    forms["toeplitz"].clear()
+    gaps = torch.stack((3 * torch.arange(N), 100 + 2 * torch.arange(N)))
+    _compare(_model(512.0, n_kv_heads=2), x, gaps)
+    assert forms["toeplitz"] and not any(forms["toeplitz"])  # not arange: the rows by blocks
+
+
+def test_frozen_fire_parameters(monkeypatch):
+    """Only q, k, v need gradients: the backward skips the bias parameters (zeros not returned)."""
+    for init_L in (512.0, 7.0):
+        m = _model(init_L)
+        for blk in m.blocks:
+            blk.attn.posenc.requires_grad_(False)
+        x = torch.randint(0, 256, (2, N), generator=torch.Generator().manual_seed(5))
+        ref = m(x)
+        ref.square().mean().backward()
+        g_ref = _grads(m)
+        m.zero_grad(set_to_none=True)
+        out = torch.compile(m, fullgraph=True, backend="aot_eager")(x)
+        out.square().mean().backward()
+        g = _grads(m)
+        assert set(g) == set(g_ref) and not any("posenc" in n for n in g)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+        for n in g_ref:
+            torch.testing.assert_close(g[n], g_ref[n], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("init_L", [512.0, 7.0])
+def test_compiled_cached_decoding(init_L):
+    """A compiled decode step (one query after a cache of keys, q_offset > 0) equals eager's."""
+    m = _model(init_L)
+    x = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+    ref = m.generate(x, 5)
+    cm = torch.compile(m, fullgraph=True, backend="aot_eager")
+    cache = m.new_cache()
+    out, step = x, x
+    with torch.no_grad():
+        for _ in range(5):
+            nxt = cm(step, None, cache)[:, -1].argmax(-1, keepdim=True)
+            out, step = torch.cat((out, nxt), 1), nxt
+    assert torch.equal(out, ref)
