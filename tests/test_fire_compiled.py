@@ -138,3 +138,22 @@ def test_compiled_cached_decoding(init_L):
             nxt = cm(step, None, cache)[:, -1].argmax(-1, keepdim=True)
             out, step = torch.cat((out, nxt), 1), nxt
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("init_L", [512.0, 7.0])
+def test_bf16_compiled_equals_eager(init_L):
+    """bf16 weights and activations: the operator computes what eager computes (the template in
+    float32, as eager keeps it for its backward), output and gradients."""
+    m = _model(init_L).to(torch.bfloat16)
+    x = torch.randint(0, 256, (2, N), generator=torch.Generator().manual_seed(6))
+    ref = m(x)
+    ref.float().square().mean().backward()
+    g_ref = _grads(m)
+    m.zero_grad(set_to_none=True)
+    out = torch.compile(m, fullgraph=True, backend="aot_eager")(x)
+    out.float().square().mean().backward()
+    g = _grads(m)
+    torch.testing.assert_close(out, ref)
+    assert set(g) == set(g_ref)
+    for n in g_ref:
+        torch.testing.assert_close(g[n], g_ref[n], msg=lambda s, n=n: f"{n}: {s}")

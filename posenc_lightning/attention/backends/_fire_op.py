@@ -123,7 +123,7 @@ def fire_sdpa_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     bias = _bias(q_pos, k_pos, params, init_L, eps)
     grads: list[Tensor | None]
     if bool(toeplitz):
-        dq, dk, dv, du = sdpa.toeplitz_backward(q, k, v, u.to(q.dtype), out, d_out, causal, q_offset, scale,
+        dq, dk, dv, du = sdpa.toeplitz_backward(q, k, v, u, out, d_out, causal, q_offset, scale,
                                                 any(need[3:]))
         grads = [None] * _N_PARAMS
         if any(need[3:]):
