@@ -26,8 +26,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
-from types import SimpleNamespace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -89,17 +88,24 @@ def _encoding(module: nn.Module) -> Any:
     return enc
 
 
-def _cache_state(module: nn.Module) -> SimpleNamespace | None:
+@dataclass
+class CacheState:
+    """An encoding's per-token state beside one layer's cached keys (``ctx.cache.extra``)."""
+
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _cache_state(module: nn.Module) -> CacheState | None:
     """Per-layer state an encoding keeps beside the keys (FoX's cumulative gates), held on the
     transformers cache object so that a new generation starts clean."""
     cache = module._posenc_call.cache
     if cache is None:
         return None
     store = cache.__dict__.setdefault("_posenc_state", {})
-    return store.setdefault(module.layer_idx, SimpleNamespace(extra={}))
+    return store.setdefault(module.layer_idx, CacheState())
 
 
-def _align_state(state: SimpleNamespace, name: str, cache_type: str, n_prev: int, keys_are_tokens: bool) -> None:
+def _align_state(state: CacheState, name: str, cache_type: str, n_prev: int, keys_are_tokens: bool) -> None:
     """Keep the per-token state of the cached keys only: a sliding window evicted the oldest keys
     (cumulative quantities stay valid: only differences are read). A static cache's key buffer is
     longer than the tokens seen, which per-token state cannot follow."""
@@ -165,9 +171,11 @@ def _segments(padding: Tensor | None, q_pos: Tensor, seen: int, first: int, n_q:
         k_seg[:, inside] = pad[:, tok[inside]]
         return pad[:, seen:seen + n_q], k_seg
     if seen == 0 and n_q == n_k and n_q > 1:
-        step = q_pos[:, 1:] - q_pos[:, :-1]
-        if bool((step != 1).any()):
-            seg = torch.nn.functional.pad((step != 1).long().cumsum(-1), (1, 0))
+        restart = (q_pos[:, 1:] - q_pos[:, :-1]) != 1
+        # a compiled graph cannot branch on the values: it keeps the segment ids (all 0 when nothing
+        # is packed: the same attention), as transformers' own packed-sequence mask does when traced
+        if torch.compiler.is_compiling() or bool(restart.any()):
+            seg = torch.nn.functional.pad(restart.long().cumsum(-1), (1, 0))
             return seg, seg
     return None, None
 
@@ -196,8 +204,8 @@ def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
         module._posenc_warned_dropout = True
     n_q, n_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
     q_pos, k_pos, seen, first = positions(module, query, key, kwargs.get("position_ids"))
-    state = _cache_state(module)
-    if state is not None and (state.extra or enc.keeps_cache_state):
+    state = _cache_state(module) if enc.keeps_cache_state else None  # the others keep nothing there
+    if state is not None:
         _align_state(state, enc.name, type(call.cache).__name__, n_k - n_q, seen + n_q - first == n_k)
     causal = bool(getattr(module, "is_causal", True))
     ctx = AttentionContext(q_pos, k_pos, causal, call.hidden, state, module)

@@ -178,7 +178,8 @@ def uses_table(hf: nn.Module, enc: Encoding) -> bool:
 
     if rotary_module(hf) is None or not isinstance(enc, RotaryEncoding) or enc.dynamic:
         return False
-    enc.bind(head_dim=head_dim_of(attention_modules(hf)[0], hf.config))
+    # per-head laws (multiscale_rope) need n_heads to give their table
+    enc.bind(head_dim=head_dim_of(attention_modules(hf)[0], hf.config), n_heads=int(hf.config.num_attention_heads))
     if enc.stages != frozenset({"rotate"}) or enc.layout != "half" or enc.frequencies_key(None) is None:
         return False
     if type(enc).rotate is not RotaryEncoding.rotate or type(enc).cos_sin is not RotaryEncoding.cos_sin:
