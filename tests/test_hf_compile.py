@@ -84,8 +84,8 @@ def test_fullgraph_compile_equals_eager(name, packed):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     g = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
     assert set(g) == set(g_ref)
-    for n in g_ref:
-        torch.testing.assert_close(g[n], g_ref[n], rtol=1e-4, atol=1e-6, msg=lambda s, n=n: f"{n}: {s}")
+    for n, want in g_ref.items():
+        torch.testing.assert_close(g[n], want, rtol=1e-4, atol=1e-6, msg=lambda s, n=n: f"{n}: {s}")
     if packed:  # the packing is seen: a different loss than one document
         with torch.no_grad():
             assert not torch.allclose(m(IDS, labels=IDS, use_cache=False).loss, ref)
