@@ -1,6 +1,7 @@
 """FIRE's rows (`FireBias.rows_from` through `fire_rows`: one autograd Function, backward written
-out; a Toeplitz table of ``psi(i - j)`` at ``start + arange`` positions; one row of positions
-shared by the batch) equal the straight formula (`FIRE.bias_tensor`, eq. 3) forward and backward
+out; units selected per group of keys in forward; a Toeplitz table of ``psi(i - j)`` at
+``start + arange`` positions; one row of positions shared by the batch) equal the straight
+formula (`FIRE.bias_tensor`, eq. 3) forward and backward
 in every parameter: ragged blocks, offsets below and beyond ``L`` in one block, a query exactly at
 ``L`` (``max``'s tie), per-batch positions, the scaled kind, the vjp the blockwise backend takes."""
 
@@ -12,6 +13,7 @@ import torch
 from posenc_lightning import build_encoding
 from posenc_lightning.encodings.base import AttentionContext
 from posenc_lightning.encodings.bias import FireBias
+from posenc_lightning.functional import fire as ffire
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 BLOCKS = [(0, 53, 53), (10, 83, 150), (83, 150, 160), (150, 151, 7)]  # ragged, past the queries, k_stop < rows
@@ -54,8 +56,10 @@ def _check(enc, bias: FireBias, qp: torch.Tensor, kp: torch.Tensor, shared: bool
             _close_grad(a, b, tol)
 
 
+@pytest.mark.parametrize("group", [1, 5, 32])  # keys per unit selection (forward); 150 keys: ragged
 @pytest.mark.parametrize("offset", [37, 5000, 60])  # 60: rows below and beyond L = 100 in one block
-def test_rows_at_arange_positions_use_one_distance_table(offset):
+def test_rows_at_arange_positions_use_one_distance_table(offset, group, monkeypatch):
+    monkeypatch.setattr(ffire, "FIRE_COLUMN_GROUP", group)
     enc = _fire()
     pos = (torch.arange(151) + offset).expand(2, -1)
     kp = (torch.arange(160) + offset - 9).expand(2, -1)  # 9 keys before the first query (a cache)
@@ -67,7 +71,9 @@ def test_rows_at_arange_positions_use_one_distance_table(offset):
     assert (read.q_start, read.k_start) == (offset, offset - 9)
 
 
-def test_rows_at_per_batch_positions():
+@pytest.mark.parametrize("group", [3, 32])
+def test_rows_at_per_batch_positions(group, monkeypatch):
+    monkeypatch.setattr(ffire, "FIRE_COLUMN_GROUP", group)
     enc = _fire()
     qp = torch.stack([torch.arange(151) + 30, torch.arange(151) * 2, torch.cat([torch.arange(70), torch.arange(81)])])
     kp = torch.cat([qp, qp[:, :9] + 400], 1)  # keys beyond the queries: negative distances too

@@ -33,6 +33,8 @@ def fire_normalized_distance(q_pos: Tensor, k_pos: Tensor, c: Tensor | float, th
 
 #: columns of ``x`` per step of `fire_mlp` (the hidden activations of one step stay in cache)
 FIRE_MLP_CHUNK = 16384
+#: keys per unit selection in `fire_rows`'s forward (a selection costs ``W`` per group; measured)
+FIRE_COLUMN_GROUP = 32
 
 
 def fire_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
@@ -165,8 +167,9 @@ class _SwitchingReluMLP(torch.autograd.Function):
 def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Tensor, b1: Tensor, w2: Tensor,
               b2: Tensor, eps: float = 1e-6, shift: int | None = None) -> Tensor:
     """FIRE's bias ``[B, H, Nq, Nk]`` (eq. 3): `fire_mlp` of `fire_normalized_distance`, the same
-    arithmetic, as one autograd Function whose backward is eq. 3 differentiated by hand (no
-    autograd graph of the ``[B, Nq, Nk]`` intermediates; saved: ``x`` alone).
+    arithmetic, as one autograd Function: forward with the units selected per group of keys
+    (`_column_rows`), backward eq. 3 differentiated by hand over the block's MLP pieces (`fire_mlp`'s
+    matrix products; no autograd graph of the ``[B, Nq, Nk]`` intermediates; saved: ``x`` alone).
 
     ``shift``: the positions are known to be ``a + arange`` in one row (shared by the batch) with
     ``q_pos[0, r] - k_pos[0, j] = shift + r - j``; ``psi(i - j)`` is then a Toeplitz view of a table
@@ -193,7 +196,7 @@ def _distances(q_pos: Tensor, k_pos: Tensor, shift: int | None) -> Tensor:
 
 
 class _FireRows(torch.autograd.Function):
-    """`fire_rows`: outputs ``(rows, x, n, switching, on, w_aug)``, all but rows for backward."""
+    """`fire_rows`: outputs ``(rows, x, n)``, ``x`` and ``n`` for backward."""
 
     @staticmethod
     def forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,  # type: ignore[override]
@@ -205,26 +208,27 @@ class _FireRows(torch.autograd.Function):
         dt = torch.promote_types(x.dtype, w2.dtype)
         x, w1, b1, w2, b2 = (t.to(dt) for t in (x, w1, b1, w2, b2))
         nb, nq, nk = x.shape
-        if x.numel() == 0:  # nothing switches, nothing is on
-            return x.new_zeros(nb, w2.shape[0], nq, nk), x, n, torch.zeros(0, dtype=torch.long, device=x.device), \
-                torch.zeros_like(w1), torch.zeros_like(w2[:, :2])
-        switching, on, w_aug = _fold(x, w1, b1, w2, b2)
-        out = _mlp_rows(x.view(nb, -1), w1[switching], b1[switching], w_aug)
-        return out.view(nb, -1, nq, nk), x, n, switching, on, w_aug
+        if x.numel() == 0:
+            return x.new_zeros(nb, w2.shape[0], nq, nk), x, n
+        return _column_rows(x, w1, b1, w2, b2), x, n
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
         c, thr, _w1, _b1, _w2, _b2, q_pos, k_pos, ctx.eps, ctx.shift = inputs
-        _, x, n, switching, on, w_aug = output
-        ctx.mark_non_differentiable(x, n, switching, on, w_aug)
-        ctx.save_for_backward(c, thr, q_pos, k_pos, x, n, switching, on, w_aug, *inputs[2:6])
+        _, x, n = output
+        ctx.mark_non_differentiable(x, n)
+        ctx.save_for_backward(c, thr, q_pos, k_pos, x, n, *inputs[2:6])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor, *_):
-        c, thr, q_pos, k_pos, x, n, switching, on, w_aug, w1, b1, w2, b2 = ctx.saved_tensors
+        c, thr, q_pos, k_pos, x, n, w1, b1, w2, b2 = ctx.saved_tensors
         nb, nq, nk = x.shape
-        w1d, b1d, w2d = (t.to(x.dtype) for t in (w1, b1, w2))
+        w1d, b1d, w2d, b2d = (t.to(x.dtype) for t in (w1, b1, w2, b2))
+        if x.numel():  # the pieces over the whole block: the products are then matrix products
+            switching, on, w_aug = _fold(x, w1d, b1d, w2d, b2d)
+        else:
+            switching, on, w_aug = x.new_zeros(0, dtype=torch.long), torch.zeros_like(w1d), w2d[:, :2] * 0
         need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         gx, gw1s, gb1s, gw = _mlp_grads(x.view(nb, -1), w1d[switching], b1d[switching], w_aug,
                                         grad.to(x.dtype).reshape(nb, w2.shape[0], -1), need_x and x.numel() > 0)
@@ -261,3 +265,33 @@ def _ratio_grads(gx: Tensor, x: Tensor, n: Tensor, c: Tensor, thr: Tensor, q_pos
     gthr = (gm * share).sum() * thr.sgn()
     return gc.reshape(c.shape).to(c.dtype), gthr.reshape(thr.shape).to(thr.dtype)
 
+
+def _column_rows(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
+    """``f_theta(x)`` ``[B, H, R, C]`` for a block of rows ``x`` ``[B, R, C]``, the units selected per
+    group of `FIRE_COLUMN_GROUP` keys instead of over the block (`fire_mlp`).
+
+    Along a row ``x`` sweeps ``[0, 1]``, but down a few keys of a block of rows it spans a narrow
+    range, where nearly every unit keeps its sign: per group the on units fold into ``A x + B``
+    (two passes over the output). A unit that switches is evaluated per element over the span of
+    groups from the first to the last where it switches (and folded nowhere in that span). The
+    selection is `fire_mlp`'s: the per-element arithmetic at the group's min and max (monotone)."""
+    nc = x.shape[-1]
+    g = FIRE_COLUMN_GROUP
+    pad = -nc % g  # a ragged last group: padded with values that move neither min nor max
+    lo = torch.nn.functional.pad(x.amin((0, 1)), (0, pad), value=float("inf")).view(-1, g).amin(1)
+    hi = torch.nn.functional.pad(x.amax((0, 1)), (0, pad), value=float("-inf")).view(-1, g).amax(1)
+    pos_lo, pos_hi = w1 * lo[:, None] + b1 > 0, w1 * hi[:, None] + b1 > 0  # [groups, W]
+    switching = pos_lo ^ pos_hi
+    units = switching.any(0).nonzero().squeeze(1)
+    idx = torch.arange(switching.shape[0], device=x.device)[:, None]
+    first = torch.where(switching, idx, switching.shape[0]).amin(0)
+    last = torch.where(switching, idx, -1).amax(0)
+    on = (pos_lo & pos_hi & ((idx < first) | (idx > last))).to(x.dtype)  # folded: outside the spans
+    ab = (torch.cat((w2 * w1, w2 * b1)) @ on.t()).repeat_interleave(g, 1)[:, :nc]  # [2H, C]: A; B - b2
+    h = w2.shape[0]
+    out = torch.mul(ab[:h, None], x[:, None]).add_((ab[h:] + b2[:, None])[:, None])
+    w2u = w2.t()[:, :, None, None]
+    for u, a, z in torch.stack((units, first[units], last[units] + 1), 1).tolist():
+        xs = x[..., a * g:z * g]
+        out[..., a * g:z * g].addcmul_(w2u[u], (xs * w1[u] + b1[u]).relu_()[:, None])
+    return out
