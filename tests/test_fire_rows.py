@@ -1,5 +1,5 @@
 """FIRE's rows (`FireBias.rows_from` through `fire_rows`: one autograd Function, backward written
-out; units selected per group of keys in forward; a Toeplitz table of ``psi(i - j)`` at
+out; without gradients the units selected per group of keys; a Toeplitz table of ``psi(i - j)`` at
 ``start + arange`` positions; one row of positions shared by the batch) equal the straight
 formula (`FIRE.bias_tensor`, eq. 3) forward and backward
 in every parameter: ragged blocks, offsets below and beyond ``L`` in one block, a query exactly at
@@ -51,12 +51,14 @@ def _check(enc, bias: FireBias, qp: torch.Tensor, kp: torch.Tensor, shared: bool
         ref, ref64 = full[..., s:e, :ke], full64[..., s:e, :ke]
         assert new.shape[0] == (1 if shared else qp.shape[0]) and new.dtype == torch.float32
         torch.testing.assert_close(new.expand_as(ref), ref, **tol)
+        with torch.no_grad():  # without gradients: the units selected per group of keys
+            torch.testing.assert_close(bias.rows(s, e, ke).expand_as(ref), ref, **tol)
         g = torch.randn_like(ref64)
         for a, b in zip(_grads(new, g.to(new.dtype), leaves), _grads(ref64, g, exact_leaves)):
             _close_grad(a, b, tol)
 
 
-@pytest.mark.parametrize("group", [1, 5, 32])  # keys per unit selection (forward); 150 keys: ragged
+@pytest.mark.parametrize("group", [1, 5, 32])  # keys per unit selection (no grad); 150 keys: ragged
 @pytest.mark.parametrize("offset", [37, 5000, 60])  # 60: rows below and beyond L = 100 in one block
 def test_rows_at_arange_positions_use_one_distance_table(offset, group, monkeypatch):
     monkeypatch.setattr(ffire, "FIRE_COLUMN_GROUP", group)

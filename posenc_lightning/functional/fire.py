@@ -167,9 +167,10 @@ class _SwitchingReluMLP(torch.autograd.Function):
 def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Tensor, b1: Tensor, w2: Tensor,
               b2: Tensor, eps: float = 1e-6, shift: int | None = None) -> Tensor:
     """FIRE's bias ``[B, H, Nq, Nk]`` (eq. 3): `fire_mlp` of `fire_normalized_distance`, the same
-    arithmetic, as one autograd Function: forward with the units selected per group of keys
-    (`_column_rows`), backward eq. 3 differentiated by hand over the block's MLP pieces (`fire_mlp`'s
-    matrix products; no autograd graph of the ``[B, Nq, Nk]`` intermediates; saved: ``x`` alone).
+    arithmetic, as one autograd Function. Without gradients the units are selected per group of keys
+    (`_column_rows`, the cheaper forward); with them as in `fire_mlp`, over the block, whose pieces
+    the backward (eq. 3 differentiated by hand) reuses for its matrix products. No autograd graph
+    of the ``[B, Nq, Nk]`` intermediates; saved: ``x``.
 
     ``shift``: the positions are known to be ``a + arange`` in one row (shared by the batch) with
     ``q_pos[0, r] - k_pos[0, j] = shift + r - j``; ``psi(i - j)`` is then a Toeplitz view of a table
@@ -178,7 +179,8 @@ def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Te
     if torch.compiler.is_compiling():  # data-dependent unit selection: `fire_mlp`'s compiled form
         x = fire_normalized_distance(q_pos, k_pos, c, threshold, eps)
         return fire_mlp(x.flatten(1), w1, b1, w2, b2).unflatten(-1, x.shape[1:])
-    return _FireRows.apply(c, threshold, w1, b1, w2, b2, q_pos, k_pos, eps, shift)[0]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (c, threshold, w1, b1, w2, b2))
+    return _FireRows.apply(c, threshold, w1, b1, w2, b2, q_pos, k_pos, eps, shift, grad)[0]
 
 
 def _toeplitz(table: Tensor, rows: int, keys: int) -> Tensor:
@@ -196,11 +198,12 @@ def _distances(q_pos: Tensor, k_pos: Tensor, shift: int | None) -> Tensor:
 
 
 class _FireRows(torch.autograd.Function):
-    """`fire_rows`: outputs ``(rows, x, n)``, ``x`` and ``n`` for backward."""
+    """`fire_rows`: outputs ``(rows, x, n, switching, on, w_aug)``, all but rows for backward (the
+    last three None without ``grad``: no backward then)."""
 
     @staticmethod
     def forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,  # type: ignore[override]
-                q_pos: Tensor, k_pos: Tensor, eps: float, shift: int | None):
+                q_pos: Tensor, k_pos: Tensor, eps: float, shift: int | None, grad: bool):
         qf = q_pos.to(torch.float32)
         n = fire_psi(torch.maximum(qf, thr.to(torch.float32).abs()), c) + eps  # [B, Nq]
         p = fire_psi(_distances(q_pos, k_pos, shift), c)
@@ -208,27 +211,31 @@ class _FireRows(torch.autograd.Function):
         dt = torch.promote_types(x.dtype, w2.dtype)
         x, w1, b1, w2, b2 = (t.to(dt) for t in (x, w1, b1, w2, b2))
         nb, nq, nk = x.shape
-        if x.numel() == 0:
-            return x.new_zeros(nb, w2.shape[0], nq, nk), x, n
-        return _column_rows(x, w1, b1, w2, b2), x, n
+        if x.numel() == 0:  # nothing switches, nothing is on
+            return x.new_zeros(nb, w2.shape[0], nq, nk), x, n, x.new_zeros(0, dtype=torch.long), \
+                torch.zeros_like(w1), torch.zeros_like(w2[:, :2])
+        if not grad:
+            return _column_rows(x, w1, b1, w2, b2), x, n, None, None, None
+        # for backward: the pieces over the whole block, whose products are then matrix products
+        switching, on, w_aug = _fold(x, w1, b1, w2, b2)
+        out = _mlp_rows(x.view(nb, -1), w1[switching], b1[switching], w_aug)
+        return out.view(nb, -1, nq, nk), x, n, switching, on, w_aug
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
-        c, thr, _w1, _b1, _w2, _b2, q_pos, k_pos, ctx.eps, ctx.shift = inputs
-        _, x, n = output
-        ctx.mark_non_differentiable(x, n)
-        ctx.save_for_backward(c, thr, q_pos, k_pos, x, n, *inputs[2:6])
+        c, thr, _w1, _b1, _w2, _b2, q_pos, k_pos, ctx.eps, ctx.shift, _ = inputs
+        _, x, n, switching, on, w_aug = output
+        ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
+        ctx.save_for_backward(c, thr, q_pos, k_pos, x, n, switching, on, w_aug, *inputs[2:6])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor, *_):
-        c, thr, q_pos, k_pos, x, n, w1, b1, w2, b2 = ctx.saved_tensors
+        c, thr, q_pos, k_pos, x, n, switching, on, w_aug, w1, b1, w2, b2 = ctx.saved_tensors
+        if switching is None:
+            raise RuntimeError("fire_rows: called without gradients, then differentiated")
         nb, nq, nk = x.shape
-        w1d, b1d, w2d, b2d = (t.to(x.dtype) for t in (w1, b1, w2, b2))
-        if x.numel():  # the pieces over the whole block: the products are then matrix products
-            switching, on, w_aug = _fold(x, w1d, b1d, w2d, b2d)
-        else:
-            switching, on, w_aug = x.new_zeros(0, dtype=torch.long), torch.zeros_like(w1d), w2d[:, :2] * 0
+        w1d, b1d, w2d = (t.to(x.dtype) for t in (w1, b1, w2))
         need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         gx, gw1s, gb1s, gw = _mlp_grads(x.view(nb, -1), w1d[switching], b1d[switching], w_aug,
                                         grad.to(x.dtype).reshape(nb, w2.shape[0], -1), need_x and x.numel() > 0)
@@ -242,7 +249,7 @@ class _FireRows(torch.autograd.Function):
         if gx is not None:
             gc, gthr = _ratio_grads(gx.view(nb, nq, nk), x, n, c, thr, q_pos, k_pos, ctx.shift)
         return gc, gthr, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb.to(b2.dtype), \
-            None, None, None, None
+            None, None, None, None, None
 
 
 def _ratio_grads(gx: Tensor, x: Tensor, n: Tensor, c: Tensor, thr: Tensor, q_pos: Tensor, k_pos: Tensor,
