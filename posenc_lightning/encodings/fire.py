@@ -10,7 +10,7 @@ from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, Re
 from posenc_lightning.encodings.bias import FireBias
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.functional.fire import fire_normalized_distance, fire_psi
-from posenc_lightning.functional.positions import host_reads_ok
+from posenc_lightning.functional.positions import arange_offset, host_reads_ok
 
 
 @register("fire", "bias", "FIRE: learned MLP of the log-transformed, progressively normalized distance (Li et al., 2024)")
@@ -104,5 +104,8 @@ class FIRE(Encoding):
             if q_max < float(self.threshold.detach()):
                 r = int(max(abs(q_max - k_min), abs(k_max - q_min)))
                 return RelativeBias(self.relative_table(r), qp, kp)
-        # exact for any positions, no host read: rows (sdpa), a score_mod (flex), per tile (triton)
-        return FireBias(qp, kp, self.c, self.L_multiplier, self.init_L, *self.bias_params()[2:], eps=self.eps)
+        # exact for any positions: rows (sdpa), a score_mod (flex), per tile (triton); start + arange
+        # positions (known, or read where free) let rows share one Toeplitz table of psi(i - j)
+        return FireBias(qp, kp, self.c, self.L_multiplier, self.init_L, *self.bias_params()[2:], eps=self.eps,
+                        q_start=ctx.q_start if ctx.q_start is not None else arange_offset(qp),
+                        k_start=ctx.k_start if ctx.k_start is not None else arange_offset(kp))

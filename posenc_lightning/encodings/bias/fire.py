@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.encodings.bias.kinds import Bias, KernelBias, ScoreTerm
-from posenc_lightning.functional.fire import fire_mlp, fire_normalized_distance
+from posenc_lightning.functional.fire import fire_rows
 
 __all__ = ["FireBias"]
 
@@ -40,8 +40,9 @@ class FireBias(Bias):
     b2: Tensor
     eps: float = 1e-6
     weight: Tensor | None = None
+    q_start: int | None = None  # every row of q_pos / k_pos is start + arange (`AttentionContext`)
+    k_start: int | None = None
     recomputable = True
-    fresh_rows = True
     fused_in: ClassVar[frozenset[str]] = frozenset({"kernel", "score_mod"})
 
     @property
@@ -61,10 +62,25 @@ class FireBias(Bias):
     def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
         c, l_mult, w1, b1 = views[:4]
         w2, b2 = self._mlp_out(views)
-        x = fire_normalized_distance(self.q_pos[:, start:stop], self.k_pos[:, :k_stop], c, (l_mult * self.init_L).abs(),
-                                     self.eps)
-        out = fire_mlp(x.flatten(1), w1[:, 0], b1, w2, b2)  # [B, H, rows * keys], no [.., W] hidden tensor
-        return out.float().view(x.shape[0], -1, *x.shape[1:])
+        qp, kp = self.q_pos[:, start:stop], self.k_pos[:, :k_stop]
+        if self._one_row:
+            qp, kp = qp[:1], kp[:1]
+        arange = self.q_start is not None and self.k_start is not None  # psi(i - j) then by distance
+        shift = self.q_start + start - self.k_start if arange else None
+        return fire_rows(qp, kp, c, (l_mult * self.init_L).abs(), w1[:, 0], b1, w2, b2, self.eps, shift).float()
+
+    @property
+    def _one_row(self) -> bool:
+        """Every batch row has the same positions (known ``start + arange``, or expanded): rows are
+        computed once, ``[1, H, r, K]``."""
+        qp, kp = self.q_pos, self.k_pos
+        return (self.q_start is not None and self.k_start is not None or qp.stride(0) == kp.stride(0) == 0
+                or qp.shape[0] == kp.shape[0] == 1)
+
+    @property
+    def fresh_rows(self) -> bool:
+        """New tensors, but rows shared by a batch of several take no per-batch mask in place."""
+        return self.q_pos.shape[0] == 1 or not self._one_row
 
     def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
         return self.rows_from(start, stop, k_stop, self.grad_inputs())
@@ -75,7 +91,7 @@ class FireBias(Bias):
     def scaled(self, w: Tensor) -> Bias:
         """Still a FIRE bias: the scale is folded into ``w2``, ``b2`` where it is used."""
         return FireBias(self.q_pos, self.k_pos, self.c, self.l_mult, self.init_L, self.w1, self.b1, self.w2, self.b2,
-                        self.eps, w if self.weight is None else self.weight * w)
+                        self.eps, w if self.weight is None else self.weight * w, self.q_start, self.k_start)
 
     def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
         """The MLP per (b, h, q_idx, kv_idx), one hidden unit at a time (no tensor beyond scalars)."""
