@@ -42,8 +42,10 @@ def fire_attention(q: Tensor, k: Tensor, v: Tensor, bias: FireBias, mask: Attent
     return out
 
 
-def _bias(q_pos: Tensor, k_pos: Tensor, params: tuple[Tensor, ...], init_L: Tensor, eps: float) -> FireBias:
-    return FireBias(q_pos, k_pos, *params[:2], init_L, *params[2:], eps=eps)
+def _bias(q_pos: Tensor, k_pos: Tensor, params: tuple[Tensor, ...], init_L: Tensor, eps: float,
+          starts: list[int]) -> FireBias:
+    q_start, k_start = (None if s < 0 else s for s in starts)
+    return FireBias(q_pos, k_pos, *params[:2], init_L, *params[2:], eps=eps, q_start=q_start, k_start=k_start)
 
 
 def _relative_range(bias: FireBias) -> int | None:
@@ -85,7 +87,7 @@ def fire_sdpa(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, c: 
     n_q, n_k = q.shape[-2], k.shape[-2]
     mask = AttentionMask(causal, q_offset, n_q, n_k)
     gqa = k.shape[1] != q.shape[1]
-    bias = _bias(q_pos, k_pos, params, init_L, eps)
+    bias = _bias(q_pos, k_pos, params, init_L, eps, starts)
     with torch.no_grad():
         r = _relative_range(bias)
         u = None if r is None else _template(params, bias, r, mask, _context(q_pos, k_pos, causal, starts))
@@ -120,7 +122,7 @@ def fire_sdpa_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     `sdpa.blockwise_backward`)."""
     params = (c, l_mult, w1, b1, w2, b2)
     mask = AttentionMask(causal, q_offset, q.shape[-2], k.shape[-2])
-    bias = _bias(q_pos, k_pos, params, init_L, eps)
+    bias = _bias(q_pos, k_pos, params, init_L, eps, starts)
     grads: list[Tensor | None]
     if bool(toeplitz):
         dq, dk, dv, du = sdpa.toeplitz_backward(q, k, v, u, out, d_out, causal, q_offset, scale,
