@@ -60,6 +60,8 @@ def test_rows_equal_the_paper_formula(per_head, hkv, max_position, traced, monke
         clamped.append(enc.clamped_keys(q[:, :, s:e], k[:, :, :max(ke, 83 + e)], 83 + s))
         rows = bias.rows(s, e, ke)  # float32 counts of up to 120 gates: ~1e-5 from float64's
         torch.testing.assert_close(rows.double(), ref[..., s:e, :ke], rtol=1e-4, atol=1e-4)
+        with torch.no_grad():  # the inference route (written in place)
+            torch.testing.assert_close(bias.rows(s, e, ke), rows)
         got = torch.autograd.grad((rows * grad[..., s:e, :ke]).sum(), [q, k, enc.pos_emb])
         part = torch.autograd.grad((ref[..., s:e, :ke] * grad[..., s:e, :ke]).sum(), [q, k, enc.pos_emb],
                                    retain_graph=True)

@@ -118,9 +118,14 @@ def cope_causal_rows(q: Tensor, k: Tensor, emb: Tensor, scale: float, max_positi
     does not increase along ``j`` (a suffix sum of gates >= 0), ``dz`` summed over the runs of
     equal ``floor(p)`` instead of scattered element by element."""
     top = int(max_position) - 1
-    args = (q, k, emb, scale, top, q_offset - clamped)
     with torch.autocast(q.device.type, enabled=False):  # float32 throughout, as given
-        out = _CoPECausalRows.apply(*args)[0] if torch.is_grad_enabled() else _causal_rows(*args, keep=False)[0]
+        if not torch.is_grad_enabled():  # written in place into the rows
+            z = torch.matmul(q, emb)
+            out = z.new_empty(*z.shape[:-1], clamped + k.shape[-2])
+            out[..., :clamped] = z[..., top:top + 1]
+            _causal_rows(q, k, z, scale, top, q_offset - clamped, out=out[..., clamped:])
+            return out
+        out = _CoPECausalRows.apply(q, k, emb, scale, top, q_offset - clamped)[0]
         if clamped:
             z_top = torch.matmul(q, emb)[..., top:top + 1]  # the product the rows take z from
             out = torch.cat([z_top.expand(*out.shape[:-1], clamped), out], dim=-1)
@@ -148,15 +153,15 @@ def cope_causal_gates(q: Tensor, k: Tensor, scale: float, q_offset: int) -> Tens
     return g
 
 
-def _causal_rows(q: Tensor, k: Tensor, emb: Tensor, scale: float, top: int, q_offset: int, keep: bool):
-    """``(rows, gates, index, frac, pairs)``; ``keep=False``: only ``rows`` (buffers reused).
-    ``index`` counts positions from the top (``P - 1 - floor p``) so that, flattened row after
-    row, it is sorted: the runs the backward sums over."""
+def _causal_rows(q: Tensor, k: Tensor, z: Tensor, scale: float, top: int, q_offset: int, out: Tensor | None = None):
+    """``(rows, gates, index, frac, pairs)`` from ``z = q @ emb``; ``out``: the rows written there,
+    nothing kept. ``index`` counts positions from the top (``P - 1 - floor p``) so that, flattened
+    row after row, it is sorted: the runs the backward sums over."""
     b, h, r, _ = q.shape
-    n_p = emb.shape[-1]
+    n_p = z.shape[-1]
     g = cope_causal_gates(q, k, scale, q_offset)
     rev = g.flip(-1)
-    if not keep:
+    if out is not None:
         del g
     p = rev.cumsum_(-1).flip(-1).clamp_(max=top)  # p_ij = sum_{t=j..i} g_it (eq. 4)
     del rev
@@ -164,18 +169,17 @@ def _causal_rows(q: Tensor, k: Tensor, emb: Tensor, scale: float, top: int, q_of
     w = p.sub_(idx)
     last = torch.arange(1, b * h * r + 1, device=q.device, dtype=torch.int32).view(b, h, r, 1) * n_p - 1
     idx = torch.sub(last, idx, out=idx)
-    z = torch.matmul(q, emb)  # [B, H, r, P]: z_i[m] = q_i . e[m]
     dz = torch.diff(z, dim=-1, append=z[..., -1:])  # z[m + 1] - z[m]
     pair = torch.complex(z, dz).flip(-1).view(-1).index_select(0, idx.view(-1)).view(w.shape)
-    if not keep:
-        return torch.addcmul(pair.real, pair.imag, w, out=w), None, None, None, None
+    if out is not None:
+        return torch.addcmul(pair.real, pair.imag, w, out=out), None, None, None, None
     return torch.addcmul(pair.real, pair.imag, w), g, idx, w, pair
 
 
 class _CoPECausalRows(torch.autograd.Function):
     @staticmethod
     def forward(q: Tensor, k: Tensor, emb: Tensor, scale: float, top: int, q_offset: int):  # type: ignore[override]
-        return _causal_rows(q, k, emb, scale, top, q_offset, keep=True)
+        return _causal_rows(q, k, torch.matmul(q, emb), scale, top, q_offset)  # z_i[m] = q_i . e[m]
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
