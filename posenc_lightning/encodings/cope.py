@@ -110,22 +110,25 @@ class CoPE(Encoding):
         pos = cope_positions(self.gates(q, k), causal, q_offset=q_offset)
         return cope_lookup(torch.matmul(q.float(), pos_emb.float()), pos, self.max_position)
 
-    def clamped_keys(self, q: Tensor, k: Tensor, q_offset: int) -> int:
+    def clamped_keys(self, q: Tensor, k: Tensor, q_offset: int, width: int | None = None) -> int:
         """Causal: how many leading keys have ``p_ij >= max_position - 1`` for every query row of
         ``q`` (query ``i`` at key ``i + q_offset``): there the bias is ``z_i[P - 1]`` and neither
         the gates nor the counts get a gradient (the clamp), so rows need only the keys after them.
-        Found by suffix sums over windows of keys before the first query, doubled until they reach
-        the clamp (the same sums, in the same order, as the rows'); 0 where values cannot be read."""
+        Read from the suffix sums over the ``width`` keys before the first query (doubled until
+        they reach the clamp; the same sums, in the same order, as the rows'); 0 where values
+        cannot be read."""
         top = self.max_position - 1
         if not host_reads_ok(q):
             return 0
-        width = 2 * self.max_position
+        width = width or 2 * self.max_position
         with torch.no_grad(), torch.autocast(q.device.type, enabled=False):  # float32, as the rows
             while q_offset - width > 0:
                 j0 = q_offset - width
                 g = cope_causal_gates(q.float(), k[:, :, j0:].float(), self.softmax_scale(q.shape[-1]), q_offset - j0)
-                if bool(g.flip(-1).cumsum_(-1)[..., -1].min() >= top):
-                    return j0
+                # p_ij does not increase along j: each row's count of p >= top is its clamped prefix
+                n = int((g.flip(-1).cumsum_(-1) >= top).sum(-1).min())
+                if n:
+                    return j0 + n
                 width *= 2
         return 0
 
@@ -134,6 +137,7 @@ class CoPE(Encoding):
             raise RuntimeError("cope: head_dim unknown; call bind(head_dim=...) or inject() first")
         n_q, n_k, causal = q.shape[-2], k.shape[-2], ctx.causal
         last: dict[tuple[int, int, int], int] = {}  # sdpa asks a block's window twice in backward
+        width = [None]  # the previous block's: the next one's first guess
 
         def keys(e: int, ke: int) -> int:
             # p_ij counts the keys between j and i: rows [s, e) need q[s:e] and the keys up to
@@ -145,7 +149,9 @@ class CoPE(Encoding):
                 return 0
             if (s, e, ke) not in last:
                 last.clear()
-                last[s, e, ke] = self.clamped_keys(q[:, :, s:e], k[:, :, :keys(e, ke)], n_k - n_q + s)
+                q_off = n_k - n_q + s
+                last[s, e, ke] = j = self.clamped_keys(q[:, :, s:e], k[:, :, :keys(e, ke)], q_off, width[0])
+                width[0] = 2 * (q_off - j) if j else None
             return last[s, e, ke]
 
         def rows(s: int, e: int, ke: int, q_rows: Tensor, k_keys: Tensor, pos_emb: Tensor) -> Tensor:
