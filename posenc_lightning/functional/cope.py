@@ -119,17 +119,9 @@ def cope_causal_rows(q: Tensor, k: Tensor, emb: Tensor, scale: float, max_positi
     equal ``floor(p)`` instead of scattered element by element."""
     top = int(max_position) - 1
     with torch.autocast(q.device.type, enabled=False):  # float32 throughout, as given
-        if not torch.is_grad_enabled():  # written in place into the rows
-            z = torch.matmul(q, emb)
-            out = z.new_empty(*z.shape[:-1], clamped + k.shape[-2])
-            out[..., :clamped] = z[..., top:top + 1]
-            _causal_rows(q, k, z, scale, top, q_offset - clamped, out=out[..., clamped:])
-            return out
-        out = _CoPECausalRows.apply(q, k, emb, scale, top, q_offset - clamped)[0]
-        if clamped:
-            z_top = torch.matmul(q, emb)[..., top:top + 1]  # the product the rows take z from
-            out = torch.cat([z_top.expand(*out.shape[:-1], clamped), out], dim=-1)
-    return out
+        if torch.is_grad_enabled():
+            return _CoPECausalRows.apply(q, k, emb, scale, top, q_offset, clamped)[0]
+        return _causal_rows(q, k, torch.matmul(q, emb), scale, top, q_offset, clamped, keep=False)[0]
 
 
 def _grouped(t: Tensor, h_kv: int) -> Tensor:
@@ -153,15 +145,18 @@ def cope_causal_gates(q: Tensor, k: Tensor, scale: float, q_offset: int) -> Tens
     return g
 
 
-def _causal_rows(q: Tensor, k: Tensor, z: Tensor, scale: float, top: int, q_offset: int, out: Tensor | None = None):
-    """``(rows, gates, index, frac, pairs)`` from ``z = q @ emb``; ``out``: the rows written there,
-    nothing kept. ``index`` counts positions from the top (``P - 1 - floor p``) so that, flattened
-    row after row, it is sorted: the runs the backward sums over."""
+def _causal_rows(q: Tensor, k: Tensor, z: Tensor, scale: float, top: int, q_offset: int, clamped: int, keep: bool):
+    """``(rows, gates, index, frac, pairs)`` from ``z = q @ emb`` (``keep=False``: only the rows,
+    buffers reused). ``index`` counts positions from the top (``P - 1 - floor p``) so that,
+    flattened row after row, it is sorted: the runs the backward sums over."""
     b, h, r, _ = q.shape
     n_p = z.shape[-1]
+    out = z.new_empty(b, h, r, clamped + k.shape[-2])
+    out[..., :clamped] = z[..., top:top + 1]
+    q_offset -= clamped
     g = cope_causal_gates(q, k, scale, q_offset)
     rev = g.flip(-1)
-    if out is not None:
+    if not keep:
         del g
     p = rev.cumsum_(-1).flip(-1).clamp_(max=top)  # p_ij = sum_{t=j..i} g_it (eq. 4)
     del rev
@@ -171,22 +166,22 @@ def _causal_rows(q: Tensor, k: Tensor, z: Tensor, scale: float, top: int, q_offs
     idx = torch.sub(last, idx, out=idx)
     dz = torch.diff(z, dim=-1, append=z[..., -1:])  # z[m + 1] - z[m]
     pair = torch.complex(z, dz).flip(-1).view(-1).index_select(0, idx.view(-1)).view(w.shape)
-    if out is not None:
-        return torch.addcmul(pair.real, pair.imag, w, out=out), None, None, None, None
-    return torch.addcmul(pair.real, pair.imag, w), g, idx, w, pair
+    torch.addcmul(pair.real, pair.imag, w, out=out[..., clamped:])
+    return (out, g, idx, w, pair) if keep else (out, None, None, None, None)
 
 
 class _CoPECausalRows(torch.autograd.Function):
     @staticmethod
-    def forward(q: Tensor, k: Tensor, emb: Tensor, scale: float, top: int, q_offset: int):  # type: ignore[override]
-        return _causal_rows(q, k, torch.matmul(q, emb), scale, top, q_offset)  # z_i[m] = q_i . e[m]
+    def forward(q: Tensor, k: Tensor, emb: Tensor, scale: float, top: int, q_offset: int,  # type: ignore[override]
+                clamped: int):
+        return _causal_rows(q, k, torch.matmul(q, emb), scale, top, q_offset, clamped, keep=True)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
-        q, k, emb, scale, _top, q_offset = inputs
+        q, k, emb, scale, top, q_offset, clamped = inputs
         _, g, idx, w, pair = output
         ctx.save_for_backward(q, k, emb, g, idx, w, pair)
-        ctx.scale, ctx.q_offset = scale, q_offset
+        ctx.scale, ctx.top, ctx.q_offset, ctx.clamped = scale, top, q_offset - clamped, clamped
         ctx.mark_non_differentiable(g, idx, w, pair)
         ctx.set_materialize_grads(False)  # no zeros for the saved outputs' gradients
 
@@ -201,6 +196,7 @@ class _CoPECausalRows(torch.autograd.Function):
         q, k, emb, g, idx, w, pair = ctx.saved_tensors
         b, h, r, d = q.shape
         h_kv, n_p = k.shape[1], emb.shape[-1]
+        grad_top, grad = grad[..., :ctx.clamped].sum(-1), grad[..., ctx.clamped:]  # z_i[top] at the clamped keys
         # d/dp: z[ceil p] - z[floor p], 0 where p is whole (ceil = floor) or clamped (p = top)
         gp = torch.mul(grad, pair.imag).masked_fill_(w == 0, 0.0)
         # p_ij = sum_{t=j..i} g_it: dg_it = sum_{j <= t} dp_ij; sigmoid' = g (1 - g); 0 after the query
@@ -219,8 +215,9 @@ class _CoPECausalRows(torch.autograd.Function):
             gz = torch.zeros(b * h * r * n_p, dtype=grad.dtype, device=grad.device)
             gz.index_add_(0, flat, grad.sub(gw).view(-1)).index_add_(0, (flat - 1).clamp_(min=0), gw.view(-1))
         gz = gz.view(b, h, r, n_p).flip(-1)
+        gz[..., ctx.top] += grad_top
         dq += torch.matmul(gz, emb.mT)
         demb = torch.matmul(q.mT, gz).sum(0, keepdim=True)
         if emb.shape[0] == 1:
             demb = demb.sum(1)
-        return dq, dk, demb.view(emb.shape), None, None, None
+        return dq, dk, demb.view(emb.shape), None, None, None, None
