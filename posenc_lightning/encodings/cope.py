@@ -120,7 +120,7 @@ class CoPE(Encoding):
         top = self.max_position - 1
         if not host_reads_ok(q):
             return 0
-        width = width or 2 * self.max_position
+        width = max(width or 0, 2 * self.max_position)  # counts of fewer than P - 1 gates (<= 1) never clamp
         with torch.no_grad(), torch.autocast(q.device.type, enabled=False):  # float32, as the rows
             while q_offset - width > 0:
                 j0 = q_offset - width
@@ -137,7 +137,9 @@ class CoPE(Encoding):
             raise RuntimeError("cope: head_dim unknown; call bind(head_dim=...) or inject() first")
         n_q, n_k, causal = q.shape[-2], k.shape[-2], ctx.causal
         last: dict[tuple[int, int, int], int] = {}  # sdpa asks a block's window twice in backward
-        width = [None]  # the previous block's: the next one's first guess
+        # along one pass over the blocks: the previous block's width is the next one's first guess;
+        # where no key was clamped, counts over twice the keys are needed before a new search
+        walk = {"s": -1, "width": 0, "retry": 0}
 
         def keys(e: int, ke: int) -> int:
             # p_ij counts the keys between j and i: rows [s, e) need q[s:e] and the keys up to
@@ -149,9 +151,17 @@ class CoPE(Encoding):
                 return 0
             if (s, e, ke) not in last:
                 last.clear()
-                q_off = n_k - n_q + s
-                last[s, e, ke] = j = self.clamped_keys(q[:, :, s:e], k[:, :, :keys(e, ke)], q_off, width[0])
-                width[0] = 2 * (q_off - j) if j else None
+                q_off, j = n_k - n_q + s, 0
+                if s <= walk["s"]:  # a new pass
+                    walk.update(width=0, retry=0)
+                if q_off >= walk["retry"]:
+                    j = self.clamped_keys(q[:, :, s:e], k[:, :, :keys(e, ke)], q_off, walk["width"])
+                    if j:
+                        walk.update(width=2 * (q_off - j), retry=0)
+                    else:
+                        walk.update(width=0, retry=2 * q_off)
+                walk["s"] = s
+                last[s, e, ke] = j
             return last[s, e, ke]
 
         def rows(s: int, e: int, ke: int, q_rows: Tensor, k_keys: Tensor, pos_emb: Tensor) -> Tensor:
