@@ -8,7 +8,14 @@ from torch import Tensor, nn
 
 from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, span
 from posenc_lightning.encodings.registry import register
-from posenc_lightning.functional.cope import cope_interpolate, cope_lookup, cope_positions
+from posenc_lightning.functional.cope import (
+    cope_causal_gates,
+    cope_causal_rows,
+    cope_interpolate,
+    cope_lookup,
+    cope_positions,
+)
+from posenc_lightning.functional.positions import host_reads_ok
 
 
 @register("cope", "bias", "Contextual position encoding: gated counts of keys, interpolated position embeddings (Golovneva et al., 2024)")
@@ -67,20 +74,21 @@ class CoPE(Encoding):
         z = torch.matmul(q.float(), self.pos_emb.float())  # [B, H, Nq, P]
         return cope_interpolate(z, pos)
 
-    def bias_rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int, pos_emb: Tensor | None = None) -> Tensor:
-        """`bias_tensor` with the fused clamp + interpolation (`cope_lookup`): same values and
-        gradients (``pos_emb``: a stand-in for the parameter). Computed by sub-blocks of about
-        `CHUNK_BYTES` of rows, each recomputed in backward (checkpoint), so that the gates and
-        counts of a whole block never coexist."""
+    def bias_rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int, pos_emb: Tensor | None = None,
+                  clamped: int = 0) -> Tensor:
+        """`bias_tensor` by a faster route, same values and gradients (``pos_emb``: a stand-in for
+        the parameter; causal: `cope_causal_rows`, ``k`` the keys from index ``clamped`` on, see
+        `clamped_keys`). Computed by sub-blocks of about `CHUNK_BYTES` of rows, each recomputed in
+        backward (checkpoint), so that the gates and counts of a whole block never coexist."""
         pos_emb = self.pos_emb if pos_emb is None else pos_emb
         grad = torch.is_grad_enabled()
         per_row = 4 * q.shape[0] * q.shape[1] * k.shape[-2]
         step = max(1, (self.GRAD_CHUNK_BYTES if grad else self.CHUNK_BYTES) // max(per_row, 1))
         if q.shape[-2] <= step:
-            return self._rows(q, k, causal, q_offset, pos_emb)
+            return self._rows(q, k, causal, q_offset, pos_emb, clamped)
         pieces = []
         for a in range(0, q.shape[-2], step):
-            args = (q[:, :, a:a + step], k, causal, q_offset + a, pos_emb)
+            args = (q[:, :, a:a + step], k, causal, q_offset + a, pos_emb, clamped)
             if grad:
                 from torch.utils.checkpoint import checkpoint
 
@@ -90,26 +98,75 @@ class CoPE(Encoding):
         return torch.cat(pieces, dim=-2)
 
     #: bytes of one sub-block of rows in `bias_rows` (its gates, counts and lookup indices are
-    #: several such blocks at once); with gradients, a sub-block is checkpointed, and larger
-    CHUNK_BYTES = 2**20
+    #: several such blocks at once); with gradients, a sub-block is checkpointed. As large as
+    #: the SDPA backend's blocks: smaller ones made the gates' matmul slower than they saved
+    CHUNK_BYTES = 4 * 2**20
     GRAD_CHUNK_BYTES = 4 * 2**20
 
-    def _rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int, pos_emb: Tensor) -> Tensor:
+    def _rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int, pos_emb: Tensor, clamped: int = 0) -> Tensor:
+        if causal:
+            return cope_causal_rows(q.float(), k.float(), pos_emb.float(), self.softmax_scale(q.shape[-1]),
+                                    self.max_position, q_offset, clamped)
         pos = cope_positions(self.gates(q, k), causal, q_offset=q_offset)
         return cope_lookup(torch.matmul(q.float(), pos_emb.float()), pos, self.max_position)
+
+    def clamped_keys(self, q: Tensor, k: Tensor, q_offset: int, width: int | None = None) -> int:
+        """Causal: how many leading keys have ``p_ij >= max_position - 1`` for every query row of
+        ``q`` (query ``i`` at key ``i + q_offset``): there the bias is ``z_i[P - 1]`` and neither
+        the gates nor the counts get a gradient (the clamp), so rows need only the keys after them.
+        Read from the suffix sums over the ``width`` keys before the first query (doubled until
+        they reach the clamp; the same sums, in the same order, as the rows'); 0 where values
+        cannot be read."""
+        top = self.max_position - 1
+        if not host_reads_ok(q):
+            return 0
+        width = max(width or 0, 2 * self.max_position)  # counts of fewer than P - 1 gates (<= 1) never clamp
+        with torch.no_grad(), torch.autocast(q.device.type, enabled=False):  # float32, as the rows
+            while q_offset - width > 0:
+                j0 = q_offset - width
+                g = cope_causal_gates(q.float(), k[:, :, j0:].float(), self.softmax_scale(q.shape[-1]), q_offset - j0)
+                # p_ij does not increase along j: each row's count of p >= top is its clamped prefix
+                n = int((g.flip(-1).cumsum_(-1) >= top).sum(-1).min())
+                if n:
+                    return j0 + n
+                width *= 2
+        return 0
 
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
         if self.pos_emb is None:
             raise RuntimeError("cope: head_dim unknown; call bind(head_dim=...) or inject() first")
         n_q, n_k, causal = q.shape[-2], k.shape[-2], ctx.causal
+        last: dict[tuple[int, int, int], int] = {}  # sdpa asks a block's window twice in backward
+        # along one pass over the blocks: the previous block's width is the next one's first guess;
+        # where no key was clamped, counts over twice the keys are needed before a new search
+        walk = {"s": -1, "width": 0, "retry": 0}
 
         def keys(e: int, ke: int) -> int:
             # p_ij counts the keys between j and i: rows [s, e) need q[s:e] and the keys up to
             # max(k_stop, their last query) only (what the blockwise backends ask for anyway)
             return min(n_k, max(ke, n_k - n_q + e))
 
-        def rows(s: int, e: int, ke: int, q_rows: Tensor, k_head: Tensor, pos_emb: Tensor) -> Tensor:
-            return self.bias_rows(q_rows, k_head, causal, n_k - n_q + s, pos_emb)[..., :ke]
+        def first(s: int, e: int, ke: int) -> int:  # the keys before are clamped for rows [s, e)
+            if not causal or not host_reads_ok(q):  # (traced: no values to read, no memo to write)
+                return 0
+            if (s, e, ke) not in last:
+                last.clear()
+                q_off, j = n_k - n_q + s, 0
+                if s <= walk["s"]:  # a new pass
+                    walk.update(width=0, retry=0)
+                if q_off >= walk["retry"]:
+                    j = self.clamped_keys(q[:, :, s:e], k[:, :, :keys(e, ke)], q_off, walk["width"])
+                    if j:
+                        walk.update(width=2 * (q_off - j), retry=0)
+                    else:
+                        walk.update(width=0, retry=2 * q_off)
+                walk["s"] = s
+                last[s, e, ke] = j
+            return last[s, e, ke]
+
+        def rows(s: int, e: int, ke: int, q_rows: Tensor, k_keys: Tensor, pos_emb: Tensor) -> Tensor:
+            clamped = keys(e, ke) - k_keys.shape[-2]
+            return self.bias_rows(q_rows, k_keys, causal, n_k - n_q + s, pos_emb, clamped)[..., :ke]
 
         return DenseBias.lazy(rows, n_q, n_k, inputs=(q, k, self.pos_emb),
-                              window=lambda s, e, ke: (span(s, e, -2), span(0, keys(e, ke), -2), None))
+                              window=lambda s, e, ke: (span(s, e, -2), span(first(s, e, ke), keys(e, ke), -2), None))

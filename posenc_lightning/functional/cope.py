@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from posenc_lightning.functional.positions import host_reads_ok
+
 
 def cope_positions(gates: Tensor, causal: bool = True, q_offset: int = 0) -> Tensor:
     """Contextual positions ``p_ij = sum over t between j and i (inclusive) of g_it``.
@@ -100,3 +102,124 @@ class _CoPELookup(torch.autograd.Function):
             gp = grad * dz.gather(-1, lo)
             gp.masked_fill_((w == 0) | (positions > top), 0.0)
         return gz, gp, None
+
+
+def cope_causal_rows(q: Tensor, k: Tensor, emb: Tensor, scale: float, max_position: int, q_offset: int,
+                     clamped: int = 0) -> Tensor:
+    """Causal CoPE bias rows ``z_i[p_ij]`` (eqs. 3-5), forward and backward in few passes.
+
+    ``q [B, H, r, D]`` (query ``i`` at key ``i + q_offset``), ``k [B, H_kv, K, D]`` the keys from
+    index ``clamped`` on (GQA: a query group shares its kv head, no repeat), ``emb [1|H, D, P]``,
+    all float32; gates ``sigmoid(scale q.k)``. Returns ``[B, H, r, clamped + K]``: ``z_i[top]``
+    at the ``clamped`` keys before ``k`` (the caller knows ``p_ij >= top`` there, see
+    `CoPE.clamped_keys`), elsewhere equal to ``cope_lookup(q @ emb, cope_positions(gates, True,
+    q_offset), max_position)``: the same sums in the same order, but int32 indices into the
+    flattened ``(z, dz)`` pairs (one gather), no gradient graph (one Function), and, as ``p_ij``
+    does not increase along ``j`` (a suffix sum of gates >= 0), ``dz`` summed over the runs of
+    equal ``floor(p)`` instead of scattered element by element."""
+    top = int(max_position) - 1
+    q, k = q.contiguous(), k.contiguous()  # views of a fused qkv (heads interleaved): 3x slower matmuls
+    with torch.autocast(q.device.type, enabled=False):  # float32 throughout, as given
+        if torch.is_grad_enabled():
+            return _CoPECausalRows.apply(q, k, emb, scale, top, q_offset, clamped)[0]
+        return _causal_rows(q, k, torch.matmul(q, emb), scale, top, q_offset, clamped, keep=False)[0]
+
+
+def _grouped(t: Tensor, h_kv: int) -> Tensor:
+    """``[B, H, r, X] -> [B, H_kv, g r, X]``: the rows of a query group against its kv head."""
+    return t.reshape(t.shape[0], h_kv, -1, t.shape[-1])
+
+
+def _after_query(t: Tensor, q_offset: int) -> None:
+    """Zero ``t [..., r, K]`` at the keys after each query (the block's diagonal corner only)."""
+    r, n_k = t.shape[-2:]
+    if q_offset + 1 < n_k:
+        kj = torch.arange(q_offset + 1, n_k, device=t.device)
+        t[..., q_offset + 1:].masked_fill_(kj > torch.arange(q_offset, q_offset + r, device=t.device)[:, None], 0.0)
+
+
+def cope_causal_gates(q: Tensor, k: Tensor, scale: float, q_offset: int) -> Tensor:
+    """``sigmoid(scale q_i.k_j)`` ``[B, H, r, K]``, 0 at the keys after each query (eq. 3)."""
+    b, h, r, _ = q.shape
+    g = torch.matmul(_grouped(q, k.shape[1]), k.contiguous().mT)  # contiguous: see cope_causal_rows
+    g = g.view(b, h, r, k.shape[-2]).mul_(scale).sigmoid_()
+    _after_query(g, q_offset)
+    return g
+
+
+def _causal_rows(q: Tensor, k: Tensor, z: Tensor, scale: float, top: int, q_offset: int, clamped: int, keep: bool):
+    """``(rows, gates, index, frac, pairs)`` from ``z = q @ emb`` (``keep=False``: only the rows,
+    buffers reused). ``index`` counts positions from the top (``P - 1 - floor p``) so that,
+    flattened row after row, it is sorted: the runs the backward sums over."""
+    b, h, r, _ = q.shape
+    n_p = z.shape[-1]
+    out = z.new_empty(b, h, r, clamped + k.shape[-2])
+    out[..., :clamped] = z[..., top:top + 1]
+    q_offset -= clamped
+    g = cope_causal_gates(q, k, scale, q_offset)
+    rev = g.flip(-1)
+    if not keep:
+        del g
+    p = rev.cumsum_(-1).flip(-1).clamp_(max=top)  # p_ij = sum_{t=j..i} g_it (eq. 4)
+    del rev
+    idx = p.to(torch.int32)  # floor: p >= 0
+    w = p.sub_(idx)
+    last = torch.arange(1, b * h * r + 1, device=q.device, dtype=torch.int32).view(b, h, r, 1) * n_p - 1
+    idx = torch.sub(last, idx, out=idx)
+    dz = torch.diff(z, dim=-1, append=z[..., -1:])  # z[m + 1] - z[m]
+    pair = torch.complex(z, dz).flip(-1).view(-1).index_select(0, idx.view(-1)).view(w.shape)
+    torch.addcmul(pair.real, pair.imag, w, out=out[..., clamped:])
+    return (out, g, idx, w, pair) if keep else (out, None, None, None, None)
+
+
+class _CoPECausalRows(torch.autograd.Function):
+    @staticmethod
+    def forward(q: Tensor, k: Tensor, emb: Tensor, scale: float, top: int, q_offset: int,  # type: ignore[override]
+                clamped: int):
+        return _causal_rows(q, k, torch.matmul(q, emb), scale, top, q_offset, clamped, keep=True)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
+        q, k, emb, scale, top, q_offset, clamped = inputs
+        _, g, idx, w, pair = output
+        ctx.save_for_backward(q, k, emb, g, idx, w, pair)
+        ctx.scale, ctx.top, ctx.q_offset, ctx.clamped = scale, top, q_offset - clamped, clamped
+        ctx.mark_non_differentiable(g, idx, w, pair)
+        ctx.set_materialize_grads(False)  # no zeros for the saved outputs' gradients
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor, *_):
+        with torch.autocast(grad.device.type, enabled=False):
+            return _CoPECausalRows.grads(ctx, grad.float())
+
+    @staticmethod
+    def grads(ctx, grad: Tensor) -> tuple:
+        q, k, emb, g, idx, w, pair = ctx.saved_tensors
+        b, h, r, d = q.shape
+        h_kv, n_p = k.shape[1], emb.shape[-1]
+        grad_top, grad = grad[..., :ctx.clamped].sum(-1), grad[..., ctx.clamped:]  # z_i[top] at the clamped keys
+        # d/dp: z[ceil p] - z[floor p], 0 where p is whole (ceil = floor) or clamped (p = top)
+        gp = torch.mul(grad, pair.imag).masked_fill_(w == 0, 0.0)
+        # p_ij = sum_{t=j..i} g_it: dg_it = sum_{j <= t} dp_ij; sigmoid' = g (1 - g); 0 after the query
+        dl = torch.ops.aten.sigmoid_backward(gp.cumsum_(-1), g)
+        _after_query(dl, ctx.q_offset)
+        dl = _grouped(dl, h_kv)
+        dq = torch.matmul(dl, k).mul_(ctx.scale).view(b, h, r, d)
+        dk = torch.matmul(dl.mT, _grouped(q, h_kv)).mul_(ctx.scale)
+        # dz[m]: grad (1 - w) summed where floor(p) = m, grad w where floor(p) = m - 1 (index - 1)
+        gw, flat = grad * w, idx.view(-1)
+        if host_reads_ok(grad):  # the flattened index is sorted: sums over its runs (lengths: counts)
+            lengths = torch.bincount(flat, minlength=b * h * r * n_p)
+            gz = torch.segment_reduce(grad.sub(gw).view(-1), "sum", lengths=lengths)
+            gz[:-1] += torch.segment_reduce(gw.view(-1), "sum", lengths=lengths)[1:]
+        else:  # traced: no sizes read from values; w = 0 where index - 1 leaves the row
+            gz = torch.zeros(b * h * r * n_p, dtype=grad.dtype, device=grad.device)
+            gz.index_add_(0, flat, grad.sub(gw).view(-1)).index_add_(0, (flat - 1).clamp_(min=0), gw.view(-1))
+        gz = gz.view(b, h, r, n_p).flip(-1)
+        gz[..., ctx.top] += grad_top
+        dq += torch.matmul(gz, emb.mT)
+        demb = torch.matmul(q.mT, gz).sum(0, keepdim=True)
+        if emb.shape[0] == 1:
+            demb = demb.sum(1)
+        return dq, dk, demb.view(emb.shape), None, None, None, None
