@@ -131,7 +131,7 @@ class BiasTiles:
     computed per tile at the tile's positions (`Bias.at` at the context's positions, as the sdpa
     backend's Toeplitz path reads it): nothing larger than a tile. Any other
     kind: one block of `Bias.rows` at a time, sliced. Gradients: `Bias.rows_from` on detached
-    windows of `Bias.grad_inputs`, differentiated with ``torch.func.vjp`` (traceable by dynamo,
+    windows of `Bias.grad_inputs`, differentiated with `_block_grad.block_vjp` (traceable by dynamo,
     unlike ``autograd.grad``), added window by window into full-size accumulators of the inputs
     that need one (``need``, per input)."""
 
@@ -172,7 +172,7 @@ class BiasTiles:
                 vs[i] = t
             return bias.rows_from(start, stop, k_stop, vs)
 
-        raw, vjp = torch.func.vjp(f, *[views[i] for i in idx])
+        raw, vjp = block_vjp(f, *[views[i] for i in idx])
 
         def take(d: Tensor) -> None:  # d: [B, H, r, K] in the bias's key order
             if raw.shape[0] == 1 and d.shape[0] > 1:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from posenc_lightning.attention.backends._block_grad import attention_backward_by_blocks
+from posenc_lightning.attention.backends._block_grad import attention_backward_by_blocks, block_vjp
 from posenc_lightning.attention.backends._key_bias import _attend_key_bias, _attend_key_channel, _key_mask_works
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
@@ -468,8 +468,7 @@ def blockwise_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tens
                 vs[i] = d
             return bias.rows_from(start, stop, k_stop, vs)  # [B|1, H, r, K]
 
-        # torch.func.vjp, not autograd.grad: a compiled backward can trace it
-        rows_, vjp = torch.func.vjp(rows_of, *[views[i] for i in idx]) if idx else (rows_of(), None)
+        rows_, vjp = block_vjp(rows_of, *[views[i] for i in idx]) if idx else (rows_of(), None)
         block["rows"], block["vjp"], block["idx"] = rows_, vjp, idx
         s.add_(rows_.detach().to(s.dtype).view(-1, *s.shape[1:]))
         _masked(s, mask, start, stop, k_stop, inplace=True, group_dim=True)
