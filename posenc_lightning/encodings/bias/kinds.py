@@ -377,7 +377,7 @@ class BiasSum(Bias):
                 return None
         at = (torch.full((1, 1), base, dtype=q.dtype, device=q.device),
               torch.arange(length, dtype=q.dtype, device=q.device)[None])
-        with torch.enable_grad():  # one small graph to the terms' inputs, whatever the caller's mode
+        with torch.enable_grad():  # kept for the whole bias: first asked for maybe in a no-grad Function forward
             u = sum(self.parts[i].at(*at).materialize() for i in terms)[0, :, 0]
         return _DistanceTable(terms, u, base, a is not None and c is not None, q, k)
 
