@@ -7,12 +7,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from posenc_lightning.functional.positions import host_reads_ok
+from posenc_lightning.functional.positions import arange_offset, host_reads_ok
 
 if TYPE_CHECKING:
     from posenc_lightning.encodings.bias.fire import FireBias
@@ -149,6 +150,11 @@ class Bias(ABC):
 
     def at(self, q_pos: Tensor, k_pos: Tensor) -> Bias | None:
         """The same bias at other positions (None unless `distance_only`)."""
+        return None
+
+    @property
+    def positions(self) -> tuple[Tensor, Tensor] | None:
+        """``(q_pos, k_pos)`` a `distance_only` kind is read at (None: not known)."""
         return None
 
     def key_only(self, dtype: torch.dtype, plain_causal: bool, ascending: bool = False) -> KeyOnly | None:
@@ -317,6 +323,10 @@ class ScaledBias(Bias):
         moved = self.inner.at(q_pos, k_pos)
         return None if moved is None else moved.scaled(self.weight)
 
+    @property
+    def positions(self) -> tuple[Tensor, Tensor] | None:
+        return self.inner.positions
+
     def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
         f, w = self.inner.score_term(b_size, n_heads), self.weight.to(torch.float32)
         return lambda b, h, qi, ki: f(b, h, qi, ki) * w
@@ -324,7 +334,11 @@ class ScaledBias(Bias):
 
 @dataclass(eq=False)
 class BiasSum(Bias):
-    """A sum of bias kinds (hybrids); backends may fuse each term separately."""
+    """A sum of bias kinds (hybrids); backends may fuse each term separately.
+
+    Rows: the distance-only terms at the same integer positions are one lookup in their summed
+    table of distances (`_table`), and the other terms are added into the first fresh rows (no
+    tensor per term; exact for autograd too, as no term's backward keeps its output)."""
 
     parts: list[Bias] = field(default_factory=list)
 
@@ -338,29 +352,76 @@ class BiasSum(Bias):
             out = out + p.materialize()
         return out
 
-    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
-        out = self.parts[0].rows(start, stop, k_stop)
-        for p in self.parts[1:]:
-            out = out + p.rows(start, stop, k_stop)
-        return out
+    @property
+    def _group(self) -> _DistanceTable | None:
+        return None if torch.compiler.is_compiling() else self._table
+
+    @cached_property
+    def _table(self) -> _DistanceTable | None:
+        """The distance-only terms at the same integer positions (readable on the host), beside
+        other terms, as one table over every distance their rows read (None: no such terms, or
+        distances spread wider than ``16 (Nq + Nk)``)."""
+        cand = [i for i, p in enumerate(self.parts) if p.distance_only and p.positions is not None
+                and host_reads_ok(p.positions[0]) and not p.positions[0].dtype.is_floating_point
+                and p.positions[0].numel() and p.positions[1].numel()]
+        if len(self.parts) < 2 or not cand:
+            return None
+        q, k = self.parts[cand[0]].positions
+        terms = [i for i in cand if _same(self.parts[i].positions[0], q) and _same(self.parts[i].positions[1], k)]
+        a, c = arange_offset(q), arange_offset(k)
+        if a is not None and c is not None:  # row i, key j at distance a - c + i - j
+            base, length = a - c + q.shape[1] - 1, q.shape[1] + k.shape[1] - 1
+        else:
+            base, length = int(q.max() - k.min()), int(q.max() - k.min() - q.min() + k.max()) + 1
+            if length > 16 * (q.shape[1] + k.shape[1]):  # a table far larger than a block of rows
+                return None
+        at = (torch.full((1, 1), base, dtype=q.dtype, device=q.device),
+              torch.arange(length, dtype=q.dtype, device=q.device)[None])
+        with torch.enable_grad():  # kept for the whole bias: first asked for maybe in a no-grad Function forward
+            u = sum(self.parts[i].at(*at).materialize() for i in terms)[0, :, 0]
+        return _DistanceTable(terms, u, base, a is not None and c is not None, q, k)
 
     def grad_inputs(self) -> tuple[Tensor, ...] | None:
-        ins = [p.grad_inputs() for p in self.parts]
-        return None if any(i is None for i in ins) else tuple(t for i in ins for t in i)
+        g = self._group
+        ins = [p.grad_inputs() for i, p in enumerate(self.parts) if g is None or i not in g.terms]
+        if any(i is None for i in ins):
+            return None
+        return (*(() if g is None else (g.u,)), *(t for i in ins for t in i))
 
     def input_windows(self, start: int, stop: int, k_stop: int) -> tuple[Index, ...]:
-        return tuple(w for p in self.parts for w in p.input_windows(start, stop, k_stop))
+        g = self._group
+        rest = tuple(w for i, p in enumerate(self.parts) if g is None or i not in g.terms
+                     for w in p.input_windows(start, stop, k_stop))
+        return rest if g is None else (g.window(start, stop, k_stop), *rest)
 
     @property
     def recomputable(self) -> bool:
         return all(p.recomputable for p in self.parts)
 
+    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
+        g = self._group
+        u = None if g is None else cut((g.u,), (g.window(start, stop, k_stop),))[0]
+        return self._rows(start, stop, k_stop, u, [None] * len(self.parts))
+
     def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
-        out, i = None, 0
-        for p in self.parts:
-            n = len(p.grad_inputs())
-            r = p.rows_from(start, stop, k_stop, views[i:i + n])
-            out, i = (r if out is None else out + r), i + n
+        g = self._group
+        split, i = [], 0 if g is None else 1
+        for j, p in enumerate(self.parts):
+            n = 0 if g is not None and j in g.terms else len(p.grad_inputs())
+            split.append(views[i:i + n])
+            i += n
+        return self._rows(start, stop, k_stop, None if g is None else views[0], split)
+
+    def _rows(self, start: int, stop: int, k_stop: int, u: Tensor | None,
+              views: Sequence[Sequence[Tensor] | None]) -> Tensor:
+        """The rows from the table's window ``u`` and ``views`` per term (None: its own inputs)."""
+        g = self._group
+        out, own = (None, False) if g is None else g.rows(u, start, stop, k_stop)
+        for i in sorted(range(len(self.parts)), key=lambda i: not self.parts[i].fresh_rows):
+            if g is None or i not in g.terms:
+                p, v = self.parts[i], views[i]
+                r = p.rows(start, stop, k_stop) if v is None else p.rows_from(start, stop, k_stop, v)
+                out, own = _accumulate(out, own, r, p.fresh_rows)
         return out
 
     @property
@@ -385,3 +446,71 @@ class BiasSum(Bias):
     def fold_into(self, args: KernelBias) -> None:
         for p in self.parts:
             p.fold_into(args)
+
+
+def _accumulate(out: Tensor | None, own: bool, r: Tensor, fresh: bool) -> tuple[Tensor, bool]:
+    """``out + r`` and whether it is a new tensor: in place into ``out`` when it is one of the sum's shape."""
+    if out is None:
+        return r, fresh
+    if own and out.shape == torch.broadcast_shapes(out.shape, r.shape):
+        return out.add_(r), True
+    return out + r, True
+
+
+@dataclass(eq=False)
+class _DistanceTable:
+    """Distance-only terms of a `BiasSum` (indices ``terms``) summed over distances: ``u[h, t]`` is
+    their value at distance ``base - t``, for every distance of ``q_pos``, ``k_pos`` (``arange``:
+    the positions are ``a + arange``, ``c + arange``, and ``base = a - c + Nq - 1``)."""
+
+    terms: list[int]
+    u: Tensor  # [H, L]
+    base: int
+    arange: bool
+    q_pos: Tensor
+    k_pos: Tensor
+
+    def window(self, start: int, stop: int, k_stop: int) -> Index:
+        """The part of ``u`` the rows read: at arange positions row i, key j is at
+        ``t = Nq - 1 - i + j``; else anywhere."""
+        n_q = self.q_pos.shape[1]
+        return span(n_q - stop, n_q - start + k_stop - 1) if self.arange else None
+
+    def rows(self, u: Tensor, start: int, stop: int, k_stop: int) -> tuple[Tensor, bool]:
+        """``[B, H, rows, keys]`` (B of the positions) from ``u`` cut by `window`, and whether it is
+        a new tensor: at arange positions the reversed windows of the cut (a Toeplitz block, the
+        same for every batch row), else one lookup of the block's distances."""
+        b = self.q_pos.shape[0]
+        if stop <= start or k_stop <= 0:
+            return u.new_zeros(b, u.shape[0], stop - start, k_stop), True
+        if self.arange:
+            rows = _ReversedWindows.apply(u, k_stop)
+            return (rows, True) if b == 1 else (rows.expand(b, -1, -1, -1), False)
+        t = self.base - _distance(self.q_pos[:, start:stop], self.k_pos[:, :k_stop])  # [B, r, K]
+        return u.index_select(-1, t.flatten()).view(-1, *t.shape).transpose(0, 1), True
+
+
+class _ReversedWindows(torch.autograd.Function):
+    """``rows[0, h, i, j] = u[h, (r - 1 - i) + j]`` ``[1, H, r, K]`` from ``u [H, r + K - 1]``
+    (a Toeplitz block: the windows of ``u`` in reverse order). Backward sums the gradient along
+    those diagonals: each row added at its offset, one pass (autograd's unfold and index_select
+    backward: five, 4x slower measured)."""
+
+    @staticmethod
+    def forward(u: Tensor, n_keys: int) -> Tensor:  # type: ignore[override]
+        rev = torch.arange(u.shape[-1] - n_keys, -1, -1, device=u.device)
+        return u.unfold(-1, n_keys, 1)[None].index_select(-2, rev)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[Tensor, int], output: Tensor) -> None:  # functorch-compatible (vjp)
+        pass
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        g = grad[0]  # [H, r, K]
+        r, n_keys = g.shape[-2], g.shape[-1]
+        du = g.new_zeros(g.shape[0], r + n_keys - 1)  # in cache: row i added at its diagonal offset
+        for i in range(r):
+            du.narrow(-1, r - 1 - i, n_keys).add_(g.select(-2, i))
+        return du, None

@@ -44,6 +44,10 @@ class LinearBias(Bias):
     def at(self, q_pos: Tensor, k_pos: Tensor) -> Bias:
         return LinearBias(self.slopes, q_pos, k_pos)
 
+    @property
+    def positions(self) -> tuple[Tensor, Tensor]:
+        return self.q_pos, self.k_pos
+
     def key_only(self, dtype: torch.dtype, plain_causal: bool, ascending: bool = False) -> KeyOnly | None:
         """Causal ALiBi with keys never after their queries in position: where ``j <= i``,
         ``-m_h (i - j) = m_h j - m_h i``, i.e. ``m_h (j - c)`` for any constant c (the middle
@@ -106,6 +110,10 @@ class RelativeBias(Bias):
 
     def at(self, q_pos: Tensor, k_pos: Tensor) -> Bias:
         return RelativeBias(self.table, q_pos, k_pos)
+
+    @property
+    def positions(self) -> tuple[Tensor, Tensor]:
+        return self.q_pos, self.k_pos
 
     def scaled(self, w: Tensor) -> Bias:
         return RelativeBias(self.table * w, self.q_pos, self.k_pos)
