@@ -82,10 +82,17 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
 EAGER_AUTOGRAD = True
 
 
+def _autograd_records() -> bool:
+    """Autograd records here: not inside a custom operator's kernel (`_fire_op`), where it is
+    excluded whatever the grad mode (``torch.func``'s transforms still work there)."""
+    with torch.enable_grad():
+        return torch.ones((), requires_grad=True).mul(1).requires_grad
+
+
 def block_vjp(fn: Callable[..., Tensor], *primals: Tensor) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]]:
     """``(fn(*primals), pullback)`` with ``pullback(g)`` the gradients of ``<fn(...), g>`` to every
     primal (zeros for one ``fn`` does not use), as ``torch.func.vjp``; eagerly through autograd."""
-    if torch.compiler.is_compiling() or not EAGER_AUTOGRAD:
+    if torch.compiler.is_compiling() or not EAGER_AUTOGRAD or not _autograd_records():
         return torch.func.vjp(fn, *primals)
     leaves = [p.detach().requires_grad_() for p in primals]
     with torch.enable_grad():

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from posenc_lightning.attention.backends._block_grad import block_vjp
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias
 

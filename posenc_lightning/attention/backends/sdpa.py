@@ -260,9 +260,11 @@ def toeplitz_backward(q: Tensor, k: Tensor, v: Tensor, u: Tensor, out: Tensor, d
 #: a bias is materialized one block of query rows at a time, about this many bytes per block
 #: (``[B|1, H, rows, keys]`` float), never the whole ``[H, N, N]``. Content-dependent rows
 #: (FIRE's MLP, CoPE's gates and counts) have several temporaries of this size, so it is kept
-#: small next to the attention's own memory (at N=4096, d_model=512: 48 MiB of activations);
-#: below it the per-call overhead of SDPA starts to show.
-BIAS_BLOCK_BYTES = 4 * 2**20
+#: small next to the attention's own memory (at N=4096, d_model=512: 48 MiB of activations).
+#: Measured there (one layer, peak allocated fwd+bwd / nope's, and fwd+bwd time), 4 -> 8 -> 16 MiB:
+#: fire 1.09 -> 1.22 -> 1.33x memory, 2.83 -> 2.39 -> 2.00 s; cope 1.08 -> 1.18 -> 1.26x,
+#: 3.08 -> 2.37 -> 2.05 s (nope 1.18 s): the per-block overhead against a 1.3x memory bound.
+BIAS_BLOCK_BYTES = 8 * 2**20
 #: recompute each block's bias in backward instead of keeping every block alive until then
 CHECKPOINT_BLOCKS = True
 
@@ -322,7 +324,7 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMas
     # causal by index: the queries [start, stop) see keys [0, q_offset + stop) only
     k_stop = min(k.shape[-2], mask.q_offset + stop) if mask.causal else k.shape[-2]
     attn_mask = bias.rows(start, stop, k_stop).to(q.dtype)
-    attn_mask = _masked(attn_mask, mask, start, stop, k_stop, inplace=_owned_rows(attn_mask, bias))
+    attn_mask = _masked(attn_mask, mask, start, stop, k_stop, inplace=_owned_rows(attn_mask, bias, mask, q.shape[0]))
     empty = None
     if mask.k_valid is not None:
         # a query whose keys are all padding: its output is 0 (as eager's), and an all -inf row
@@ -334,11 +336,14 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMas
     return out if empty is None else out.masked_fill(empty, 0.0)
 
 
-def _owned_rows(rows: Tensor, bias: Bias) -> bool:
+def _owned_rows(rows: Tensor, bias: Bias, mask: AttentionMask, batch: int) -> bool:
     """The rows were computed just now (not a view or one of the bias's own tensors), so the mask
     may be written into them: one block-sized copy less. Only for kinds whose rows are new
-    tensors (`Bias.fresh_rows`)."""
+    tensors (`Bias.fresh_rows`), and not rows shared by a batch (``[1, ...]``) that a per-batch
+    mask (documents, padding) would have to widen."""
     if not bias.fresh_rows or rows.requires_grad or rows._base is not None or torch.compiler.is_compiling():
+        return False
+    if rows.shape[0] != batch and (mask.q_segments is not None or mask.k_valid is not None):
         return False
     ptr = rows.untyped_storage().data_ptr()
     return all(t.untyped_storage().data_ptr() != ptr for t in bias.grad_inputs() or ())
