@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posenc_lightning.attention.backends import _fire_op
 from posenc_lightning.models.tinygpt import TinyGPT
 
 N = 21  # not a multiple of any block
@@ -33,27 +32,28 @@ def _grads(m: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _forms(monkeypatch) -> dict[str, list[bool]]:
-    """Records what the operator found: every query below L ("below"), and then whether the
-    Toeplitz template applied (positions an arange: "toeplitz")."""
-    seen: dict[str, list[bool]] = {"below": [], "toeplitz": []}
-    real_range, real_template = _fire_op._relative_range, _fire_op._template
+    """Records which form each attention call ran: the Toeplitz template ("toeplitz") or the
+    rows by blocks ("rows"); cleared before the compiled run."""
+    from posenc_lightning.attention.backends import sdpa
 
-    def spy_range(*a):
-        r = real_range(*a)
-        seen["below"].append(r is not None)
-        return r
+    seen: dict[str, list[bool]] = {"toeplitz": [], "rows": []}
+    real_t, real_r = sdpa._attend_toeplitz, sdpa._attend_by_rows
 
-    def spy_template(*a):
-        u = real_template(*a)
-        seen["toeplitz"].append(u is not None)
-        return u
+    def toeplitz(*a, **k):
+        seen["toeplitz"].append(True)
+        return real_t(*a, **k)
 
-    monkeypatch.setattr(_fire_op, "_relative_range", spy_range)
-    monkeypatch.setattr(_fire_op, "_template", spy_template)
+    def rows(*a, **k):
+        seen["rows"].append(True)
+        return real_r(*a, **k)
+
+    monkeypatch.setattr(sdpa, "_attend_toeplitz", toeplitz)
+    monkeypatch.setattr(sdpa, "_attend_by_rows", rows)
     return seen
 
 
-def _compare(m: TinyGPT, x: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+def _compare(m: TinyGPT, x: torch.Tensor, positions: torch.Tensor | None = None,
+             forms: dict[str, list[bool]] | None = None) -> None:
     import torch._dynamo as dynamo
 
     ref = m(x, positions)
@@ -61,6 +61,8 @@ def _compare(m: TinyGPT, x: torch.Tensor, positions: torch.Tensor | None = None)
     g_ref = _grads(m)
     m.zero_grad(set_to_none=True)
     dynamo.reset()
+    for seen in (forms or {}).values():
+        seen.clear()
     graphs: list[str] = []
 
     def backend(gm, example_inputs):
@@ -84,10 +86,9 @@ def _compare(m: TinyGPT, x: torch.Tensor, positions: torch.Tensor | None = None)
 def test_compiled_equals_eager_in_both_forms(monkeypatch, init_L, toeplitz):
     forms = _forms(monkeypatch)
     x = torch.randint(0, 256, (2, N), generator=torch.Generator().manual_seed(1))
-    _compare(_model(init_L), x)
-    # queries below L: the table; past it: rows
-    assert forms["below"] and all(f is toeplitz for f in forms["below"])
-    assert all(forms["toeplitz"]) and bool(forms["toeplitz"]) is toeplitz
+    _compare(_model(init_L), x, forms=forms)
+    # queries below L: the table in every layer; past it: the rows
+    assert len(forms["toeplitz" if toeplitz else "rows"]) == 2 and not forms["rows" if toeplitz else "toeplitz"]
 
 
 def test_given_positions_offsets_and_gqa(monkeypatch):
@@ -96,12 +97,11 @@ def test_given_positions_offsets_and_gqa(monkeypatch):
     forms = _forms(monkeypatch)
     x = torch.randint(0, 256, (2, N), generator=torch.Generator().manual_seed(4))
     offset = (37 + torch.arange(N)).expand(2, N)
-    _compare(_model(512.0, n_kv_heads=2), x, offset)
-    assert forms["toeplitz"] and all(forms["toeplitz"])
-    forms["toeplitz"].clear()
+    _compare(_model(512.0, n_kv_heads=2), x, offset, forms)
+    assert len(forms["toeplitz"]) == 2 and not forms["rows"]
     gaps = torch.stack((3 * torch.arange(N), 100 + 2 * torch.arange(N)))
-    _compare(_model(512.0, n_kv_heads=2), x, gaps)
-    assert forms["toeplitz"] and not any(forms["toeplitz"])  # not arange: the rows by blocks
+    _compare(_model(512.0, n_kv_heads=2), x, gaps, forms)
+    assert len(forms["rows"]) == 2 and not forms["toeplitz"]  # not arange: the rows by blocks
 
 
 def test_frozen_fire_parameters(monkeypatch):
