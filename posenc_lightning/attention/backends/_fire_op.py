@@ -174,7 +174,7 @@ def _backward(ctx, d_out: Tensor, _du: Tensor, _dt: Tensor) -> tuple:
     q, k, v, out, u, toeplitz, q_pos, k_pos, *params, init_L = ctx.saved_tensors
     # a given template (static positions) takes the Toeplitz form's gradient to the parameters
     need = [ctx.needs_input_grad[i] for i in (0, 1, 2, 5, 6, 7, 8, 9, 10)] + [ctx.args[-1] and ctx.needs_input_grad[12]]
-    g = torch.ops.posenc.fire_sdpa_backward(d_out.contiguous(), q, k, v, out, u, toeplitz, q_pos, k_pos, *params,
+    g = torch.ops.posenc.fire_sdpa_backward(d_out, q, k, v, out, u, toeplitz, q_pos, k_pos, *params,
                                             init_L, *ctx.args, need)
     kept = [gi if n else None for gi, n in zip(g, need)]
     return (*kept[:3], None, None, *kept[3:9], None, kept[9], None, None, None, None, None)
