@@ -23,6 +23,19 @@ def qkv(b=2, h=4, n=11, d=16, hkv=None, dtype=torch.float32, grad=False):
     return t
 
 
+def compiled_greedy(model, prompt: torch.Tensor, steps: int, backend: str = "aot_eager") -> torch.Tensor:
+    """Greedy decoding with the model's cache through ``torch.compile(model, fullgraph=True)``, one
+    token per call (compare with the eager ``model.generate(prompt, steps)``)."""
+    cm = torch.compile(model, fullgraph=True, backend=backend)
+    cache = model.new_cache()
+    out, step = prompt, prompt
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = cm(step, None, cache)[:, -1].argmax(-1, keepdim=True)
+            out, step = torch.cat((out, nxt), 1), nxt
+    return out
+
+
 def fast_triton_interpreter(monkeypatch) -> None:
     """Make TRITON_INTERPRET=1 fast for tests: no overflow sanitizer, 16 x 16 tiles (a no-op
     without triton)."""

@@ -17,6 +17,7 @@ import torch
 
 from posenc_lightning.encodings.registry import available_encodings
 from posenc_lightning.models.tinygpt import TinyGPT
+from tests.helpers import compiled_greedy
 
 #: encodings that cannot be traced on their default backend, with the reason (also in the README);
 #: none today
@@ -113,15 +114,7 @@ def test_compiled_decoding_equals_eager():
     for name in ("rope", "alibi"):
         m = _model(name)
         x = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
-        ref = m.generate(x, 6)
-        cm = torch.compile(m, fullgraph=True, backend="aot_eager")
-        cache = m.new_cache()
-        out, step = x, x
-        with torch.no_grad():
-            for _ in range(6):
-                nxt = cm(step, None, cache)[:, -1].argmax(-1, keepdim=True)
-                out, step = torch.cat((out, nxt), 1), nxt
-        assert torch.equal(out, ref), name
+        assert torch.equal(compiled_greedy(m, x, 6), m.generate(x, 6)), name
 
 
 def test_tinygpt_compile_flag_trains_like_eager():

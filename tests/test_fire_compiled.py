@@ -9,16 +9,9 @@ import pytest
 import torch
 
 from posenc_lightning.models.tinygpt import TinyGPT
+from tests.helpers import compiled_greedy
 
 N = 21  # not a multiple of any block
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _model(init_L: float, **kw) -> TinyGPT:
@@ -129,15 +122,7 @@ def test_compiled_cached_decoding(init_L):
     """A compiled decode step (one query after a cache of keys, q_offset > 0) equals eager's."""
     m = _model(init_L)
     x = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
-    ref = m.generate(x, 5)
-    cm = torch.compile(m, fullgraph=True, backend="aot_eager")
-    cache = m.new_cache()
-    out, step = x, x
-    with torch.no_grad():
-        for _ in range(5):
-            nxt = cm(step, None, cache)[:, -1].argmax(-1, keepdim=True)
-            out, step = torch.cat((out, nxt), 1), nxt
-    assert torch.equal(out, ref)
+    assert torch.equal(compiled_greedy(m, x, 5), m.generate(x, 5))
 
 
 @pytest.mark.parametrize("init_L", [512.0, 7.0])

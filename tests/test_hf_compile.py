@@ -26,14 +26,6 @@ IDS = torch.randint(1, 64, (2, 20), generator=torch.Generator().manual_seed(3))
 EXCEPTIONS = {n: "reads the largest position (dynamic law)" for n in ("dynamic_ntk", "long_rope", "clex")}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _llama(name: str):
     """A tiny Llama (a GPT-2 for encodings that add positions to the embeddings, which need its
     ``wpe``); as many key heads as query heads (per-head encodings refuse GQA)."""
