@@ -92,7 +92,7 @@ def test_apply_rotary_odd_storage_offset_interleaved():
 # ---------------------------------------------------------------------------------------------
 # sdpa with a bias: Toeplitz view (i - j kinds at arange positions) and blockwise rows
 # ---------------------------------------------------------------------------------------------
-from posenc_lightning.attention.backends import eager, sdpa
+from posenc_lightning.attention.backends import _denormals, eager, sdpa
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import (
     AttentionContext,
@@ -291,7 +291,7 @@ def test_learned_toeplitz_backward_and_flush_state(monkeypatch):
     q, k, v = (torch.randn(2, h, n, d, requires_grad=True) for _ in range(3))
     res = []
     for flush in (True, False):
-        monkeypatch.setattr(sdpa, "FLUSH_DENORMALS", flush)
+        monkeypatch.setattr(_denormals, "FLUSH_DENORMALS", flush)
         out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx)
         node = out.grad_fn if not flush else out.grad_fn.next_functions[0][0]
         assert "ToeplitzAttention" in type(node).__name__
@@ -300,7 +300,7 @@ def test_learned_toeplitz_backward_and_flush_state(monkeypatch):
         assert torch.tensor(1e-39) * torch.tensor(1.0) != 0
     # a gradient to the table only skips the q/k/v node that turns flush-to-zero off: the end
     # of the backward pass turns it off
-    monkeypatch.setattr(sdpa, "FLUSH_DENORMALS", True)
+    monkeypatch.setattr(_denormals, "FLUSH_DENORMALS", True)
     out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx)
     (g_table,) = torch.autograd.grad(out.square().sum(), (table,))
     assert torch.tensor(1e-39) * torch.tensor(1.0) != 0

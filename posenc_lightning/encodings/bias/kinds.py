@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
+from posenc_lightning.encodings.bias._distance_table import DistanceTable, accumulate
 from posenc_lightning.functional.positions import arange_offset, host_reads_ok
 
 if TYPE_CHECKING:
@@ -353,11 +354,11 @@ class BiasSum(Bias):
         return out
 
     @property
-    def _group(self) -> _DistanceTable | None:
+    def _group(self) -> DistanceTable | None:
         return None if torch.compiler.is_compiling() else self._table
 
     @cached_property
-    def _table(self) -> _DistanceTable | None:
+    def _table(self) -> DistanceTable | None:
         """The distance-only terms at the same integer positions (readable on the host), beside
         other terms, as one table over every distance their rows read (None: no such terms, or
         distances spread wider than ``16 (Nq + Nk)``)."""
@@ -379,7 +380,7 @@ class BiasSum(Bias):
               torch.arange(length, dtype=q.dtype, device=q.device)[None])
         with torch.enable_grad():  # kept for the whole bias: first asked for maybe in a no-grad Function forward
             u = sum(self.parts[i].at(*at).materialize() for i in terms)[0, :, 0]
-        return _DistanceTable(terms, u, base, a is not None and c is not None, q, k)
+        return DistanceTable(terms, u, base, a is not None and c is not None, q, k)
 
     def grad_inputs(self) -> tuple[Tensor, ...] | None:
         g = self._group
@@ -421,7 +422,7 @@ class BiasSum(Bias):
             if g is None or i not in g.terms:
                 p, v = self.parts[i], views[i]
                 r = p.rows(start, stop, k_stop) if v is None else p.rows_from(start, stop, k_stop, v)
-                out, own = _accumulate(out, own, r, p.fresh_rows)
+                out, own = accumulate(out, own, r, p.fresh_rows)
         return out
 
     @property
@@ -446,71 +447,3 @@ class BiasSum(Bias):
     def fold_into(self, args: KernelBias) -> None:
         for p in self.parts:
             p.fold_into(args)
-
-
-def _accumulate(out: Tensor | None, own: bool, r: Tensor, fresh: bool) -> tuple[Tensor, bool]:
-    """``out + r`` and whether it is a new tensor: in place into ``out`` when it is one of the sum's shape."""
-    if out is None:
-        return r, fresh
-    if own and out.shape == torch.broadcast_shapes(out.shape, r.shape):
-        return out.add_(r), True
-    return out + r, True
-
-
-@dataclass(eq=False)
-class _DistanceTable:
-    """Distance-only terms of a `BiasSum` (indices ``terms``) summed over distances: ``u[h, t]`` is
-    their value at distance ``base - t``, for every distance of ``q_pos``, ``k_pos`` (``arange``:
-    the positions are ``a + arange``, ``c + arange``, and ``base = a - c + Nq - 1``)."""
-
-    terms: list[int]
-    u: Tensor  # [H, L]
-    base: int
-    arange: bool
-    q_pos: Tensor
-    k_pos: Tensor
-
-    def window(self, start: int, stop: int, k_stop: int) -> Index:
-        """The part of ``u`` the rows read: at arange positions row i, key j is at
-        ``t = Nq - 1 - i + j``; else anywhere."""
-        n_q = self.q_pos.shape[1]
-        return span(n_q - stop, n_q - start + k_stop - 1) if self.arange else None
-
-    def rows(self, u: Tensor, start: int, stop: int, k_stop: int) -> tuple[Tensor, bool]:
-        """``[B, H, rows, keys]`` (B of the positions) from ``u`` cut by `window`, and whether it is
-        a new tensor: at arange positions the reversed windows of the cut (a Toeplitz block, the
-        same for every batch row), else one lookup of the block's distances."""
-        b = self.q_pos.shape[0]
-        if stop <= start or k_stop <= 0:
-            return u.new_zeros(b, u.shape[0], stop - start, k_stop), True
-        if self.arange:
-            rows = _ReversedWindows.apply(u, k_stop)
-            return (rows, True) if b == 1 else (rows.expand(b, -1, -1, -1), False)
-        t = self.base - _distance(self.q_pos[:, start:stop], self.k_pos[:, :k_stop])  # [B, r, K]
-        return u.index_select(-1, t.flatten()).view(-1, *t.shape).transpose(0, 1), True
-
-
-class _ReversedWindows(torch.autograd.Function):
-    """``rows[0, h, i, j] = u[h, (r - 1 - i) + j]`` ``[1, H, r, K]`` from ``u [H, r + K - 1]``
-    (a Toeplitz block: the windows of ``u`` in reverse order). Backward sums the gradient along
-    those diagonals: each row added at its offset, one pass (autograd's unfold and index_select
-    backward: five, 4x slower measured)."""
-
-    @staticmethod
-    def forward(u: Tensor, n_keys: int) -> Tensor:  # type: ignore[override]
-        rev = torch.arange(u.shape[-1] - n_keys, -1, -1, device=u.device)
-        return u.unfold(-1, n_keys, 1)[None].index_select(-2, rev)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple[Tensor, int], output: Tensor) -> None:  # functorch-compatible (vjp)
-        pass
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        g = grad[0]  # [H, r, K]
-        r, n_keys = g.shape[-2], g.shape[-1]
-        du = g.new_zeros(g.shape[0], r + n_keys - 1)  # in cache: row i added at its diagonal offset
-        for i in range(r):
-            du.narrow(-1, r - 1 - i, n_keys).add_(g.select(-2, i))
-        return du, None
