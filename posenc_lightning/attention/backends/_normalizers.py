@@ -142,19 +142,27 @@ class StickBreakingBlocks(torch.autograd.Function):
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
 
 
+def _forward_blocks(q: Tensor, v: Tensor, spec: Spec, bt: BiasTiles, h_kv: int, wt: torch.dtype):
+    """The query blocks of a forward pass that see a key, their bias tiles started:
+    ``(s, e, k_stop, shape, qb, acc)`` with ``shape = (B, H_kv, g, rows)``, the block's scaled
+    queries ``qb`` (grouped, flat) and a zeroed output accumulator ``acc``."""
+    b, h = q.shape[:2]
+    g = h // h_kv
+    for s, e, k_stop in spec.tiling.blocks():
+        if k_stop == 0:
+            continue
+        bt.start(s, e, k_stop)
+        yield (s, e, k_stop, (b, h_kv, g, e - s), flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale),
+               torch.zeros((b, h_kv, g * (e - s), v.shape[-1]), dtype=wt, device=q.device))
+
+
 def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtype) -> Tensor:
     b, h, n_q, _ = q.shape
-    h_kv, g, d_v = k.shape[1], h // k.shape[1], v.shape[-1]
+    h_kv, d_v = k.shape[1], v.shape[-1]
     tl = spec.tiling
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
     bt = spec.bias_tiles(h_kv, wt)
-    for s, e, k_stop in tl.blocks():
-        if k_stop == 0:
-            continue
-        shape = (b, h_kv, g, e - s)
-        qb = flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale)
-        bt.start(s, e, k_stop)
-        acc = torch.zeros((b, h_kv, g * (e - s), d_v), dtype=wt, device=q.device)
+    for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         tail = torch.zeros(shape, dtype=wt, device=q.device)
         for t in tl.tiles(s, k_stop):
             z = _logits(qb, tl.key_tile(k, t, wt), shape, bt.tile(t))
@@ -219,18 +227,12 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtyp
     """The output and the log-sum-exp of every row (``+inf`` for a row that sees no key, whose
     output is 0 as eager's)."""
     b, h, n_q, _ = q.shape
-    h_kv, g, d_v = k.shape[1], h // k.shape[1], v.shape[-1]
+    h_kv, d_v = k.shape[1], v.shape[-1]
     tl = spec.tiling
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
     lse = torch.full((b, h, n_q), float("inf"), dtype=wt, device=q.device)
     bt = spec.bias_tiles(h_kv, wt)
-    for s, e, k_stop in tl.blocks():
-        if k_stop == 0:
-            continue
-        shape = (b, h_kv, g, e - s)
-        qb = flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale)
-        bt.start(s, e, k_stop)
-        acc = torch.zeros((b, h_kv, g * (e - s), d_v), dtype=wt, device=q.device)
+    for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         m = torch.full(shape, float("-inf"), dtype=wt, device=q.device)
         den = torch.zeros(shape, dtype=wt, device=q.device)
         for t in tl.tiles(s, k_stop):
