@@ -1,6 +1,7 @@
 """Compiled vs eager TinyGPT training step on this machine (forward, backward, AdamW step).
 
     python benchmarks/compile_step.py [--encodings rope alibi fire fox] [--seq-len 512] [--threads 1]
+    python benchmarks/compile_step.py --from-config configs/fire_train.yaml   # the recipes' sizes
 
 ``TinyGPT(compile=True)`` (inductor, the forward without a cache) against the same model eager, the
 two interleaved in every repetition (medians), after warm-up steps that include the compilation
@@ -53,8 +54,26 @@ def measure(name: str, args: argparse.Namespace) -> dict:
             r = runs[compiled]
             r["times"].append(_step(r["model"], r["opt"], x, y))
     eager, comp = (statistics.median(runs[c]["times"]) for c in (False, True))
+    # each rep's pair ran back to back: its ratio is free of slow load drifts
+    pairs = sorted(e / c for e, c in zip(runs[False]["times"], runs[True]["times"]))
+    q1, _, q3 = statistics.quantiles(pairs, n=4)
     return {"encoding": name, "eager_ms": 1e3 * eager, "compiled_ms": 1e3 * comp, "speedup": eager / comp,
+            "pair_median": statistics.median(pairs), "pair_q1": q1, "pair_q3": q3,
+            "faster": sum(r > 1 for r in pairs), "reps": len(pairs),
             "compile_warmup_s": runs[True]["warmup_s"], "eager_warmup_s": runs[False]["warmup_s"]}
+
+
+def _sizes_from(args: argparse.Namespace, path: Path) -> None:
+    """The model's sizes and the batch of a recipe's YAML (its ``model`` and ``data`` sections)."""
+    import yaml
+
+    cfg = yaml.safe_load(path.read_text())
+    model, data = cfg.get("model", {}), cfg.get("data", {})
+    for arg, section, key in (("d_model", model, "d_model"), ("n_layers", model, "n_layers"),
+                              ("n_heads", model, "n_heads"), ("seq_len", data, "seq_len"),
+                              ("batch", data, "batch_size")):
+        if key in section:
+            setattr(args, arg, int(section[key]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,8 +87,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--from-config", default=None, metavar="YAML",
+                   help="take the model and batch sizes from a recipe's config (e.g. configs/fire_train.yaml)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.from_config:
+        _sizes_from(args, Path(args.from_config))
     torch.set_num_threads(args.threads)
     load0 = os.getloadavg()
     rows = [measure(n, args) for n in args.encodings]
@@ -83,9 +106,13 @@ def main(argv: list[str] | None = None) -> None:
              f"{args.seq_len} tokens; one step = forward + backward + AdamW; {args.reps} interleaved reps, medians, "
              f"after {args.warmup} warm-up steps (the compiled model's include compiling)"),
              "- compiled: `TinyGPT(compile=True)` (torch.compile, inductor) on the default backend", "",
-             "| encoding | eager step (ms) | compiled step (ms) | speedup | compile + warm-up (s) |",
-             "|---|---|---|---|---|"]
+             ("- paired: eager / compiled of each rep's back-to-back pair: median [quartiles], and in how many "
+              "pairs the compiled step was the faster"), "",
+             ("| encoding | eager step (ms) | compiled step (ms) | speedup | paired | compiled faster in | "
+              "compile + warm-up (s) |"),
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['encoding']} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | {r['speedup']:.2f}x | "
+              f"{r['pair_median']:.3f}x [{r['pair_q1']:.3f}, {r['pair_q3']:.3f}] | {r['faster']}/{r['reps']} | "
               f"{r['compile_warmup_s']:.1f} |" for r in rows]
     text = "\n".join(lines) + "\n"
     print(text)

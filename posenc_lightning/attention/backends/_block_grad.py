@@ -38,7 +38,7 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
     kf, vf = k.to(wt), v.to(wt)
     delta = (d_out.to(wt) * out.to(wt)).sum(-1, keepdim=True)  # [B, H, Nq, 1]
     add_dq = dq is not None
-    dq = torch.empty(q.shape, dtype=wt, device=q.device) if dq is None else dq
+    dq = torch.empty_like(q, dtype=wt) if dq is None else dq  # q's layout: returned without a copy
     dk = torch.zeros_like(kf) if dk is None else dk
     dv = torch.zeros_like(vf)
 

@@ -59,7 +59,8 @@ def _toeplitz_shift(bias: FireBias) -> int | None:
     qp, kp = bias.q_pos, bias.k_pos
     if qp.dtype.is_floating_point or kp.dtype.is_floating_point or not qp.numel() or not kp.numel():
         return None
-    if float(qp.max()) >= float((bias.l_mult * bias.init_L).abs()):
+    top = qp.shape[-1] - 1 + bias.q_start if bias.q_start is not None else float(qp.max())
+    if top >= float((bias.l_mult * bias.init_L).abs()):
         return None
     a, c = arange_offset(qp, bias.q_start), arange_offset(kp, bias.k_start)
     return None if a is None or c is None else a - c
@@ -96,7 +97,8 @@ def fire_sdpa(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, c: 
         shift = _toeplitz_shift(bias)
         if shift is not None:
             u = u if u is not None else _template(params, init_L, eps, shift, mask)
-            out = sdpa._attend_toeplitz(q, k, v, u.to(q.dtype), mask, scale, gqa)
+            # detached: a mask that requires grad sends SDPA to its math kernel, even here
+            out = sdpa._attend_toeplitz(q, k, v, u.detach().to(q.dtype), mask, scale, gqa)
         else:
             out = sdpa._attend_by_rows(q, k, v, bias, mask, scale, gqa, sdpa.block_rows(q.shape[1], n_q, n_k))
     u_out = u.float().clone() if shift is not None else q.new_zeros(w2.shape[0], n_q + n_k - 1, dtype=torch.float32)
