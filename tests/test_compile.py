@@ -95,10 +95,18 @@ def _check_compiled_equals_eager(name: str | None, backend: str) -> None:
         torch.testing.assert_close(g[n], g_ref[n], rtol=1e-5, atol=1e-7, msg=lambda s, n=n: f"{n}: {s}")
 
 
+@pytest.mark.parametrize("one_block", [True, False], ids=["one_block", "by_blocks"])
 @pytest.mark.parametrize("name", ENCODINGS, ids=str)
-def test_fullgraph_compile_equals_eager(name):
+def test_fullgraph_compile_equals_eager(name, one_block, monkeypatch):
+    """In both compiled forms of a bias on CPU: a small attention as one traced block
+    (`sdpa.COMPILED_ONE_BLOCK_BYTES`, these sizes), and the forms a larger one takes."""
     if name in EXCEPTIONS:
         pytest.skip(EXCEPTIONS[name])
+    from posenc_lightning.attention.backends import sdpa
+
+    assert 4 * 2 * 2 * N * N <= sdpa.COMPILED_ONE_BLOCK_BYTES  # these sizes are one block
+    if not one_block:
+        monkeypatch.setattr(sdpa, "COMPILED_ONE_BLOCK_BYTES", 0)
     _check_compiled_equals_eager(name, "aot_eager")
 
 

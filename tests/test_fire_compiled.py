@@ -1,7 +1,8 @@
-"""Compiled FIRE on CPU runs the eager choice of form as one opaque operator (``posenc::fire_sdpa``,
-`attention/backends/_fire_op.py`): below the learned threshold ``L`` its O(N) table through the
-Toeplitz mask, past it the MLP rows by blocks. Forward and every gradient equal eager's in both
-forms, at positions given or made, offsets, GQA, cached decoding, frozen parameters."""
+"""Compiled FIRE on CPU past `sdpa.COMPILED_ONE_BLOCK_BYTES` runs the eager choice of form as one
+opaque operator (``posenc::fire_sdpa``, `attention/backends/_fire_op.py`): below the learned
+threshold ``L`` its O(N) table through the Toeplitz mask, past it the MLP rows by blocks; within
+it, one traced block. Forward and every gradient equal eager's in every form, at positions given
+or made, offsets, GQA, cached decoding, frozen parameters."""
 
 from __future__ import annotations
 
@@ -12,6 +13,15 @@ from posenc_lightning.models.tinygpt import TinyGPT
 from tests.helpers import compiled_greedy
 
 N = 21  # not a multiple of any block
+
+
+@pytest.fixture(autouse=True)
+def _operator_sizes(monkeypatch):
+    """These sizes would run as one traced block (`sdpa.COMPILED_ONE_BLOCK_BYTES`): the operator
+    is what larger ones take, so it is forced here (the one-block form: its own test below)."""
+    from posenc_lightning.attention.backends import sdpa
+
+    monkeypatch.setattr(sdpa, "COMPILED_ONE_BLOCK_BYTES", 0)
 
 
 def _model(init_L: float, **kw) -> TinyGPT:
@@ -46,7 +56,7 @@ def _forms(monkeypatch) -> dict[str, list[bool]]:
 
 
 def _compare(m: TinyGPT, x: torch.Tensor, positions: torch.Tensor | None = None,
-             forms: dict[str, list[bool]] | None = None) -> None:
+             forms: dict[str, list[bool]] | None = None, operator: bool = True) -> None:
     import torch._dynamo as dynamo
 
     ref = m(x, positions)
@@ -66,7 +76,7 @@ def _compare(m: TinyGPT, x: torch.Tensor, positions: torch.Tensor | None = None,
 
     out = torch.compile(m, fullgraph=True, backend=backend)(x, positions)
     out.square().mean().backward()
-    assert any("posenc.fire_sdpa" in g for g in graphs)  # the operator, not the traced rows
+    assert any("posenc.fire_sdpa" in g for g in graphs) == operator  # the operator, or traced
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     g = _grads(m)
     assert set(g) == set(g_ref)
@@ -142,3 +152,19 @@ def test_bf16_compiled_equals_eager(init_L):
     assert set(g) == set(g_ref)
     for n in g_ref:
         torch.testing.assert_close(g[n], g_ref[n], msg=lambda s, n=n: f"{n}: {s}")
+
+
+@pytest.mark.parametrize("init_L", [512.0, 7.0])
+def test_small_attention_is_one_traced_block(monkeypatch, init_L):
+    """Within `sdpa.COMPILED_ONE_BLOCK_BYTES` the compiled attention is one traced block (rows by
+    FIRE's formula, SDPA's math form, autograd): no operator and no form chosen by reading L, the
+    same output and gradients as eager below and past L, with given positions that have gaps."""
+    from posenc_lightning.attention.backends import sdpa
+
+    monkeypatch.setattr(sdpa, "COMPILED_ONE_BLOCK_BYTES", 2 * 2**20)
+    forms = _forms(monkeypatch)
+    x = torch.randint(0, 256, (2, N), generator=torch.Generator().manual_seed(7))
+    _compare(_model(init_L, n_kv_heads=2), x, forms=forms, operator=False)
+    assert not forms["toeplitz"] and not forms["rows"]
+    gaps = torch.stack((3 * torch.arange(N), 100 + 2 * torch.arange(N)))
+    _compare(_model(init_L), x, gaps, operator=False)

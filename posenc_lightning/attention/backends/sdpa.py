@@ -57,13 +57,16 @@ def _attend_biased(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionM
     """The cheapest exact form of a biased attention, in this order: a key-only bias
     (`Bias.key_only`: ALiBi, FoX) as a key mask or one extra q/k channel, a zero-copy Toeplitz view (``f(i - j)`` at
     arange positions; a learned table gets its own backward), blocks of query rows. Under
-    ``torch.compile``, a kind whose cheapest form depends on values runs as one opaque operator
+    ``torch.compile`` on CPU, a small attention is one traced block (`COMPILED_ONE_BLOCK_BYTES`),
+    and a kind whose cheapest form depends on values runs as one opaque operator
     (`COMPILED_FORMS`), eager inside."""
+    key_only = bias.key_only(q.dtype, mask.is_plain_causal, ctx is not None and ctx.ascending)
+    if key_only is None and _compiled_one_block(q, k):
+        return _attend_rows(q, k, v, bias, mask, scale, gqa, 0, q.shape[-2])
     if torch.compiler.is_compiling() and ctx is not None and type(bias) in COMPILED_FORMS:
         out = COMPILED_FORMS[type(bias)](q, k, v, bias, mask, scale, ctx)
         if out is not None:
             return out
-    key_only = bias.key_only(q.dtype, mask.is_plain_causal, ctx is not None and ctx.ascending)
     if key_only is not None:
         key_bias = key_only.key_bias()
         if (mask.is_plain_causal or mask.is_trivial) and _key_mask_works(q, k, key_bias):
@@ -75,6 +78,21 @@ def _attend_biased(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionM
             return _ToeplitzAttention.apply(q, k, v, u, mask.causal, mask.q_offset, scale, gqa)
         return _attend_toeplitz(q, k, v, u.to(q.dtype), mask, scale, gqa)
     return _attend_blockwise(q, k, v, bias, mask, scale, gqa, given)
+
+
+#: under compile on CPU, an attention whose weights ``[B, H, Nq, Nk]`` fit in this many bytes
+#: (float32) runs as one traced block: the bias rows, SDPA's math form and its backward through
+#: autograd, all fused by inductor (at most this much saved for backward). Below it, the fixed
+#: cost of a loop over blocks (the own backward, `COMPILED_FORMS`' operators) outweighs the work.
+#: Measured (compiled / eager TinyGPT FIRE step, `benchmarks/compile_step.py`, one thread):
+#: B 16, H 2, N 64 (0.5 MiB) 1.19x one block, 1.03x operator; N 128 (2 MiB) 1.10x, 0.96x;
+#: B 4, H 4, N 256 (4 MiB) 1.03x, 1.08x; N 512 (16 MiB) 0.75x, 1.0x.
+COMPILED_ONE_BLOCK_BYTES = 2 * 2**20
+
+
+def _compiled_one_block(q: Tensor, k: Tensor) -> bool:
+    return (torch.compiler.is_compiling() and q.device.type == "cpu"
+            and 4 * q.shape[0] * q.shape[1] * q.shape[-2] * k.shape[-2] <= COMPILED_ONE_BLOCK_BYTES)
 
 
 #: bias kinds whose compiled attention is an opaque operator running the eager choice of form,

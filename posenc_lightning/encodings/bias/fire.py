@@ -63,8 +63,10 @@ class FireBias(Bias):
         c, l_mult, w1, b1 = views[:4]
         w2, b2 = self._mlp_out(views)
         qp, kp = self.q_pos[:, start:stop], self.k_pos[:, :k_stop]
-        if torch.compiler.is_compiling():  # the traced form, rows per batch (batch-shared rows or
-            # `fire_rows` inside a traced torch.func.vjp failed functorch's level check)
+        if torch.compiler.is_compiling():  # the traced formula (`fire_rows` inside a traced
+            # torch.func.vjp failed functorch's level check); rows shared by the batch computed once
+            if self._one_row:
+                qp, kp = qp[:1], kp[:1]
             x = fire_normalized_distance(qp, kp, c, (l_mult * self.init_L).abs(), self.eps)
             return fire_mlp(x.flatten(1), w1[:, 0], b1, w2, b2).float().view(x.shape[0], -1, *x.shape[1:])
         if self._one_row:
