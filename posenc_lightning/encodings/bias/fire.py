@@ -63,14 +63,12 @@ class FireBias(Bias):
         c, l_mult, w1, b1 = views[:4]
         w2, b2 = self._mlp_out(views)
         qp, kp = self.q_pos[:, start:stop], self.k_pos[:, :k_stop]
+        if self._one_row:  # rows shared by the batch: computed once
+            qp, kp = qp[:1], kp[:1]
         if torch.compiler.is_compiling():  # the traced formula (`fire_rows` inside a traced
-            # torch.func.vjp failed functorch's level check); rows shared by the batch computed once
-            if self._one_row:
-                qp, kp = qp[:1], kp[:1]
+            # torch.func.vjp failed functorch's level check)
             x = fire_normalized_distance(qp, kp, c, (l_mult * self.init_L).abs(), self.eps)
             return fire_mlp(x.flatten(1), w1[:, 0], b1, w2, b2).float().view(x.shape[0], -1, *x.shape[1:])
-        if self._one_row:
-            qp, kp = qp[:1], kp[:1]
         arange = self.q_start is not None and self.k_start is not None  # psi(i - j) then by distance
         shift = self.q_start + start - self.k_start if arange else None
         return fire_rows(qp, kp, c, (l_mult * self.init_L).abs(), w1[:, 0], b1, w2, b2, self.eps, shift).float()
