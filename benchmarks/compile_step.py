@@ -2,6 +2,7 @@
 
     python benchmarks/compile_step.py [--encodings rope alibi fire fox] [--seq-len 512] [--threads 1]
     python benchmarks/compile_step.py --from-config configs/fire_train.yaml   # the recipes' sizes
+    python benchmarks/compile_step.py --encodings fire:init_L=4096 fire:init_L=128   # an encoding's arguments
 
 ``TinyGPT(compile=True)`` (inductor, the forward without a cache) against the same model eager, the
 two interleaved in every repetition (medians), after warm-up steps that include the compilation
@@ -35,7 +36,22 @@ def _step(model: TinyGPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.
     return time.perf_counter() - t
 
 
-def measure(name: str, args: argparse.Namespace) -> dict:
+def _encoding(spec: str) -> tuple[str, dict[str, float]]:
+    """``"fire:init_L=128"`` -> ``("fire", {"init_L": 128.0})``: a registered name and its numeric
+    arguments (FIRE's threshold decides its form at a given length: below it a Toeplitz table,
+    past it the MLP per pair)."""
+    name, _, rest = spec.partition(":")
+    cfg = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--encodings {spec}: write name:key=value[,key=value] (e.g. fire:init_L=128)")
+        cfg[key] = float(value)
+    return name, cfg
+
+
+def measure(spec: str, args: argparse.Namespace) -> dict:
+    name, cfg = _encoding(spec)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
     y = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
@@ -43,21 +59,23 @@ def measure(name: str, args: argparse.Namespace) -> dict:
     for compiled in (False, True):
         torch.manual_seed(0)
         m = TinyGPT(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, max_seq_len=args.seq_len,
-                    encoding=name, compile=compiled)
+                    encoding=name, encoding_cfg=cfg or None, compile=compiled)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
         t0 = time.perf_counter()
         for _ in range(args.warmup):
             _step(m, opt, x, y)
         runs[compiled] = {"model": m, "opt": opt, "warmup_s": time.perf_counter() - t0, "times": []}
-    for _ in range(args.reps):  # interleaved: a load change slows both alike
-        for compiled in (False, True):
+    for rep in range(args.reps):  # interleaved: a load change slows both alike
+        # the order alternates, so that whatever the first step of a pair leaves the second (freed
+        # pages, caches) does not favour one side
+        for compiled in ((False, True) if rep % 2 == 0 else (True, False)):
             r = runs[compiled]
             r["times"].append(_step(r["model"], r["opt"], x, y))
     eager, comp = (statistics.median(runs[c]["times"]) for c in (False, True))
     # each rep's pair ran back to back: its ratio is free of slow load drifts
     pairs = sorted(e / c for e, c in zip(runs[False]["times"], runs[True]["times"]))
     q1, _, q3 = statistics.quantiles(pairs, n=4)
-    return {"encoding": name, "eager_ms": 1e3 * eager, "compiled_ms": 1e3 * comp, "speedup": eager / comp,
+    return {"encoding": spec, "eager_ms": 1e3 * eager, "compiled_ms": 1e3 * comp, "speedup": eager / comp,
             "pair_median": statistics.median(pairs), "pair_q1": q1, "pair_q3": q3,
             "faster": sum(r > 1 for r in pairs), "reps": len(pairs),
             "compile_warmup_s": runs[True]["warmup_s"], "eager_warmup_s": runs[False]["warmup_s"]}
@@ -121,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
              (f"- load average (1/5/15 min) before: {' / '.join(f'{v:.1f}' for v in load0)}, "
              f"after: {' / '.join(f'{v:.1f}' for v in load1)}"),
              (f"- TinyGPT d_model={args.d_model}, {args.n_layers} layers, {args.n_heads} heads; batch {args.batch} x "
-             f"{args.seq_len} tokens; one step = forward + backward + AdamW; {args.reps} interleaved reps, medians, "
+             f"{args.seq_len} tokens; one step = forward + backward + AdamW; {args.reps} interleaved reps (the order alternating), medians, "
              f"after {args.warmup} warm-up steps (the compiled model's include compiling)"),
              "- compiled: `TinyGPT(compile=True)` (torch.compile, inductor) on the default backend",
              f"- allocator: {allocator}", "",

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from posenc_lightning.attention.backends._block_grad import attention_backward_by_blocks, block_vjp
+from posenc_lightning.attention.backends._block_grad import Scratch, attention_backward_by_blocks, block_vjp
 from posenc_lightning.attention.backends._denormals import (
     _DenormalsOffAfterBackward,
     _DenormalsOnForBackward,
@@ -197,18 +197,29 @@ def toeplitz_backward(q: Tensor, k: Tensor, v: Tensor, u: Tensor, out: Tensor, d
     def add_bias(start: int, stop: int, k_stop: int, s: Tensor) -> None:
         s.add_(uf.as_strided((h_kv, g, stop - start, k_stop), (g * length, length, 1, 1), n_q - stop))
 
+    rows = backward_rows(b, h, n_q, n_k)
+    # buffer 1 (a block's weights, free while on_ds runs) also takes the padded rows of dS
+    block = b * h * rows * n_k
+    scratch = Scratch((block, max(block, h * rows * (n_k + rows))), torch.promote_types(q.dtype, torch.float32),
+                      q.device)
+
     def diagonal_sums(start: int, stop: int, k_stop: int, ds: Tensor) -> None:
         # pad each row with r zeros and re-read the rows with length k_stop + r - 1: that
         # shifts row rr right by rr, so column c = j + rr, i.e. u's index minus (n_q - stop)
         r, w = stop - start, k_stop + stop - start - 1
-        ds_b = (ds[0] if b == 1 else ds.sum(0)).reshape(h, r, k_stop)
-        skew = F.pad(ds_b, (0, r)).flatten(1)[:, :r * w].view(h, r, w)
+        ds_h = ds.reshape(b, h, r, k_stop)
+        if scratch.eager:
+            pad = scratch.view(1, (h, r, k_stop + r))
+            torch.sum(ds_h, 0, out=pad[..., :k_stop])
+            pad[..., k_stop:].zero_()
+        else:
+            pad = F.pad(ds_h[0] if b == 1 else ds_h.sum(0), (0, r))
+        skew = pad.flatten(1)[:, :r * w].view(h, r, w)
         du[:, n_q - stop: n_q - stop + w] += skew.sum(1)
 
-    rows = backward_rows(b, h, n_q, n_k)
     dq, dk, dv = attention_backward_by_blocks(
         q, k, v, out, d_out, scale=scale, causal=causal, q_offset=q_offset, rows=rows,
-        add_bias=add_bias, on_ds=diagonal_sums if need_du else None, reverse_rows=True)
+        add_bias=add_bias, on_ds=diagonal_sums if need_du else None, reverse_rows=True, scratch=scratch)
     return dq, dk, dv, du.to(u.dtype)
 
 
