@@ -87,11 +87,24 @@ def _compare(m: TinyGPT, x: torch.Tensor, positions: torch.Tensor | None = None,
 
 @pytest.mark.parametrize("init_L, toeplitz", [(512.0, True), (7.0, False)])
 def test_compiled_equals_eager_in_both_forms(monkeypatch, init_L, toeplitz):
+    from posenc_lightning.encodings.bias import fire as fire_bias
+
     forms = _forms(monkeypatch)
+    compiled_rows: list[bool] = []
+    real = fire_bias._compiled_rows
+
+    def counted():
+        compiled_rows.append(True)
+        return real()
+
+    monkeypatch.setattr(fire_bias, "_compiled_rows", counted)
     x = torch.randint(0, 256, (2, N), generator=torch.Generator().manual_seed(1))
     _compare(_model(init_L), x, forms=forms)
     # queries below L: the table in every layer; past it: the rows
     assert len(forms["toeplitz" if toeplitz else "rows"]) == 2 and not forms["rows" if toeplitz else "toeplitz"]
+    # past L the operator's backward differentiates its rows in the inductor-compiled formula
+    # (the forward's rows, without gradients, stay eager's), equal to eager's gradients above
+    assert bool(compiled_rows) == (not toeplitz)
 
 
 def test_given_positions_offsets_and_gqa(monkeypatch):

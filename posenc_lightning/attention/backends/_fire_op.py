@@ -49,7 +49,8 @@ def fire_attention(q: Tensor, k: Tensor, v: Tensor, bias: FireBias, mask: Attent
 def _bias(q_pos: Tensor, k_pos: Tensor, params: tuple[Tensor, ...], init_L: Tensor, eps: float,
           starts: list[int]) -> FireBias:
     q_start, k_start = (None if s < 0 else s for s in starts)
-    return FireBias(q_pos, k_pos, *params[:2], init_L, *params[2:], eps=eps, q_start=q_start, k_start=k_start)
+    return FireBias(q_pos, k_pos, *params[:2], init_L, *params[2:], eps=eps, q_start=q_start, k_start=k_start,
+                    compiled_rows=True)
 
 
 def _toeplitz_shift(bias: FireBias) -> int | None:

@@ -42,6 +42,9 @@ class FireBias(Bias):
     weight: Tensor | None = None
     q_start: int | None = None  # every row of q_pos / k_pos is start + arange (`AttentionContext`)
     k_start: int | None = None
+    #: rows that are differentiated run the traced formula compiled by inductor (`_compiled_rows`):
+    #: set inside a compiled graph's FIRE operator (`_fire_op`), whose kernel runs eagerly
+    compiled_rows: bool = False
     recomputable = True
     fused_in: ClassVar[frozenset[str]] = frozenset({"kernel", "score_mod"})
 
@@ -67,8 +70,9 @@ class FireBias(Bias):
             qp, kp = qp[:1], kp[:1]
         if torch.compiler.is_compiling():  # the traced formula (`fire_rows` inside a traced
             # torch.func.vjp failed functorch's level check)
-            x = fire_normalized_distance(qp, kp, c, (l_mult * self.init_L).abs(), self.eps)
-            return fire_mlp(x.flatten(1), w1[:, 0], b1, w2, b2).float().view(x.shape[0], -1, *x.shape[1:])
+            return _traced_rows(qp, kp, c, l_mult * self.init_L, w1, b1, w2, b2, self.eps)
+        if self.compiled_rows and torch.is_grad_enabled():
+            return _compiled_rows()(qp, kp, c, l_mult * self.init_L, w1, b1, w2, b2, self.eps)
         arange = self.q_start is not None and self.k_start is not None  # psi(i - j) then by distance
         shift = self.q_start + start - self.k_start if arange else None
         return fire_rows(qp, kp, c, (l_mult * self.init_L).abs(), w1[:, 0], b1, w2, b2, self.eps, shift).float()
@@ -95,7 +99,8 @@ class FireBias(Bias):
     def scaled(self, w: Tensor) -> Bias:
         """Still a FIRE bias: the scale is folded into ``w2``, ``b2`` where it is used."""
         return FireBias(self.q_pos, self.k_pos, self.c, self.l_mult, self.init_L, self.w1, self.b1, self.w2, self.b2,
-                        self.eps, w if self.weight is None else self.weight * w, self.q_start, self.k_start)
+                        self.eps, w if self.weight is None else self.weight * w, self.q_start, self.k_start,
+                        self.compiled_rows)
 
     def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
         """The MLP per (b, h, q_idx, kv_idx), one hidden unit at a time (no tensor beyond scalars)."""
@@ -133,3 +138,24 @@ class FireBias(Bias):
     @property
     def width(self) -> int:
         return self.w1.shape[0]
+
+
+def _traced_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Tensor, b1: Tensor, w2: Tensor,
+                 b2: Tensor, eps: float) -> Tensor:
+    """FIRE's rows ``[B, H, r, K]`` as one traceable formula (eq. 3; `fire_mlp`'s compiled form,
+    one segment lookup per element), for a compiler to fuse."""
+    x = fire_normalized_distance(q_pos, k_pos, c, threshold.abs(), eps)
+    return fire_mlp(x.flatten(1), w1[:, 0], b1, w2, b2).float().view(x.shape[0], -1, *x.shape[1:])
+
+
+_COMPILED_ROWS: list = []
+
+
+def _compiled_rows():
+    """`_traced_rows` compiled by inductor (dynamic shapes: every block's own), built on first use.
+    Measured, one block of rows differentiated (4 heads, W 32, 128 x 512, one CPU thread): 2.7 ms
+    against the eager Function's 5.1 ms (which stays the faster without gradients: 0.85 against
+    0.94 ms)."""
+    if not _COMPILED_ROWS:
+        _COMPILED_ROWS.append(torch.compile(_traced_rows, dynamic=True, fullgraph=True))
+    return _COMPILED_ROWS[0]
