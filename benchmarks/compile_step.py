@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import machine
+from benchmarks.harness import machine, parse_spec
 from posenc_lightning.models.tinygpt import TinyGPT
 
 
@@ -36,22 +36,8 @@ def _step(model: TinyGPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.
     return time.perf_counter() - t
 
 
-def _encoding(spec: str) -> tuple[str, dict[str, float]]:
-    """``"fire:init_L=128"`` -> ``("fire", {"init_L": 128.0})``: a registered name and its numeric
-    arguments (FIRE's threshold decides its form at a given length: below it a Toeplitz table,
-    past it the MLP per pair)."""
-    name, _, rest = spec.partition(":")
-    cfg = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise SystemExit(f"--encodings {spec}: write name:key=value[,key=value] (e.g. fire:init_L=128)")
-        cfg[key] = float(value)
-    return name, cfg
-
-
 def measure(spec: str, args: argparse.Namespace) -> dict:
-    name, cfg = _encoding(spec)
+    name, cfg = parse_spec(spec)  # e.g. fire:init_L=128 (FIRE's threshold decides its form at a length)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
     y = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
@@ -126,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="glibc: keep freed memory in the heap (no page faults on a step's temporaries)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.reps < 2:
+        p.error(f"--reps {args.reps}: at least 2 (the paired ratios' quartiles)")
     allocator = _keep_heap() if args.keep_heap else "default"
     if args.from_config:
         _sizes_from(args, Path(args.from_config))
