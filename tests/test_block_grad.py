@@ -54,10 +54,12 @@ def test_block_vjp_zero_for_an_unused_primal():
     torch.testing.assert_close(gb, torch.zeros(4))
 
 
+@pytest.mark.parametrize("grad_mode", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("rows", [7, 16, 40])
-def test_backward_by_blocks_equals_autograd(causal, rows):
-    """The blocks' buffers are reused from block to block (eager): each block's gradient is still
+def test_backward_by_blocks_equals_autograd(causal, rows, grad_mode):
+    """The blocks' buffers are reused from block to block (grad mode off, as in autograd's
+    backward; with it on, a differentiated backward, new tensors): each block's gradient is still
     the softmax attention gradient, for blocks that do not divide N, GQA, transposed layouts."""
     torch.manual_seed(0)
     b, h, h_kv, n, d = 2, 4, 2, 37, 8
@@ -83,7 +85,9 @@ def test_backward_by_blocks_equals_autograd(causal, rows):
     def on_ds(start, stop, k_stop, ds):
         got_bias[:, start:stop, :k_stop] += ds.sum(0).reshape(h, stop - start, k_stop)
 
-    dq, dk, dv = attention_backward_by_blocks(q, k, v, out.detach(), d_out, scale=scale, causal=causal, q_offset=0,
-                                              rows=rows, add_bias=add_bias, on_ds=on_ds)
+    with torch.set_grad_enabled(grad_mode):
+        assert _block_grad.Scratch((1,), torch.float32, q.device).eager is not grad_mode
+        dq, dk, dv = attention_backward_by_blocks(q, k, v, out.detach(), d_out, scale=scale, causal=causal,
+                                                  q_offset=0, rows=rows, add_bias=add_bias, on_ds=on_ds)
     for got, want in ((dq, eq), (dk, ek), (dv, ev), (got_bias, eb)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

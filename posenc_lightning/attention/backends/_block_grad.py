@@ -95,10 +95,11 @@ class Scratch:
     """Buffers reused from block to block of one backward call (eagerly): a block's logits,
     weights and ``dS`` are written into them (``out=``) instead of fresh multi-MiB tensors each
     block, whose pages are new to the process each time (page faults). Under compile every
-    block gets new tensors (`eager` False), as inductor plans its own buffers."""
+    block gets new tensors (`eager` False), as inductor plans its own buffers, and so does a
+    backward that is itself differentiated (``create_graph``: ``out=`` records no graph)."""
 
     def __init__(self, sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self.eager = not torch.compiler.is_compiling()
+        self.eager = not torch.compiler.is_compiling() and not torch.is_grad_enabled()
         self._buffers = [torch.empty(n, dtype=dtype, device=device) for n in sizes] if self.eager else []
 
     def view(self, i: int, shape: tuple[int, ...]) -> Tensor:
