@@ -5,7 +5,8 @@ the Triton kernels, which also reduce its parameter gradients per tile."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -148,14 +149,10 @@ def _traced_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1:
     return fire_mlp(x.flatten(1), w1[:, 0], b1, w2, b2).float().view(x.shape[0], -1, *x.shape[1:])
 
 
-_COMPILED_ROWS: list = []
-
-
-def _compiled_rows():
+@functools.cache
+def _compiled_rows() -> Callable[..., Tensor]:
     """`_traced_rows` compiled by inductor (dynamic shapes: every block's own), built on first use.
     Measured, one block of rows differentiated (4 heads, W 32, 128 x 512, one CPU thread): 2.7 ms
     against the eager Function's 5.1 ms (which stays the faster without gradients: 0.85 against
     0.94 ms)."""
-    if not _COMPILED_ROWS:
-        _COMPILED_ROWS.append(torch.compile(_traced_rows, dynamic=True, fullgraph=True))
-    return _COMPILED_ROWS[0]
+    return torch.compile(_traced_rows, dynamic=True, fullgraph=True)
