@@ -7,8 +7,8 @@ that minimises validation perplexity at the stage length (with the candidate set
 then, when ``n_hat_candidates`` are given (the paper's set: `N_HAT_CANDIDATES`), ``n_hat``, the
 initial positions kept un-interpolated, is chosen among them with those factors (the paper
 searches both together; here one after the other), and the stage fine-tunes with them. The
-``n_hat`` search is off by default: in the recorded `recipes/longrope_extend.py` run (4 search
-windows) the ``n_hat`` it chose raised held-out perplexity at 8L by 3.2%. After training the
+``n_hat`` search is off by default: with a few search windows the candidates differ by less than
+the windows' noise, so the choice can fit them rather than the text. After training the
 ``short_factor`` is re-searched at ``original_length``. Found factors are logged, kept in the
 callback's ``state_dict`` (so they are in the checkpoint and a resume never searches again) and
 written into the model's injected encoding config (so ``TinyGPT.load_from_checkpoint`` rebuilds long_rope with them).
