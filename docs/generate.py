@@ -38,7 +38,8 @@ DEPARTURES: dict[str, str] = {
     "mixture": "No single paper: a learned mixture of member encodings' biases (dynamic positional encoding).",
     "rse": "No single paper: RoPE plus stick-breaking with a learned distance penalty.",
     "dynamic_ntk": "Follows transformers' `dynamic` rope type; no paper.",
-    "llama3": "Follows transformers' `llama3` rope type (Llama 3.1 defaults).",
+    "llama3": "Llama 3.1 uses `factor=8`; the default here is 4 (bands 1 and 4 as in Llama 3.1).",
+    "yarn": "The default `factor` is 4; the paper extends Llama 2 by 16 and 32.",
 }
 SCALED_ROTARY_NOTE = ("`original_max_position_embeddings` defaults to 512; pass your model's training length "
                       "(on a Hugging Face model it is read from `max_position_embeddings`).")
@@ -49,11 +50,13 @@ def _md(text: str) -> str:
     return text.replace("``", "`")
 
 
-def _first_paragraph(doc: str | None) -> str:
+def _prose(doc: str | None) -> str:
+    """A class docstring's text before its ``Args:`` (the formula), paragraphs kept."""
     if not doc:
         return ""
-    para = inspect.cleandoc(doc).split("\n\n")[0]
-    return _md(" ".join(line.strip() for line in para.splitlines()))
+    text = re.split(r"^(?:Args|Returns|Raises|Example):\s*$", inspect.cleandoc(doc), flags=re.MULTILINE)[0]
+    paras = [" ".join(line.strip() for line in p.splitlines()) for p in text.strip().split("\n\n")]
+    return _md("\n\n".join(p for p in paras if p))
 
 
 def _default(p: inspect.Parameter) -> str:
@@ -164,9 +167,12 @@ def catalogue() -> str:
         enc.bind(n_heads=HEADS, head_dim=HEAD_DIM, d_model=HEADS * HEAD_DIM)
         n_params = sum(p.numel() for p in enc.parameters())
         lines += [f"## {n}", "", f"{_md(cls.description)}", ""]
-        eq = _first_paragraph(cls.__doc__)
+        eq = _prose(cls.__doc__)
         if eq:
             lines += [f"{eq}", ""]
+        module_doc = inspect.getmodule(cls).__doc__
+        if "module docstring" in (cls.__doc__ or "") and module_doc:  # the formulas live there
+            lines += ["```text", inspect.cleandoc(module_doc), "```", ""]
         lines += [f"Class: `{cls.__module__}.{cls.__qualname__}`", ""]
         params = [p for p in inspect.signature(cls.__init__).parameters.values()
                   if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
@@ -186,9 +192,10 @@ def catalogue() -> str:
         runtime = _runtime(enc)
         if runtime:
             lines.append(f"- **Interface:** {'; '.join(runtime)}")
+        shared = n_params and "embed" not in enc.stages
         lines.append(f"- **Learnable parameters:** {n_params}" + (
             " (one set shared by every layer by default; `share_across_layers=False` gives one per layer)"
-            if n_params else ""))
+            if shared else ""))
         notes = [DEPARTURES[n]] if n in DEPARTURES else []
         if "original_max_position_embeddings" in inspect.signature(cls.__init__).parameters:
             notes.append(SCALED_ROTARY_NOTE)
