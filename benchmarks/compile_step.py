@@ -71,8 +71,7 @@ def _keep_heap() -> str:
     """glibc: large blocks from the heap, never returned to the system (``mallopt``, as the
     ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_TOP_PAD_`` variables), so that
     a step's multi-MiB temporaries do not land on fresh pages, whose faults differ with what else
-    the process holds (measured: the blockwise backward 84 -> 92 ms per step called from the FIRE
-    operator at 4 x 512 by default; 81 ms in both contexts with this)."""
+    the process holds and so make two timings of the same code differ."""
     import ctypes
 
     libc = ctypes.CDLL("libc.so.6")

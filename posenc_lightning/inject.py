@@ -59,8 +59,7 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
     `Encoding` instance already held) is a no-op that returns the injected encoding with its
     (possibly trained) parameters; when only ``backend`` differs the backend is switched and the
     parameters are kept. Anything else replaces whatever was injected before (all four stages
-    together: no table of an earlier encoding stays behind). Returns the encoding (the first
-    layer's when not shared).
+    together: no table of an earlier encoding stays behind).
 
     Args:
         model: any ``nn.Module`` whose attention (and optionally embedding) modules use the mixins.
@@ -69,6 +68,21 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
         share_across_layers: one encoding (and its parameters) for every layer, or one per layer.
         reset: build a fresh encoding (new initialisation) even when the same one is injected.
         **cfg: the encoding's ``__init__`` arguments when ``encoding`` is a name.
+
+    Returns:
+        The injected encoding (the first layer's when not shared).
+
+    Raises:
+        ValueError: an unknown backend or encoding name, or a model with neither a mixin module
+            nor a Hugging Face ``PreTrainedModel``.
+        TypeError: ``encoding`` is neither a name nor an `Encoding`, or an instance came with
+            extra arguments.
+
+    Example:
+        >>> from posenc_lightning.models import TinyGPT
+        >>> enc = inject(TinyGPT(d_model=32, n_layers=1, n_heads=2), "alibi")
+        >>> enc.name
+        'alibi'
     """
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + BACKENDS}")
@@ -211,13 +225,30 @@ def _fresh_copy(proto: Encoding) -> Encoding:
 
 
 def injected_spec(model: nn.Module) -> dict[str, Any] | None:
-    """What `inject` last put into ``model`` (name, config, backend, sharing), or None."""
+    """What `inject` last put into ``model``.
+
+    Args:
+        model: a module `inject` (or `PosEncCallback`) was given.
+
+    Returns:
+        ``{"encoding", "config", "backend", "share_across_layers"}``, or None when nothing was injected.
+    """
     return getattr(model, SPEC_ATTR, None)
 
 
 def restore_from_checkpoint(model: nn.Module, checkpoint: dict[str, Any]) -> Encoding | None:
-    """Re-inject the encoding a checkpoint was saved with (call it in ``on_load_checkpoint``:
-    Lightning runs that hook before loading the state dict)."""
+    """Re-inject the encoding a checkpoint was saved with.
+
+    Call it in your module's ``on_load_checkpoint``: Lightning runs that hook before loading the
+    state dict, so the encoding's parameters exist when their values arrive.
+
+    Args:
+        model: the module being restored.
+        checkpoint: the checkpoint dict Lightning passes to ``on_load_checkpoint``.
+
+    Returns:
+        The re-injected encoding, or None when the checkpoint has none or ``model`` already holds it.
+    """
     spec = checkpoint.get(CHECKPOINT_KEY)
     if not spec:
         return None

@@ -19,7 +19,7 @@ from posenc_lightning.encodings.registry import available_encodings
 from posenc_lightning.models.tinygpt import TinyGPT
 from tests.helpers import compiled_greedy
 
-#: encodings that cannot be traced on their default backend, with the reason (also in the README);
+#: encodings that cannot be traced on their default backend, with the reason (also in docs/guides/compile.md);
 #: none today
 EXCEPTIONS: dict[str, str] = {}
 ENCODINGS = [None, *available_encodings()]  # None: nothing injected (plain SDPA attention)

@@ -22,7 +22,7 @@ from posenc_lightning.encodings.registry import available_encodings, build_encod
 IDS = torch.randint(1, 64, (2, 20), generator=torch.Generator().manual_seed(3))
 #: a dynamic rotary law's frequencies depend on the largest position, which transformers always
 #: passes as a tensor (``position_ids``): one read per layer, as transformers' own dynamic rope
-#: (README: "Compile, GPUs and host syncs", declared exceptions)
+#: (docs/guides/compile.md, declared exceptions)
 EXCEPTIONS = {n: "reads the largest position (dynamic law)" for n in ("dynamic_ntk", "long_rope", "clex")}
 
 

@@ -35,8 +35,22 @@ class LayerKVCache:
     def update(self, k: Tensor, v: Tensor, positions: Tensor, rotated: bool,
                segments: Tensor | None = None, start: int | None = None
                ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """Append and return everything cached so far (keys, values, positions, segments).
-        ``start``: the new positions are known to be ``start + arange(N)`` in every row."""
+        """Append one step's keys and values (the mixin calls this inside ``attend``).
+
+        Args:
+            k: new keys ``[B, Hkv, N, D]``, rotated or not as ``rotated`` says.
+            v: new values ``[B, Hkv, N, D]``.
+            positions: their positions ``[B, N]``.
+            rotated: whether ``k`` is already rotated (False for dynamic encodings).
+            segments: packed-document ids ``[B, N]``, or None.
+            start: the new positions are known to be ``start + arange(N)`` in every row; None: not known.
+
+        Returns:
+            Everything cached so far: ``(keys, values, positions, segments)``.
+
+        Raises:
+            RuntimeError: the cache was filled by an encoding that caches keys the other way.
+        """
         if self.rotated is not None and self.rotated != rotated:
             raise RuntimeError("the KV cache was filled by a different encoding; call reset() "
                                "after injecting a new encoding")
@@ -55,11 +69,21 @@ class LayerKVCache:
         return self.k, self.v, self.positions, self.segments
 
     def reset(self) -> None:
+        """Empty the cache (after injecting another encoding, or for a new sequence)."""
         self.__init__()
 
 
 class KVCache:
-    """The cache of a whole model: one `LayerKVCache` per attention layer (``cache[i]``)."""
+    """The cache of a whole model: one `LayerKVCache` per attention layer (``cache[i]``).
+
+    Args:
+        n_layers: the number of attention layers.
+
+    Example:
+        >>> cache = KVCache(n_layers=2)
+        >>> len(cache), cache.length
+        (2, 0)
+    """
 
     def __init__(self, n_layers: int) -> None:
         self.layers = [LayerKVCache() for _ in range(n_layers)]
@@ -75,5 +99,6 @@ class KVCache:
         return self.layers[0].length if self.layers else 0
 
     def reset(self) -> None:
+        """Empty every layer's cache."""
         for layer in self.layers:
             layer.reset()

@@ -180,12 +180,37 @@ class ContextCurriculum(pl.Callback):
 
     # ---------------------------------------------------------------- the pure schedule
     def stage_index(self, step: int) -> int:
+        """Args:
+            step: a global step.
+
+        Returns:
+            The index of the stage that step trains in.
+        """
         return max(i for i, s in enumerate(self.stages) if s.start_step <= step)
 
     def stage_at(self, step: int) -> Stage:
+        """Args:
+            step: a global step.
+
+        Returns:
+            The `Stage` that step trains in.
+        """
         return self.stages[self.stage_index(step)]
 
     def batch_size_of(self, stage: Stage, base: int | None = None) -> int:
+        """The batch size of a stage: its own, or the base one (scaled by length with
+        ``keep_tokens_per_batch``).
+
+        Args:
+            stage: one of `stages`.
+            base: the train DataLoader's batch size; None: the one seen when it was wrapped.
+
+        Returns:
+            Sequences per batch.
+
+        Raises:
+            RuntimeError: the base batch size is needed before the train DataLoader was built.
+        """
         base = base or self.base_batch_size
         if stage.batch_size is not None:
             return stage.batch_size
@@ -196,18 +221,42 @@ class ContextCurriculum(pl.Callback):
         return base
 
     def lr_factor(self, step: int) -> float:
-        """Warm-restart multiplier on the scheduled learning rate at ``step``."""
+        """Warm-restart multiplier on the scheduled learning rate.
+
+        Args:
+            step: a global step.
+
+        Returns:
+            A factor in ``(0, 1]``, rising linearly over the stage's ``lr_warmup_steps``.
+        """
         stage = self.stage_at(step)
         if stage.lr_warmup_steps <= 0:
             return 1.0
         return min(1.0, (step - stage.start_step + 1) / stage.lr_warmup_steps)
 
     def eval_scale(self, seq_len: int, step: int) -> float | None:
-        """The encoding scale used to evaluate at ``seq_len`` (default: the current stage's)."""
+        """The encoding scale used to evaluate at a length (subclasses: CLEX uses ``n / L``).
+
+        Args:
+            seq_len: the evaluation length.
+            step: the global step.
+
+        Returns:
+            The scale, or None to leave the encoding as it is (default: the current stage's).
+        """
         return self.stage_at(step).scale
 
     # ---------------------------------------------------------------- applying a stage
     def apply_scale(self, pl_module: torch.nn.Module, scale: float | None) -> None:
+        """Set every injected encoding's scale.
+
+        Args:
+            pl_module: the module holding the encodings.
+            scale: the factor; None: nothing to do.
+
+        Raises:
+            ValueError: an injected encoding is not scalable.
+        """
         if scale is None:
             return
         for enc in encodings_of(pl_module):
@@ -217,7 +266,18 @@ class ContextCurriculum(pl.Callback):
             enc.set_scale(float(scale))
 
     def wrap_dataloader(self, loader: DataLoader, trainer: pl.Trainer) -> DataLoader:
-        """A DataLoader over ``loader``'s dataset driven by a `CurriculumSampler`."""
+        """Rebuild the train DataLoader so that each batch has its step's length and size.
+
+        Args:
+            loader: the datamodule's train DataLoader.
+            trainer: the trainer (its world size and global step drive the sampler).
+
+        Returns:
+            A DataLoader over ``loader``'s dataset driven by a `CurriculumSampler`.
+
+        Raises:
+            TypeError: ``loader`` is not a torch DataLoader with a ``batch_size``.
+        """
         if not isinstance(loader, DataLoader) or loader.batch_size is None:
             raise TypeError("ContextCurriculum needs the train dataloader to be a torch DataLoader with a batch_size")
         self.base_batch_size = loader.batch_size
@@ -313,6 +373,9 @@ class ContextCurriculum(pl.Callback):
             self.apply_scale(pl_module, self.stage_at(trainer.global_step).scale)
 
     def describe(self) -> str:
+        """Returns:
+            One line per stage: first step, length, batch size, scale, warm-up.
+        """
         rows = [f"step {s.start_step:>6}: seq_len={s.seq_len} batch={s.batch_size or 'base'} scale={s.scale} "
                 f"lr_warmup={s.lr_warmup_steps}" for s in self.stages]
         return "\n".join(rows)

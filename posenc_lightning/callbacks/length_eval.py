@@ -72,6 +72,15 @@ class LengthEvalCallback(pl.Callback):
         self.history: list[dict[str, Any]] = []
 
     def resolve_lengths(self, trainer: pl.Trainer | None) -> list[int]:
+        """Args:
+            trainer: the trainer, whose datamodule gives the training length; None: ``base_len`` only.
+
+        Returns:
+            The evaluation lengths: ``lengths``, or ``multiples`` of the training length.
+
+        Raises:
+            ValueError: neither ``lengths`` nor a training length is known.
+        """
         if self.lengths:
             return self.lengths
         base = base_length(self.base_len, trainer)
@@ -92,7 +101,15 @@ class LengthEvalCallback(pl.Callback):
 
     @torch.no_grad()
     def evaluate(self, pl_module: pl.LightningModule, trainer: pl.Trainer | None = None) -> dict[int, float]:
-        """Perplexity per length; NaN where the model fails (see ``failures``)."""
+        """Evaluate now (the callback calls this at validation ends).
+
+        Args:
+            pl_module: the model.
+            trainer: its trainer (ranks split the windows); None: one process.
+
+        Returns:
+            ``{length: perplexity}``; NaN where the model fails (named in ``failures``).
+        """
         from torchmetrics import MeanMetric
 
         rank = trainer.global_rank if trainer is not None else 0

@@ -93,7 +93,15 @@ class LMEvalCallback(pl.Callback):
 
     # ------------------------------------------------------------------ work
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
-        """Evaluate now; returns ``{"lm_eval/<task>/<length>": value}`` on every rank."""
+        """Evaluate now (the callback calls this at validation ends).
+
+        Args:
+            trainer: the trainer (ranks share the requests).
+            pl_module: the model.
+
+        Returns:
+            ``{"lm_eval/<task>/<length>": value}``, on every rank.
+        """
         from posenc_lightning.eval.harness import evaluate_tasks, preserved_rng
 
         if self.built is None:

@@ -143,7 +143,17 @@ class PosEncVisualizer(pl.Callback):
 
     @torch.no_grad()
     def visualize(self, pl_module: pl.LightningModule, exp: Any, step: int, trainer: pl.Trainer | None = None) -> list[str]:
-        """Write every view to the SummaryWriter ``exp``; returns the tags written."""
+        """Write every view now (the callback calls this at validation ends).
+
+        Args:
+            pl_module: the model.
+            exp: a TensorBoard ``SummaryWriter``.
+            step: the global step the images are logged at.
+            trainer: the trainer; None outside one.
+
+        Returns:
+            The tags written.
+        """
         self.logged = []
         mods = attention_modules(pl_module)
         if not mods:

@@ -7,8 +7,8 @@ that minimises validation perplexity at the stage length (with the candidate set
 then, when ``n_hat_candidates`` are given (the paper's set: `N_HAT_CANDIDATES`), ``n_hat``, the
 initial positions kept un-interpolated, is chosen among them with those factors (the paper
 searches both together; here one after the other), and the stage fine-tunes with them. The
-``n_hat`` search is off by default: in the recorded `recipes/longrope_extend.py` run (4 search
-windows) the ``n_hat`` it chose raised held-out perplexity at 8L by 3.2%. After training the
+``n_hat`` search is off by default: with a few search windows the candidates differ by less than
+the windows' noise, so the choice can fit them rather than the text. After training the
 ``short_factor`` is re-searched at ``original_length``. Found factors are logged, kept in the
 callback's ``state_dict`` (so they are in the checkpoint and a resume never searches again) and
 written into the model's injected encoding config (so ``TinyGPT.load_from_checkpoint`` rebuilds long_rope with them).
@@ -68,14 +68,18 @@ class LongRoPECurriculum(ContextCurriculum):
         start_length: first stage length (default ``original_length``; give ``target_length``
             for a single extension stage).
         growth: length ratio between stages.
-        population, parents, iterations, mutation_prob: the search (paper: 64, 16, 40, 0.3; the
-            defaults are tiny for CPU).
+        population: candidates per search iteration (paper: 64; the default is sized for a CPU).
+        parents: candidates kept as parents each iteration (paper: 16).
+        iterations: search iterations (paper: 40).
+        mutation_prob: probability that a factor of a child is mutated (paper: 0.3).
         search_windows: validation windows scored per candidate (the first ones; evaluate on others).
         max_factor_ratio: factors searched in ``[1, max_factor_ratio * s]`` (paper: 1.25).
         research_short: re-search ``short_factor`` at ``original_length`` after training.
         n_hat_candidates: the ``n_hat`` values tried after each long search (those below the
             stage length), e.g. `N_HAT_CANDIDATES`; None or ``[]``: no search, ``n_hat`` as injected.
-        keep_tokens_per_batch, lr_warmup_steps, seed: as in `ContextCurriculum`.
+        keep_tokens_per_batch: as in `ContextCurriculum`.
+        lr_warmup_steps: as in `ContextCurriculum`.
+        seed: as in `ContextCurriculum`; also seeds the search's random candidates.
     """
 
     def __init__(self, original_length: int, target_length: int, steps_per_stage: int, start_length: int | None = None,

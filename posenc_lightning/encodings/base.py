@@ -177,11 +177,16 @@ class Encoding(nn.Module):
 
     # ---------------------------------------------------------------- configuration
     def config(self) -> dict[str, Any]:
-        """The ``__init__`` arguments this encoding was built with (for checkpoints and logs)."""
+        """Returns:
+            The ``__init__`` arguments this encoding was built with (saved in checkpoints, logged).
+        """
         cfg = dict(getattr(self, "_init_args", {}))
         return {k: v for k, v in cfg.items() if not isinstance(v, (nn.Module, Tensor))}
 
     def hparams_for_logging(self) -> dict[str, Any]:
+        """Returns:
+            ``{"posenc/encoding": name, "posenc/<arg>": value}``, values a logger accepts.
+        """
         out: dict[str, Any] = {"posenc/encoding": self.name}
         for k, v in self.config().items():
             out[f"posenc/{k}"] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
@@ -189,7 +194,20 @@ class Encoding(nn.Module):
 
     def bind(self, *, n_heads: int | None = None, head_dim: int | None = None,
              d_model: int | None = None) -> Encoding:
-        """Tell the encoding the attention sizes and create its size-dependent parameters."""
+        """Tell the encoding the attention sizes; builds its size-dependent parameters once known.
+
+        Args:
+            n_heads: query heads.
+            head_dim: size of one head.
+            d_model: the model width (stage-1 encodings).
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ValueError: a size differs from the one it was bound to, or a rotary encoding gets an
+                odd ``head_dim``.
+        """
         for attr, val in (("n_heads", n_heads), ("head_dim", head_dim), ("d_model", d_model)):
             if val is None:
                 continue
@@ -218,20 +236,55 @@ class Encoding(nn.Module):
 
     # ---------------------------------------------------------------- stages
     def embed(self, h: Tensor, positions: Tensor, start: int | None = None) -> Tensor:
-        """Stage 1: return ``h`` with position information added (``start``: the positions are
-        known to be ``start + arange(N)`` in every row, or None)."""
+        """Stage 1: add position information to the hidden state.
+
+        Args:
+            h: token embeddings ``[B, N, d_model]``.
+            positions: their positions ``[B, N]``.
+            start: the positions are known to be ``start + arange(N)`` in every row; None: not known.
+
+        Returns:
+            ``h`` with positions added (default: unchanged).
+        """
         return h
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
-        """Stage 2: transform ``q`` ``[B, H, Nq, D]`` and ``k`` ``[B, Hkv, Nk, D]`` by position."""
+        """Stage 2: transform queries and keys by position.
+
+        Args:
+            q: queries ``[B, H, Nq, D]``.
+            k: keys ``[B, Hkv, Nk, D]``.
+            ctx: positions and the rest of the call (`AttentionContext`).
+
+        Returns:
+            ``(q, k)`` transformed (default: unchanged).
+        """
         return q, k
 
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
-        """Stage 3: a structured bias on the logits, or None."""
+        """Stage 3: a bias on the logits, as a description a backend computes (`Bias`).
+
+        Args:
+            q: queries ``[B, H, Nq, D]`` (after `rotate`).
+            k: keys ``[B, Hkv, Nk, D]`` (after `rotate`).
+            ctx: positions and the rest of the call (`AttentionContext`).
+
+        Returns:
+            The bias, or None (default).
+        """
         return None
 
     def normalize(self, logits: Tensor, mask: Tensor | None, ctx: AttentionContext) -> Tensor:
-        """Stage 4: attention weights from logits ``[B, H, Nq, Nk]`` (softmax by default)."""
+        """Stage 4: attention weights from logits (softmax by default).
+
+        Args:
+            logits: scaled scores plus bias ``[B, H, Nq, Nk]``.
+            mask: True where a query may see a key, broadcastable to ``logits``; None: all.
+            ctx: positions and the rest of the call (`AttentionContext`).
+
+        Returns:
+            The weights, ``[B, H, Nq, Nk]``.
+        """
         if mask is not None:
             logits = logits.masked_fill(~mask, float("-inf"))
         w = torch.softmax(logits, dim=-1)
@@ -239,12 +292,28 @@ class Encoding(nn.Module):
 
     # ---------------------------------------------------------------- capabilities
     def set_scale(self, factor: float) -> None:
-        """Scalable encodings (`scalable`): change the scale `factor` at run time."""
+        """Change the scale `factor` at run time (scalable encodings; curricula call it).
+
+        Args:
+            factor: the new scale (1 = unscaled).
+
+        Raises:
+            ValueError: the encoding is not `scalable`.
+        """
         raise ValueError(f"{self.name} has no set_scale(): it is not scalable; use a scalable encoding "
                          f"(pi, ntk, dynamic_ntk, yarn, llama3, long_rope, clex, ...)")
 
     def set_factors(self, short_factor: Any = None, long_factor: Any = None, n_hat: int | None = None) -> None:
-        """Searchable encodings (`searchable`): replace the short / long rescale factors and ``n_hat``."""
+        """Replace the rescale factors (searchable encodings; LongRoPE's search calls it).
+
+        Args:
+            short_factor: per-dimension factors within the original length; None: keep.
+            long_factor: per-dimension factors beyond it; None: keep.
+            n_hat: the first positions kept un-interpolated; None: keep.
+
+        Raises:
+            ValueError: the encoding is not `searchable`.
+        """
         raise ValueError(f"{self.name} has no set_factors(): it is not searchable; use 'long_rope'")
 
     @property
@@ -254,7 +323,14 @@ class Encoding(nn.Module):
         return None
 
     def softmax_scale(self, head_dim: int) -> float:
-        """The logit scale (``1/sqrt(d)``); rotary scalings fold their mscale into cos/sin."""
+        """The logit scale; rotary scalings fold their attention temperature into cos/sin instead.
+
+        Args:
+            head_dim: size of one head.
+
+        Returns:
+            ``1 / sqrt(head_dim)``.
+        """
         return head_dim ** -0.5
 
     @property
@@ -264,12 +340,25 @@ class Encoding(nn.Module):
                          if getattr(type(self), s) is not getattr(Encoding, s))
 
     def reserve(self, n_positions: int, device: torch.device | None = None) -> None:
-        """Build position tables for positions ``< n_positions`` now, outside any traced region
-        (a table cannot grow inside a ``torch.compile`` graph). Default: no table, nothing to do."""
+        """Build position tables now, outside any traced region (a table cannot grow inside a
+        ``torch.compile`` graph). Default: no table, nothing to do.
+
+        Args:
+            n_positions: positions ``0..n_positions-1`` will be looked up.
+            device: where the tables live; None: where the encoding is.
+        """
 
     def check_positions(self, positions: Tensor, start: int | None = None) -> None:
-        """Raise a clear error for positions the encoding cannot represent (``start``: as in
-        `embed`; a check that needs the values reads them only where `host_reads_ok`)."""
+        """Raise a clear error for positions the encoding cannot represent (a check that needs the
+        values reads them only where `host_reads_ok`).
+
+        Args:
+            positions: ``[B, N]`` (or ``[B, N, k]``) positions.
+            start: as in `embed`.
+
+        Raises:
+            ValueError: a position out of the encoding's range (a learned table's length).
+        """
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Encoding:
         """``.to()`` / ``.half()`` cast parameters (they follow the model's dtype) but only move the
@@ -288,7 +377,9 @@ class Encoding(nn.Module):
         return self
 
     def replicate(self) -> Encoding:
-        """An independent copy (for ``share_across_layers=False``)."""
+        """Returns:
+            An independent copy (one per layer with ``share_across_layers=False``).
+        """
         return copy.deepcopy(self)
 
     def extra_repr(self) -> str:

@@ -52,7 +52,8 @@ def rk4(f, z0: Tensor, t0: float, t1: float, step: float) -> Tensor:
 
 @register("clex", "rotate", "CLEX: a neural ODE maps the continuous scale t to rope frequencies (Chen et al., 2023)")
 class CLEX(RotaryEncoding):
-    """CLEX.
+    """CLEX: rope whose log-frequencies at scale ``t`` solve a learned ODE from ``log theta`` at
+    ``t = 1`` (eq. 9-11, module docstring); untrained, it is NTK scaling.
 
     Args:
         factor: the scale t (>= 1); ``set_scale(t)`` changes it.

@@ -99,7 +99,7 @@ class CoPE(Encoding):
 
     #: bytes of one sub-block of rows in `bias_rows` (its gates, counts and lookup indices are
     #: several such blocks at once); with gradients, a sub-block is checkpointed. As large as
-    #: the SDPA backend's blocks: smaller ones made the gates' matmul slower than they saved
+    #: the SDPA backend's blocks: smaller ones make the gates' matmul cost more than they save
     CHUNK_BYTES = 4 * 2**20
     GRAD_CHUNK_BYTES = 4 * 2**20
 

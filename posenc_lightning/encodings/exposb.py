@@ -1,4 +1,4 @@
-"""ExpoSB, exactly as defined in the shared seed ``004_abfa604051d42433.txt`` (sec. 5).
+"""ExpoSB: RoPE with a position-decayed rotation, a band-pass channel gain and distance-decayed scores.
 
 Three changes to RoPE (interleaved pairs, ``omega_i = 10000^(-2i/d)``):
 
@@ -11,7 +11,7 @@ Three changes to RoPE (interleaved pairs, ``omega_i = 10000^(-2i/d)``):
 3. distance decay of the attention scores: ``s'(m, n) = s(m, n) (0.7 + 0.3 exp(-0.005 |m - n|))``
    (stage 4: applied to the scaled logits before the softmax).
 
-With the initial parameters the numbers are the seed's formulas. q and k both get (1) and (2),
+With the initial parameters these are exactly the formulas above. q and k both get (1) and (2),
 so (1) makes scores depend on absolute positions (as defined). Needs ``n_kv_heads == n_heads``.
 """
 
@@ -31,7 +31,7 @@ from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin
 @register("exposb", "rotate", "ExpoSB: rope with position-decayed rotation, band-pass channel gain and "
           "distance-decayed scores")
 class ExpoSB(RotaryEncoding):
-    """ExpoSB (see the module docstring for the formulas; the defaults are the seed's constants).
+    """ExpoSB (see the module docstring for the formulas; the defaults are the constants there).
 
     Declares its stage 4 as ``"distance_modulated_softmax"``: ``softmax(s * distance_modulation)``,
     which the blockwise backend runs by tiles, asking `distance_modulation` at each tile's positions."""

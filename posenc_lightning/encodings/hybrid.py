@@ -1,6 +1,6 @@
 """Hybrids: encodings composed stage by stage from member encodings (not copied).
 
-`rope_alibi` rotates with RoPE and adds ALiBi's bias; `mixture` is the seed's "dynamic positional
+`rope_alibi` rotates with RoPE and adds ALiBi's bias; `mixture` is a "dynamic positional
 encoding": a softmax-weighted sum of its members' biases with learnable weights, where a rotary
 member contributes the logit change it would cause, ``scale * (q' k'^T - q k^T)``.
 """
@@ -121,8 +121,8 @@ class Mixture(CompositeEncoding):
     """``bias = sum_m softmax(w)_m * bias_m`` over member encodings with learnable ``w``.
 
     Bias members contribute their bias (scaled, same kind); rotary members contribute the logit
-    change of their rotation, ``scale * (q_rot k_rot^T - q k^T)`` (a `DenseBias`), as in the
-    seed's ``DynamicPositionalEncoding``. Members that embed or replace softmax are refused.
+    change of their rotation, ``scale * (q_rot k_rot^T - q k^T)`` (a `DenseBias`), so every
+    member is compared on the logits. Members that embed or replace softmax are refused.
 
     Args:
         members: registered encoding names.

@@ -6,14 +6,33 @@ import difflib
 import importlib
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from posenc_lightning.encodings.base import Encoding
 
 _REGISTRY: dict[str, type] = {}
 T = TypeVar("T", bound=type)
 
 
 def register(name: str, family: str, description: str) -> Callable[[T], T]:
-    """Class decorator: ``@register("rope", "rotate", "Rotary position embedding (Su et al.)")``."""
+    """Class decorator that registers an `Encoding` subclass under a name.
+
+    Args:
+        name: the name users give (`PosEncCallback`, ``posenc list``, checkpoints).
+        family: the stage family shown in listings (``embed``, ``rotate``, ``bias``, ``normalize``,
+            ``hybrid``, ``none``).
+        description: one line naming the method and its paper.
+
+    Returns:
+        The decorator; it sets ``name``, ``family`` and ``description`` on the class.
+
+    Raises:
+        ValueError: ``name`` is already registered to another class.
+
+    Example:
+        ``@register("rope", "rotate", "Rotary position embedding (Su et al., 2021)")``
+    """
 
     def deco(cls: T) -> T:
         if name in _REGISTRY and _REGISTRY[name] is not cls:
@@ -33,7 +52,11 @@ def _load_families() -> None:
 
 
 def available_encodings() -> list[str]:
-    """Every registered encoding name, sorted."""
+    """The names of every registered encoding.
+
+    Returns:
+        The names, sorted.
+    """
     _load_families()
     return sorted(_REGISTRY)
 
@@ -49,8 +72,20 @@ def encoding_class(name: str) -> type:
     return _REGISTRY[key]
 
 
-def build_encoding(name: str, **cfg: Any):
-    """Build a registered encoding by name with its ``__init__`` arguments."""
+def build_encoding(name: str, **cfg: Any) -> Encoding:
+    """Build a registered encoding by name.
+
+    Args:
+        name: a registered name (case and ``-`` / ``_`` are forgiven).
+        **cfg: the encoding's ``__init__`` arguments.
+
+    Returns:
+        The encoding, not yet bound to attention sizes (`inject` binds it).
+
+    Raises:
+        ValueError: an unknown name (the message suggests close ones).
+        TypeError: an argument the encoding does not take.
+    """
     cls = encoding_class(name)
     sig = inspect.signature(cls.__init__)
     params = sig.parameters

@@ -142,7 +142,9 @@ class RotaryEncoding(Encoding):
 
 @register("rope", "rotate", "Rotary position embedding: q, k rotated by m*theta_i (Su et al., 2021)")
 class RoPE(RotaryEncoding):
-    """Plain RoPE with base ``theta`` (RoFormer eq. 15); see `RotaryEncoding` for the args."""
+    """Plain RoPE (RoFormer eq. 15): each pair of dimensions of q and k at position m is rotated by
+    ``m theta_i`` with ``theta_i = theta^(-2i/d)``, so ``q_m . k_n`` depends on ``m - n`` only;
+    see `RotaryEncoding` for the args."""
 
     def __init__(self, theta: float = 10000.0, layout: Literal["half", "interleaved"] = "half",
                  partial_rotary_factor: float = 1.0) -> None:

@@ -36,7 +36,7 @@ __all__ = ["ComRoPE", "LieRE", "MatrixRotary", "skew"]
 
 #: below this relative eigenvalue gap (`relative_spectral_gap`) the eigenbasis path falls back to
 #: ``matrix_exp``. The eigen-gradient's error is ~eps / gap in the coupling of the two closest
-#: planes: ~1e-15 / gap in float64, ~1.5e-7 / gap in float32 (measured, tests/test_rotary_matrix_fast.py;
+#: planes: ~1e-15 / gap in float64, ~1.5e-7 / gap in float32 (tests/test_rotary_matrix_fast.py;
 #: 2e-6 at the 0.03 of a random 8 x 8 block). Random initial generators have gaps
 #: >= 3e-4 (dense 64 x 64, 20 seeds; >= 5e-3 for 8 x 8 blocks).
 MIN_RELATIVE_GAP = 1e-6

@@ -120,11 +120,16 @@ class DynamicNTK(ScaledRotary):
 
 @register("yarn", "rotate", "YaRN: NTK-by-parts ramp + attention temperature (Peng et al., 2023)")
 class YaRN(ScaledRotary):
-    """YaRN (Peng et al., 2023, eq. 17-22), HF ``yarn`` semantics.
+    """YaRN (Peng et al., 2023, eq. 17-22), HF ``yarn`` semantics: NTK-by-parts,
+    ``theta_i' = (1 - gamma_i) theta_i / s + gamma_i theta_i`` with ``gamma_i`` ramping from 0 to 1
+    as dimension i's rotations over the original length go from ``beta_slow`` to ``beta_fast``, and
+    the logits scaled by ``(0.1 ln s + 1)^2`` (folded into cos/sin).
 
     Args:
-        beta_fast, beta_slow: rotation counts bounding the ramp (32 and 1 in the paper).
-        mscale, mscale_all_dim: DeepSeek's attention factor ``get_mscale(s, mscale)/get_mscale(s, mscale_all_dim)``.
+        beta_fast: rotation count above which a dimension is not interpolated (32 in the paper).
+        beta_slow: rotation count below which a dimension is fully interpolated (1 in the paper).
+        mscale: DeepSeek's attention factor ``get_mscale(s, mscale) / get_mscale(s, mscale_all_dim)``.
+        mscale_all_dim: see ``mscale``.
         attention_factor: explicit cos/sin scale (default ``0.1 ln s + 1``).
         truncate: floor/ceil the ramp bounds (HF default True; gpt-oss uses False).
     """
@@ -153,7 +158,10 @@ class YaRN(ScaledRotary):
 
 @register("llama3", "rotate", "Llama 3.1 rope scaling: wavelength bands, smooth in between")
 class Llama3(ScaledRotary):
-    """Llama 3.1 frequency scaling (HF ``llama3``); defaults: factor 8, bands 1 and 4 in Llama 3.1."""
+    """Llama 3.1 frequency scaling (HF ``llama3``): wavelengths ``2 pi / theta_i`` longer than
+    ``L_orig / low_freq_factor`` are divided by ``factor``, those shorter than
+    ``L_orig / high_freq_factor`` kept, and the band between interpolated smoothly. Llama 3.1 uses
+    factor 8 with bands 1 and 4."""
 
     def __init__(self, factor: float = 4.0, original_max_position_embeddings: int = 512, theta: float = 10000.0,
                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0, layout: Layout = "half",

@@ -27,7 +27,7 @@ def _stick_breaking(logits: Tensor, mask: Tensor | None, ctx: AttentionContext, 
 
 @register("sba", "normalize", "Stick-breaking attention: A_ij = beta_ij prod (1 - beta_ik), no softmax (Tan et al., 2024)")
 class StickBreaking(Encoding):
-    """Softmax replaced by stick-breaking in log space (the seed's formulation); needs no other
+    """Softmax replaced by stick-breaking in log space (numerically stable); needs no other
     positional encoding. Causal only. Weights of a query sum to at most 1; the rest of the stick
     goes nowhere.
 

@@ -33,7 +33,8 @@ def fire_normalized_distance(q_pos: Tensor, k_pos: Tensor, c: Tensor | float, th
 
 #: columns of ``x`` per step of `fire_mlp` (the hidden activations of one step stay in cache)
 FIRE_MLP_CHUNK = 16384
-#: keys per unit selection in `fire_rows`'s forward (a selection costs ``W`` per group; measured)
+#: keys per unit selection in `fire_rows`'s forward (a selection costs ``W`` per group: larger groups
+#: share it, smaller ones select fewer units)
 FIRE_COLUMN_GROUP = 32
 
 

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-#: above it softplus(x) == x (the seed's stabilized softplus)
+#: above it softplus(x) == x in float32 (the stabilized softplus returns x)
 SOFTPLUS_THRESHOLD = 15.0
 #: blockwise weights are ``exp(max(log A, EXP_FLOOR))``: below it exp is a denormal float32, which
-#: x86 computes ~30x slower; a weight of at most exp(-80) = 1.8e-35 instead of a smaller one
+#: x86 computes in slow microcode; a weight of at most exp(-80) = 1.8e-35 instead of a smaller one
 EXP_FLOOR = -80.0
 
 
@@ -47,7 +47,7 @@ def stick_breaking_weights(logits: Tensor, mask: Tensor) -> Tensor:
     sp = torch.where(mask, stable_softplus(z), zero)  # -log(1 - beta)
     tail = sp.flip(-1).cumsum(-1).flip(-1)  # sum over visible k >= j
     excl = torch.cat((tail[..., 1:], torch.zeros_like(tail[..., :1])), dim=-1)  # k > j
-    log_beta = z - sp  # log sigmoid(z) with the seed's stabilized softplus
+    log_beta = z - sp  # log sigmoid(z) with the stabilized softplus
     log_a = torch.where(mask, log_beta - excl, torch.full((), -torch.inf, device=z.device))
     return log_a.exp()
 

@@ -29,8 +29,11 @@ class HFCausalLM(CausalLMSteps, pl.LightningModule):
             ``pretrained_dir`` is given, e.g. ``{"model_type": "llama", "hidden_size": 64, ...}``.
         attn_implementation: transformers' attention (``sdpa``, ``eager``, ``flex_attention``); an
             injected encoding wraps it.
-        lr, weight_decay, warmup_steps, min_lr_ratio: AdamW with linear warm-up and cosine decay
-            to ``min_lr_ratio * lr`` over ``trainer.max_steps``.
+        lr: AdamW's peak learning rate.
+        weight_decay: AdamW's weight decay.
+        warmup_steps: linear warm-up steps, after which the rate decays by a cosine over
+            ``trainer.max_steps``.
+        min_lr_ratio: the cosine ends at ``min_lr_ratio * lr``.
     """
 
     def __init__(self, pretrained_dir: str | None = None, config: dict[str, Any] | None = None,

@@ -59,7 +59,7 @@ class _ReversedWindows(torch.autograd.Function):
     """``rows[0, h, i, j] = u[h, (r - 1 - i) + j]`` ``[1, H, r, K]`` from ``u [H, r + K - 1]``
     (a Toeplitz block: the windows of ``u`` in reverse order). Backward sums the gradient along
     those diagonals: each row added at its offset, one pass (autograd's unfold and index_select
-    backward: five, 4x slower measured)."""
+    backward take five)."""
 
     @staticmethod
     def forward(u: Tensor, n_keys: int) -> Tensor:  # type: ignore[override]

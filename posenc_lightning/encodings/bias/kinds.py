@@ -104,20 +104,41 @@ class Bias(ABC):
 
     @abstractmethod
     def materialize(self) -> Tensor:
-        """The dense bias ``[B|1, H, Nq, Nk]`` float32."""
+        """Returns:
+            The dense bias ``[B|1, H, Nq, Nk]``, float32."""
 
     @abstractmethod
     def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
-        """``materialize()[..., start:stop, :k_stop]`` without building the rest (blockwise SDPA)."""
+        """``materialize()[..., start:stop, :k_stop]`` without building the rest (blockwise SDPA).
+
+        Args:
+            start: first query row.
+            stop: query row past the last.
+            k_stop: keys ``0..k_stop-1`` (a causal block needs no later key).
+
+        Returns:
+            ``[B|1, H, stop - start, k_stop]``.
+        """
 
     def grad_inputs(self) -> tuple[Tensor, ...] | None:
-        """Every tensor the bias is computed from that may need a gradient (None: unknown).
-        Backends with their own backward recompute rows (`rows_from`) and differentiate to these."""
+        """Backends with their own backward recompute rows (`rows_from`) and differentiate to these.
+
+        Returns:
+            Every tensor the bias is computed from that may need a gradient (None: unknown).
+        """
         return None
 
     def input_windows(self, start: int, stop: int, k_stop: int) -> tuple[Index, ...]:
-        """For each of `grad_inputs`, the part of it that ``rows(start, stop, k_stop)`` reads
-        (an index; None = all of it)."""
+        """The parts of `grad_inputs` that ``rows(start, stop, k_stop)`` reads.
+
+        Args:
+            start: first query row.
+            stop: query row past the last.
+            k_stop: keys ``0..k_stop-1``.
+
+        Returns:
+            One index per tensor of `grad_inputs` (None: all of it).
+        """
         return (None,) * len(self.grad_inputs() or ())
 
     @property
@@ -126,10 +147,19 @@ class Bias(ABC):
         return False
 
     def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
-        """``rows(start, stop, k_stop)`` computed from ``views`` (each of `grad_inputs` cut by
-        `input_windows`) instead of the stored tensors: a backward pass gives detached leaves
-        here and differentiates to them, so gradients are window-sized and never run through
-        the model's own graph."""
+        """``rows(start, stop, k_stop)`` computed from stand-ins instead of the stored tensors: a
+        backward pass gives detached leaves here and differentiates to them, so gradients are
+        window-sized and never run through the model's own graph.
+
+        Args:
+            start: first query row.
+            stop: query row past the last.
+            k_stop: keys ``0..k_stop-1``.
+            views: each of `grad_inputs` cut by `input_windows`.
+
+        Returns:
+            The rows, differentiable to ``views``.
+        """
         raise NotImplementedError(f"{type(self).__name__} cannot recompute rows from stand-in inputs")
 
     @property
@@ -150,7 +180,15 @@ class Bias(ABC):
         return False
 
     def at(self, q_pos: Tensor, k_pos: Tensor) -> Bias | None:
-        """The same bias at other positions (None unless `distance_only`)."""
+        """The same bias at other positions.
+
+        Args:
+            q_pos: query positions ``[B, Nq]``.
+            k_pos: key positions ``[B, Nk]``.
+
+        Returns:
+            The bias there, or None unless `distance_only`.
+        """
         return None
 
     @property
@@ -159,25 +197,51 @@ class Bias(ABC):
         return None
 
     def key_only(self, dtype: torch.dtype, plain_causal: bool, ascending: bool = False) -> KeyOnly | None:
-        """The key-only form under softmax in ``dtype`` (None: there is none). ``plain_causal``:
-        query i sees keys ``0..i`` and nothing else (forms that hold only there need it);
-        ``ascending``: the queries and keys are the same tokens at ascending positions, known
-        without reading them (`AttentionContext.ascending`; False: not known, a kind may read
-        the positions where `host_reads_ok`)."""
+        """The key-only form under softmax: ``q_ch[h] * k_ch[b, h, j]`` plus a per-row term.
+
+        Args:
+            dtype: the dtype the form is computed in.
+            plain_causal: query i sees keys ``0..i`` and nothing else (forms that hold only there need it).
+            ascending: queries and keys are the same tokens at ascending positions, known without
+                reading them (`AttentionContext.ascending`; False: not known, a kind may read the
+                positions where `host_reads_ok`).
+
+        Returns:
+            The form, or None when there is none.
+        """
         return None
 
     def scaled(self, w: Tensor) -> Bias:
-        """``w * self`` for a scalar tensor ``w`` (default: lazily, row by row; kinds keep their kind)."""
+        """``w * self`` (default: lazily, row by row; kinds keep their kind).
+
+        Args:
+            w: a scalar tensor.
+
+        Returns:
+            The scaled bias.
+        """
         return ScaledBias(self, w)
 
     def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
         """This bias's value at ``(b, h, q_idx, kv_idx)`` for flex's ``score_mod`` (default: a
-        lookup in the materialized tensor)."""
+        lookup in the materialized tensor).
+
+        Args:
+            b_size: the batch size.
+            n_heads: the number of query heads.
+
+        Returns:
+            ``f(b, h, q_idx, kv_idx)``.
+        """
         t = self.materialize().expand(b_size, n_heads, -1, -1)
         return lambda b, h, qi, ki: t[b, h, qi, ki]
 
     def fold_into(self, args: KernelBias) -> None:
-        """Add this bias to the Triton kernels' arguments (default: as a dense tensor)."""
+        """Add this bias to the Triton kernels' arguments (default: as a dense tensor).
+
+        Args:
+            args: the kernels' bias arguments, updated in place.
+        """
         args.add_dense(self.materialize())
 
     @property
@@ -195,7 +259,18 @@ class Bias(ABC):
 @dataclass(eq=False)
 class DenseBias(Bias):
     """Any bias given as a tensor ``[B or 1, H, Nq, Nk]`` (fallback), or lazily by a function of
-    rows (`DenseBias.lazy`: FIRE, CoPE, mixtures), so that blockwise backends never hold ``N x N``."""
+    rows (`DenseBias.lazy`: FIRE, CoPE, mixtures), so that blockwise backends never hold ``N x N``.
+
+    Args:
+        tensor: the bias ``[B or 1, H, Nq, Nk]``; or None with ``fn``.
+        fn: ``fn(start, stop, k_stop)`` gives rows ``start:stop``, keys ``:k_stop``.
+        shape_qk: ``(Nq, Nk)`` of a lazy bias.
+        inputs: the tensors ``fn`` is computed from (its `grad_inputs`).
+        window: ``window(start, stop, k_stop)``: the parts of ``inputs`` those rows read.
+
+    Raises:
+        ValueError: neither or both of ``tensor`` and ``fn``, or ``fn`` without ``shape_qk``.
+    """
 
     tensor: Tensor | None = None
     fn: Callable[..., Tensor] | None = field(default=None, repr=False)
@@ -339,7 +414,11 @@ class BiasSum(Bias):
 
     Rows: the distance-only terms at the same integer positions are one lookup in their summed
     table of distances (`_table`), and the other terms are added into the first fresh rows (no
-    tensor per term; exact for autograd too, as no term's backward keeps its output)."""
+    tensor per term; exact for autograd too, as no term's backward keeps its output).
+
+    Args:
+        parts: the terms (``a + b`` of two kinds builds one).
+    """
 
     parts: list[Bias] = field(default_factory=list)
 

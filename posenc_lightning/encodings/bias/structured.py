@@ -18,7 +18,13 @@ __all__ = ["DecayBias", "LinearBias", "RelativeBias"]
 
 @dataclass(eq=False)
 class LinearBias(Bias):
-    """ALiBi: ``-slopes[h] * |i - j|`` (Press et al., 2022, eq. 1)."""
+    """ALiBi: ``-slopes[h] * |i - j|`` (Press et al., 2022, eq. 1).
+
+    Args:
+        slopes: one slope per head ``[H]``.
+        q_pos: query positions ``[B, Nq]``.
+        k_pos: key positions ``[B, Nk]``.
+    """
 
     slopes: Tensor  # [H]
     q_pos: Tensor  # [B, Nq]
@@ -79,7 +85,13 @@ class LinearBias(Bias):
 
 @dataclass(eq=False)
 class RelativeBias(Bias):
-    """``table[h, clamp(i - j, -R, R) + R]`` for a table ``[H, 2R + 1]`` (T5, any f(i - j))."""
+    """``table[h, clamp(i - j, -R, R) + R]`` for a table ``[H, 2R + 1]`` (T5, any f(i - j)).
+
+    Args:
+        table: the values by distance ``[H, 2R + 1]``, distance ``-R`` first.
+        q_pos: query positions ``[B, Nq]``.
+        k_pos: key positions ``[B, Nk]``.
+    """
 
     table: Tensor  # [H, 2R+1]
     q_pos: Tensor
@@ -125,7 +137,14 @@ class RelativeBias(Bias):
         return lambda b, h, qi, ki: table[h, (qp[b, qi] - kp[b, ki]).clamp(-r, r) + r]
 
     def widened(self, r: int) -> Tensor:
-        """The table over ``[-r, r]`` (``r >= max_distance``), its edges repeated: same values."""
+        """The same values as a wider table, its edges repeated.
+
+        Args:
+            r: the new largest distance (``r >= max_distance``).
+
+        Returns:
+            The table over ``[-r, r]``, ``[H, 2r + 1]``.
+        """
         if r == self.max_distance:
             return self.table
         idx = torch.arange(-r, r + 1, device=self.table.device).clamp(-self.max_distance, self.max_distance)
@@ -145,7 +164,12 @@ class RelativeBias(Bias):
 
 @dataclass(eq=False)
 class DecayBias(Bias):
-    """``c_q[b, h, i] - c_k[b, h, j]`` from cumulative log-gates (FoX, Lin et al., 2025)."""
+    """``c_q[b, h, i] - c_k[b, h, j]`` from cumulative log-gates (FoX, Lin et al., 2025).
+
+    Args:
+        c_q: the queries' cumulative log-gates ``[B, H, Nq]``.
+        c_k: the keys' cumulative log-gates ``[B, H, Nk]``.
+    """
 
     c_q: Tensor  # [B, H, Nq]
     c_k: Tensor  # [B, H, Nk]
