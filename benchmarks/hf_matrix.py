@@ -37,6 +37,23 @@ ARCHS: dict[str, dict[str, Any]] = {
                  "bos_token_id": 0, "eos_token_id": 0},
     "phi": {"model_type": "phi", "partial_rotary_factor": 0.5},
 }
+#: families beyond the six (issue 32): score transforms, per-layer-type rope, the interleaved layout,
+#: absolute tables outside ``wpe``, built-in ALiBi; checked with `BREADTH_ENCODINGS`
+BREADTH: dict[str, dict[str, Any]] = {
+    "gemma2": {"model_type": "gemma2", "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 12,
+               "query_pre_attn_scalar": 16, "attn_logit_softcapping": 2.0},
+    "gemma3_text": {"model_type": "gemma3_text", "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 12,
+                    "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 16,
+                    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}},
+    "cohere": {"model_type": "cohere", "num_key_value_heads": 2},
+    "opt": {"model_type": "opt", "ffn_dim": 64, "word_embed_proj_dim": 64, "max_position_embeddings": 32},
+    "bloom": {"model_type": "bloom", "n_head": 4, "n_layer": 2},
+}
+BREADTH_ENCODINGS = ("alibi", "fire", "yarn")
+#: architectures whose transformers class refuses sdpa
+EAGER = ("gemma2", "bloom")
+ARCH_CONFIGS = {**ARCHS, **BREADTH}
 _COMMON = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 0}
 ENCODINGS: dict[str, dict[str, Any]] = {
@@ -48,7 +65,7 @@ ROTARY = ("yarn", "dynamic_ntk", "llama3", "long_rope")
 
 def config(arch: str) -> dict[str, Any]:
     """The `HFCausalLM` ``config`` dict of an architecture."""
-    cfg = dict(ARCHS[arch])
+    cfg = dict(ARCH_CONFIGS[arch])
     if arch != "gpt2":
         cfg = {**_COMMON, **cfg}
     return {"vocab_size": VOCAB, **cfg}
@@ -58,11 +75,17 @@ def cells() -> list[tuple[str, str]]:
     return [(a, e) for a in ARCHS for e in ENCODINGS]
 
 
+def breadth_cells() -> list[tuple[str, str]]:
+    """`BREADTH` x `BREADTH_ENCODINGS` (yarn where the model has a rotary module)."""
+    return [(a, e) for a in BREADTH for e in BREADTH_ENCODINGS if e != "yarn" or a not in ("opt", "bloom")]
+
+
 def build(arch: str, seed: int = 0):
     from posenc_lightning.models.hf import HFCausalLM
 
     torch.manual_seed(seed)
-    return HFCausalLM(config=copy.deepcopy(config(arch))).eval()
+    impl = "eager" if arch in EAGER else "sdpa"
+    return HFCausalLM(config=copy.deepcopy(config(arch)), attn_implementation=impl).eval()
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
