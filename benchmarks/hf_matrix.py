@@ -101,14 +101,14 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp_min(0)
 
 
-def generate_error(hf, ids: torch.Tensor, mask: torch.Tensor) -> float:
+def generate_error(hf, ids: torch.Tensor, mask: torch.Tensor, prompt: int = PROMPT) -> float:
     """Largest |cached-decoding logits - full-forward logits| over the generated steps."""
     out = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
                       output_logits=True, return_dict_in_generate=True)
     err = 0.0
     for t, step_logits in enumerate(out.logits):
         m = torch.cat((mask, torch.ones(2, t, dtype=mask.dtype)), 1)
-        full = hf(out.sequences[:, :PROMPT + t], attention_mask=m, position_ids=_positions(m), use_cache=False).logits
+        full = hf(out.sequences[:, :prompt + t], attention_mask=m, position_ids=_positions(m), use_cache=False).logits
         err = max(err, (full[:, -1] - step_logits).abs().max().item())
     return err
 

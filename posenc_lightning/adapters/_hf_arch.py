@@ -39,6 +39,10 @@ MECHANISM_CONFIG = re.compile(r"alibi|softcap|no_rope|nope|chunk_size|temperatur
                               r"relative_attention|sinks|rope|rotary|position_embedding", re.I)
 
 
+ADAPTED = "_posenc_hf_originals"  # set on a model while an encoding is injected (hf.restore clears it)
+RECORD = "_posenc_hf_arch"  # the ArchInfo made at inject
+
+
 class ArchitectureRefused(ValueError):
     """The adapter cannot put an encoding into this architecture without a silent wrong result."""
 
@@ -258,9 +262,13 @@ def _is_table(m: nn.Module) -> bool:
 def describe(hf: nn.Module) -> ArchInfo:
     """`ArchInfo` of ``hf`` (a transformers ``PreTrainedModel``).
 
+    While an encoding is injected, the record made at inject (of the model's own mechanisms).
+
     Raises:
         ArchitectureRefused: a mechanism the adapter cannot carry or does not know.
     """
+    if hf.__dict__.get(ADAPTED) is not None and hf.__dict__.get(RECORD) is not None:
+        return hf.__dict__[RECORD]
     _known_refusals(hf)
     layers = attention_modules(hf)
     if not layers:
@@ -283,4 +291,6 @@ def describe(hf: nn.Module) -> ArchInfo:
     rot = getattr(hf.base_model, "rotary_emb", None)
     rotary = probe_rotary(hf, rot) if rot is not None else None
     tables, buffers = _tables(hf, layers, rot)
-    return ArchInfo(arch_name(hf), layers, rotary, tables, buffers, transforms, fused_unsupported)
+    info = ArchInfo(arch_name(hf), layers, rotary, tables, buffers, transforms, fused_unsupported)
+    object.__setattr__(hf, RECORD, info)
+    return info

@@ -24,13 +24,14 @@ import torch
 from torch import Tensor, nn
 
 from posenc_lightning.adapters import _hf_attention as attn
-from posenc_lightning.adapters._hf_arch import ArchInfo, ArchitectureRefused, attention_modules, describe, refuse
+from posenc_lightning.adapters._hf_arch import ADAPTED, ArchInfo, ArchitectureRefused, attention_modules, describe, refuse
 from posenc_lightning.adapters._hf_modules import EmbeddingPositions, NoRotation, RotaryTable, zero_table_forward
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.encodings.base import Encoding
 
 MIN_VERSION = (5, 0)
-ORIGINALS = "_posenc_hf_originals"
+ORIGINALS = ADAPTED
+USER_KEYS = "_posenc_hf_user_keys"  # the arguments the user gave by name (`defaults_for`)
 
 
 def require_transformers() -> None:
@@ -108,6 +109,7 @@ def defaults_for(hf: nn.Module, encoding_cls: type, cfg: dict[str, Any]) -> dict
         ArchitectureRefused: the model has a mechanism the adapter cannot carry (`describe`).
     """
     describe(hf)
+    object.__setattr__(hf, USER_KEYS, frozenset(cfg))  # read (once) by the next `adapt`
     params = inspect.signature(encoding_cls.__init__).parameters
     out = dict(cfg)
     implied = model_defaults(hf)
@@ -124,19 +126,22 @@ def defaults_for(hf: nn.Module, encoding_cls: type, cfg: dict[str, Any]) -> dict
 # ------------------------------------------------------------------------------------------------
 # the adapter
 # ------------------------------------------------------------------------------------------------
-def per_type_encodings(hf: nn.Module, info: ArchInfo, proto: Encoding) -> dict[str, Encoding]:
+def per_type_encodings(hf: nn.Module, info: ArchInfo, proto: Encoding, user_keys: frozenset[str] | None
+                       ) -> dict[str, Encoding]:
     """One encoding per layer type where the model's RoPE base is per layer type and the user left
-    ``theta`` to the model (the first type's is ``proto`` itself); ``{}`` otherwise."""
-    if info.rotary is None or not info.rotary.per_layer_type or "theta" not in \
-            inspect.signature(type(proto).__init__).parameters or "theta" in proto.config():
+    ``theta`` to the model (an encoding given by name without ``theta``; the first type's is
+    ``proto`` itself); ``{}`` otherwise."""
+    if info.rotary is None or not info.rotary.per_layer_type or user_keys is None or "theta" in user_keys \
+            or "theta" not in proto.config():
         return {}
     out: dict[str, Encoding] = {}
     for lt, theta in info.rotary.thetas.items():
         theta = float(theta if theta is not None else 10000.0)
         if out:
             out[lt] = type(proto)(**{**proto.config(), "theta": theta})
-        else:  # proto keeps its config (no theta): a reload does the same again
+        else:  # proto's config leaves theta to the model: a checkpoint's reload does the same again
             proto.theta = theta
+            proto.__dict__.get("_init_args", {}).pop("theta", None)
             out[lt] = proto
     return out
 
@@ -232,7 +237,7 @@ def adapt(hf: nn.Module, proto: Encoding, backend: str, share_across_layers: boo
         raise refuse(hf, f"{proto.name} needs posenc's fused attention, which does not apply "
                      f"{', '.join(info.fused_unsupported.values())}",
                      "a rotary encoding (rope, yarn, llama3, ...), which keeps the model's own attention")
-    per_type = per_type_encodings(hf, info, proto)
+    per_type = per_type_encodings(hf, info, proto, hf.__dict__.pop(USER_KEYS, None))
     encs: list[Encoding] = []
     if uses_table(hf, proto, info):
         for enc in per_type.values() or [proto]:
