@@ -101,11 +101,15 @@ def build(model_type: str, seed: int = 0) -> Any:
     """The tiny model (eval mode) or a string saying why it cannot be built here."""
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_config(model_type)
+    try:
+        cfg = tiny_config(model_type)
+    except Exception as e:  # noqa: BLE001 - the reason goes to the table
+        return f"does not build or run tiny here: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
     if getattr(cfg, "is_encoder_decoder", False):
         return "encoder-decoder"
-    if getattr(cfg, "sub_configs", None) and any(k in cfg.sub_configs for k in ("text_config", "vision_config")):
-        return "multimodal composite model (its text model is tried under its own model_type)"
+    if set(getattr(cfg, "sub_configs", None) or ()) - {"attn_config", "ffn_config"}:
+        return (f"composite model (sub-configs {', '.join(sorted(cfg.sub_configs))}; a text model is tried "
+                f"under its own model_type)")
     torch.manual_seed(seed)
     try:
         model = AutoModelForCausalLM.from_config(cfg).eval()
@@ -219,7 +223,8 @@ def trial(model_type: str) -> Outcome:
 
 def violations(o: Outcome) -> list[str]:
     """Invariants an outcome breaks (empty: it works as the table says)."""
-    return [f"{k}={v:.3g}" for k, v in o.numbers.items() if k != "logit_range" and not v < 1e-4]
+    tol = {"own_rope": 5e-4}  # fp32 angles computed in another order (bases up to 5e6)
+    return [f"{k}={v:.3g}" for k, v in o.numbers.items() if k != "logit_range" and not v < tol.get(k, 1e-4)]
 
 
 def markdown(outcomes: list[Outcome]) -> str:

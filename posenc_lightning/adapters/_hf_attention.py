@@ -230,7 +230,8 @@ def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     if "rotate" in stages:
         query, key = enc.rotate(query, key, ctx)
     bias = enc.bias(query, key, ctx) if "bias" in stages else None
-    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    # the call's own window (None on a model's full-attention layers) over the module's attribute
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if window is not None and seen + n_q - first > int(window):
         bias = _window_bias(int(window), seen, first, n_q, n_k, query.device) + bias
     q_seg, k_seg = _segments(attention_mask, q_pos, seen, first, n_q, n_k)

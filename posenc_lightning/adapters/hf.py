@@ -73,8 +73,21 @@ def head_dim_of(m: nn.Module, config: Any) -> int:
 
 
 def rope_parameters(config: Any) -> dict[str, Any] | None:
+    """The config's rope parameters; per layer type, the ones every layer type shares."""
     p = getattr(config, "rope_parameters", None)
-    return dict(p) if p else None
+    if not p:
+        return None
+    nested = [v for v in p.values() if isinstance(v, dict)]
+    if not nested:
+        return dict(p)
+    return {k: v for k, v in nested[0].items() if k != "rope_theta" and all(n.get(k) == v for n in nested)}
+
+
+def n_heads_of(m: nn.Module, config: Any) -> int:
+    for attr in ("num_heads", "num_attention_heads", "n_heads"):
+        if isinstance(getattr(m, attr, None), int):
+            return int(getattr(m, attr))
+    return int(config.num_attention_heads)
 
 
 def rotary_module(hf: nn.Module) -> nn.Module | None:
@@ -92,9 +105,12 @@ def model_defaults(hf: nn.Module) -> dict[str, Any]:
         out["theta"] = float(p["rope_theta"])
     if p.get("partial_rotary_factor") is not None:
         out["partial_rotary_factor"] = float(p["partial_rotary_factor"])
-    rot = rotary_module(hf)
-    if rot is not None:
-        out["layout"] = describe(hf).rotary.layout
+    info = describe(hf)
+    if info.rotary is not None:  # the rotated channels as probed (HF rounds head_dim * factor down)
+        out["layout"] = info.rotary.layout
+        head_dim = head_dim_of(info.layers[0], cfg)
+        if info.rotary.dim != head_dim:
+            out["partial_rotary_factor"] = info.rotary.dim / head_dim
     n = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     if isinstance(n, int):
         out["original_max_position_embeddings"] = int(p.get("original_max_position_embeddings") or n)
@@ -237,6 +253,10 @@ def adapt(hf: nn.Module, proto: Encoding, backend: str, share_across_layers: boo
         raise refuse(hf, f"{proto.name} needs posenc's fused attention, which does not apply "
                      f"{', '.join(info.fused_unsupported.values())}",
                      "a rotary encoding (rope, yarn, llama3, ...), which keeps the model's own attention")
+    heads = sorted({n_heads_of(m, cfg) for m in layers})
+    if share_across_layers and len(heads) > 1 and attn_stages:
+        raise refuse(hf, f"its layers have different head counts {heads}, which one shared encoding cannot serve",
+                     "inject(model, ..., share_across_layers=False)")
     per_type = per_type_encodings(hf, info, proto, hf.__dict__.pop(USER_KEYS, None))
     encs: list[Encoding] = []
     if uses_table(hf, proto, info):
@@ -255,7 +275,7 @@ def adapt(hf: nn.Module, proto: Encoding, backend: str, share_across_layers: boo
             kind = per_type[cfg.layer_types[m.layer_idx]] if per_type else proto
             enc = kind if (share_across_layers or id(kind) not in placed) else copy(kind)
             placed.add(id(kind))
-            enc.bind(n_heads=int(cfg.num_attention_heads), head_dim=head_dim_of(m, cfg), d_model=d_model)
+            enc.bind(n_heads=n_heads_of(m, cfg), head_dim=head_dim_of(m, cfg), d_model=d_model)
             weight = next(m.parameters())
             enc.to(device=weight.device, dtype=weight.dtype if weight.is_floating_point() else None)
             resolve_backend(backend, enc, weight.device, requires_grad=False)
