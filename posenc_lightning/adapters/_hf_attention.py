@@ -245,7 +245,7 @@ def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
                                 normalize=normalize, ctx=ctx)
     else:
         out = backend.attend(query, key, value, bias=bias, mask=mask, scale=scale, normalize=normalize, ctx=ctx)
-    return out.transpose(1, 2).to(value.dtype), None
+    return out.transpose(1, 2).contiguous().to(value.dtype), None
 
 
 def register(impl: str) -> str:
