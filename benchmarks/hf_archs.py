@@ -84,6 +84,10 @@ def tiny_config(model_type: str) -> Any:
             if pattern.fullmatch(key) and value > cap:
                 setattr(cfg, key, cap)
                 break
+    if hasattr(cfg, "qk_rope_head_dim"):  # latent attention: q/k heads are a nope and a rope slice
+        cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.head_dim = 8, 8, 16, 8
+    if isinstance(getattr(cfg, "rotary_dim", None), int):
+        cfg.rotary_dim = 8
     types = getattr(cfg, "layer_types", None)
     if isinstance(types, list) and len(types) > 2:
         # keep one of each kind where there are two kinds (sliding and full attention)

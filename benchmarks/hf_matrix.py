@@ -2,8 +2,10 @@
 transformers architectures (built locally, no weights downloaded), every cell checked.
 
 ``python benchmarks/hf_matrix.py`` runs every cell, writes ``benchmarks/results/hf_matrix.md`` and
-the table between the README's ``hf-matrix`` markers. ``tests/test_hf_matrix.py`` runs the same
-`check` on every cell and asserts its numbers.
+the table of ``docs/reference/hf-matrix.md``. ``tests/test_hf_matrix.py`` runs the same `check` on
+every cell and asserts its numbers. `BREADTH` adds the families of issue 32 (Gemma 2's softcapping,
+Gemma 3's per-layer-type rope, Cohere's interleaved layout, OPT's learned table, BLOOM's built-in
+ALiBi: refused) with alibi, fire and yarn.
 
 A cell checks, on the model with the encoding injected by `posenc_lightning.inject`:
 forward finite and different from the original model; greedy ``generate()`` with the KV cache
@@ -141,13 +143,18 @@ def check(arch: str, name: str, fit: bool = True) -> dict[str, Any]:
     """Every number of one cell (see the module docstring)."""
     from posenc_lightning import inject
 
-    cfg = ENCODINGS[name]
+    from posenc_lightning.adapters.hf import ArchitectureRefused
+
+    cfg = ENCODINGS.get(name, {"factor": 4.0} if name == "yarn" else {})
     ids, mask = _inputs()
     module = build(arch).eval()
     hf = module.model
     with torch.no_grad():
         original = hf(ids).logits
-    inject(module, name, **cfg)
+    try:
+        inject(module, name, **cfg)
+    except ArchitectureRefused as e:
+        return {"arch": arch, "encoding": name, "refused": str(e)}
     with torch.no_grad():
         logits = hf(ids).logits
         gen = generate_error(hf, ids, mask)
@@ -167,14 +174,20 @@ def check(arch: str, name: str, fit: bool = True) -> dict[str, Any]:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The README table: one row per architecture, one column per encoding."""
-    archs, encs = list(ARCHS), list(ENCODINGS)
+    """The docs table: one row per architecture, one column per encoding (blank: not a cell)."""
+    archs, encs = list(ARCH_CONFIGS), list(ENCODINGS)
     by = {(r["arch"], r["encoding"]): r for r in rows}
     lines = ["| architecture | " + " | ".join(encs) + " |", "|---" * (len(encs) + 1) + "|"]
     for a in archs:
         cells_ = []
         for e in encs:
             r = by.get((a, e))
+            if (a, e) not in set(cells()) | set(breadth_cells()):
+                cells_.append("refused" if r is not None and r.get("refused") else "")
+                continue
+            if r is not None and r.get("refused"):
+                cells_.append("refused")
+                continue
             ok = r is not None and r["finite"] and r["changed"] > 1e-6 and r["generate_err"] < 1e-4 \
                 and r["grads_ok"] and r.get("reload_err", 0.0) == 0.0
             cells_.append("✓" if ok else "✗")
@@ -182,13 +195,29 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "hf-matrix.md"
+
+
+def page(table: str) -> str:
+    """docs/reference/hf-matrix.md around the table."""
+    return ("# Hugging Face adapter: architecture x encoding\n\n"
+            "Each cell: `posenc_lightning.inject` on a tiny random config of the architecture; cached greedy "
+            "`generate()` equals a full forward, the backward reaches every encoding parameter, `Trainer.fit` "
+            "runs and its checkpoint reloads to identical logits (`benchmarks/hf_matrix.py`, checked by "
+            "`tests/test_hf_matrix.py`). `refused`: `inject` raises a ValueError naming what is missing. Every "
+            "other architecture of transformers: [hf-architectures.md](hf-architectures.md).\n\n" + table + "\n")
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     rows = []
-    for arch, name in cells():
+    for arch, name in cells() + breadth_cells():
         r = check(arch, name)
         rows.append(r)
+        if r.get("refused"):
+            print(f"{arch:9s} {name:14s} refused: {r['refused']}", flush=True)
+            continue
         print(f"{arch:9s} {name:14s} {r['mode']:18s} changed={r['changed']:.3g} gen_err={r['generate_err']:.2g} "
               f"params={r['n_params']} grads_ok={r['grads_ok']} reload_err={r['reload_err']:.2g}", flush=True)
     table = markdown(rows)
@@ -197,16 +226,12 @@ def main() -> None:
               "(grads) | checkpoint reload |"), "|---|---|---|---|---|---|---|"]
     detail += [f"| {r['arch']} | {r['encoding']} | {r['mode'] if r['mode'] != 'sdpa' else r['rotary']} | "
                f"{r['changed']:.3g} | {r['generate_err']:.2g} | {r['n_params']} ({'ok' if r['grads_ok'] else 'MISSING'}) | "
-               f"{r['reload_err']:.2g} |" for r in rows]
+               f"{r['reload_err']:.2g} |" for r in rows if not r.get("refused")]
     out = root / "benchmarks" / "results" / "hf_matrix.md"
     out.write_text("# Hugging Face adapter: architecture x encoding\n\nCommand: `python benchmarks/hf_matrix.py` "
                    f"(torch {torch.__version__}, CPU, fp32).\n\n{table}\n\n" + "\n".join(detail) + "\n")
-    readme = root / "README.md"
-    text = readme.read_text()
-    start, end = "<!-- hf-matrix:start -->", "<!-- hf-matrix:end -->"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        readme.write_text(head + start + "\n" + table + "\n" + end + rest.split(end, 1)[1])
+    PAGE.parent.mkdir(parents=True, exist_ok=True)
+    PAGE.write_text(page(table))
     print(table)
 
 

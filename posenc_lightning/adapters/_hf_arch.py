@@ -2,7 +2,7 @@
 
 `describe` reads a built transformers model and returns an `ArchInfo`: its self-attention modules,
 its rotary module (probed: the cos/sin it returns must be transformers' RoPE table of its
-``inv_freq`` in the half or the interleaved layout, one per layer type where the rope parameters
+``inv_freq`` in one of the forms transformers uses (`FORMS`), one per layer type where the rope parameters
 are per layer type), its absolute position tables (``wpe``, ``embed_positions``,
 ``position_embeddings``, CTRL's ``pos_encoding`` buffer) and the score transforms its attention
 passes to the attention function (Gemma 2's ``softcap``). Anything position- or score-related it
@@ -58,13 +58,18 @@ class ArchitectureRefused(ValueError):
 
 @dataclass
 class RotaryInfo:
-    """The model-level rotary module: ``layout`` of its cos/sin, ``dim`` rotated channels per head,
-    ``thetas`` the RoPE base per layer type (key None when one table serves every layer)."""
+    """The model-level rotary module: ``form`` of what it returns (`FORMS`), ``dim`` rotated
+    channels per head, ``thetas`` the RoPE base per layer type (key None: one table for every layer)."""
 
     module: nn.Module
-    layout: str
+    form: str
     dim: int
     thetas: dict[str | None, float | None]
+
+    @property
+    def layout(self) -> str:
+        """The channel pairing of the rotation (``half``: i with i + R/2; ``interleaved``: 2i with 2i + 1)."""
+        return "half" if self.form == "half" else "interleaved"
 
     @property
     def per_layer_type(self) -> bool:
@@ -88,7 +93,8 @@ class ArchInfo:
         parts = []
         if self.rotary is not None:
             kinds = "per layer type" if self.rotary.per_layer_type else "one table"
-            parts.append(f"rotary ({self.rotary.layout}, {kinds})")
+            form = self.rotary.form if self.rotary.form != "sin_cos_pairs" else "interleaved, (sin, cos) pairs"
+            parts.append(f"rotary ({form}, {kinds})")
         parts += [f"absolute `{a}` neutralized" for _, a in self.tables + self.buffers]
         parts += [f"{what} kept" for what in self.score_transforms.values()]
         parts += [f"bias/normalizer encodings refused: {why}" for why in self.fused_unsupported.values()]
@@ -165,41 +171,61 @@ def _rope_thetas(config: Any) -> dict[str | None, float | None]:
     return {None: p.get("rope_theta")}
 
 
+#: what a rotary module may return: ``half`` (cos, sin) ``[..., R]`` as cat(t, t) (Llama);
+#: ``interleaved`` (cos, sin) ``[..., R]`` as repeat_interleave(t, 2) (Cohere); ``sin_cos_pairs``
+#: (sin, cos) ``[..., R/2]``, repeated by the model's rotate_every_two (GPT-J, CodeGen)
+FORMS = ("half", "interleaved", "sin_cos_pairs")
+
+
+def _matches(out: tuple[Tensor, Tensor], ang: Tensor, scale: float) -> str | None:
+    a, b = (t.float().cpu() for t in out)
+    ang = ang.cpu()
+    for form in FORMS:
+        if form == "sin_cos_pairs":
+            ref_a, ref_b = ang.sin() * scale, ang.cos() * scale
+        else:
+            ref_a, ref_b = ang.cos() * scale, ang.sin() * scale
+            arrange = (lambda t: torch.cat((t, t), -1)) if form == "half" else (lambda t: t.repeat_interleave(2, -1))
+            ref_a, ref_b = arrange(ref_a), arrange(ref_b)
+        if a.shape == ref_a.shape and b.shape == ref_b.shape and torch.allclose(a, ref_a, atol=1e-5) \
+                and torch.allclose(b, ref_b, atol=1e-5):
+            return form
+    return None
+
+
 def probe_rotary(hf: nn.Module, rot: nn.Module) -> RotaryInfo:
-    """The layout of ``rot``'s cos/sin, checked against RoPE of its own ``inv_freq``; refuses what differs."""
+    """The form of ``rot``'s output (`FORMS`), checked against RoPE of its own ``inv_freq`` (or, for
+    a module with a sin/cos table and no ``inv_freq``, of the frequencies its table gives at position
+    1); refuses anything else."""
     thetas = _rope_thetas(hf.config)
     pos = torch.tensor([[0, 1, 5]])
-    layout, dim = None, 0
+    form, dim = None, 0
     for lt in thetas:
         prefix = f"{lt}_" if lt is not None else ""
         inv = getattr(rot, f"{prefix}inv_freq", None)
-        if not isinstance(inv, Tensor):
-            raise refuse(hf, f"its rotary module {type(rot).__name__} has no `{prefix}inv_freq` table "
+        buffers = list(rot.buffers())
+        if not isinstance(inv, Tensor) and not buffers:
+            raise refuse(hf, f"its rotary module {type(rot).__name__} has no `{prefix}inv_freq` or table "
                          f"(an unknown rotary mechanism)", "a model whose rotary module returns (cos, sin)")
+        device = (inv if isinstance(inv, Tensor) else buffers[0]).device
         scale = float(getattr(rot, f"{prefix}attention_scaling", 1.0) or 1.0)
-        x = torch.zeros(1, dtype=torch.float32, device=inv.device)
+        x = torch.zeros(1, dtype=torch.float32, device=device)
         try:
-            out = rot(x, pos.to(inv.device)) if lt is None else rot(x, pos.to(inv.device), lt)
+            out = rot(x, pos.to(device)) if lt is None else rot(x, pos.to(device), lt)
         except Exception as e:  # noqa: BLE001 - any failure of the probe is an unknown mechanism
             raise refuse(hf, f"its rotary module {type(rot).__name__} does not take (x, position_ids) ({e})",
                          "a model whose rotary module returns (cos, sin)") from e
         if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)):
             raise refuse(hf, f"its rotary module {type(rot).__name__} does not return (cos, sin) "
                          f"(got {type(out).__name__}, e.g. complex frequencies)", "rope on a Llama-style model")
-        ang = pos.to(inv.device)[..., None].float() * inv.float()
-        cos, sin = (t.float().cpu() for t in out)
-        found = None
-        for name, arrange in (("half", lambda t: torch.cat((t, t), -1)),
-                              ("interleaved", lambda t: t.repeat_interleave(2, -1))):
-            ref_c, ref_s = arrange(ang.cos()).cpu() * scale, arrange(ang.sin()).cpu() * scale
-            if cos.shape == ref_c.shape and torch.allclose(cos, ref_c, atol=1e-5) and torch.allclose(sin, ref_s, atol=1e-5):
-                found = name
-                break
-        if found is None or layout not in (None, found):
-            raise refuse(hf, f"the cos/sin of its rotary module {type(rot).__name__} are not RoPE of its "
-                         f"inv_freq in the half or interleaved layout", "rope on a Llama-style model")
-        layout, dim = found, 2 * inv.numel()
-    return RotaryInfo(rot, layout or "half", dim, thetas)
+        if not isinstance(inv, Tensor):  # a (sin, cos) table: the angles at position 1 are the frequencies
+            inv = torch.atan2(out[0][0, 1].float(), out[1][0, 1].float())
+        found = _matches(out, pos.to(device)[..., None].float() * inv.float(), scale)
+        if found is None or form not in (None, found):
+            raise refuse(hf, f"the output of its rotary module {type(rot).__name__} is not RoPE of its "
+                         f"inv_freq in a known form ({', '.join(FORMS)})", "rope on a Llama-style model")
+        form, dim = found, 2 * inv.numel()
+    return RotaryInfo(rot, form or "half", dim, thetas)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,21 +10,25 @@ from torch import Tensor, nn
 from posenc_lightning.encodings.base import Encoding
 
 
-def arrange(t: Tensor, layout: str) -> Tensor:
-    """``[..., R/2]`` -> ``[..., R]`` in transformers' ``half`` (cat) or ``interleaved`` (repeat) layout."""
-    return torch.cat((t, t), dim=-1) if layout == "half" else t.repeat_interleave(2, dim=-1)
+def model_form(cos: Tensor, sin: Tensor, form: str) -> tuple[Tensor, Tensor]:
+    """``[..., R/2]`` cos and sin as the model's rotary module returns them (`_hf_arch.FORMS`)."""
+    if form == "sin_cos_pairs":
+        return sin, cos
+    if form == "half":
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
 
 
 class RotaryTable(nn.Module):
     """Stands in for ``model.base_model.rotary_emb``: cos/sin of this project's rotary law in the
-    model's layout ``[*position_ids.shape, rotary_dim]``, angles in fp32; one encoding per layer
-    type where the model's rope parameters are per layer type (``posenc_<type>``)."""
+    model's form (`model_form`), angles in fp32; one encoding per layer type where the model's
+    rope parameters are per layer type (``posenc_<type>``)."""
 
-    def __init__(self, encoding: Encoding, layout: str = "half",
+    def __init__(self, encoding: Encoding, form: str = "half",
                  per_type: dict[str, Encoding] | None = None) -> None:
         super().__init__()
         self.posenc = encoding
-        self.layout = layout
+        self.form = form
         self.types = list(per_type or {})
         for name, enc in (per_type or {}).items():
             if enc is not encoding:
@@ -40,21 +44,22 @@ class RotaryTable(nn.Module):
                 **kwargs: Any) -> tuple[Tensor, Tensor]:
         pos = position_ids.to(x.device)
         cos, sin = self.encoding_for(layer_type).cos_sin(pos if pos.dim() == 2 else pos.reshape(1, -1))
-        cos, sin = arrange(cos, self.layout), arrange(sin, self.layout)
-        return cos.reshape(*pos.shape, -1).to(x.dtype), sin.reshape(*pos.shape, -1).to(x.dtype)
+        a, b = model_form(cos, sin, self.form)
+        return a.reshape(*pos.shape, -1).to(x.dtype), b.reshape(*pos.shape, -1).to(x.dtype)
 
 
 class NoRotation(nn.Module):
-    """Stands in for the rotary module: cos = 1, sin = 0 (q and k pass through exactly)."""
+    """Stands in for the rotary module: cos = 1, sin = 0 in the model's form (q and k pass through exactly)."""
 
-    def __init__(self, rotary_dim: int) -> None:
+    def __init__(self, rotary_dim: int, form: str = "half") -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
+        self.form = form
 
     def forward(self, x: Tensor, position_ids: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        shape = (*position_ids.shape, self.rotary_dim)
-        one = torch.ones((), dtype=x.dtype, device=x.device)
-        return one.expand(shape), torch.zeros((), dtype=x.dtype, device=x.device).expand(shape)
+        shape = (*position_ids.shape, self.rotary_dim // 2)
+        one = torch.ones((), dtype=x.dtype, device=x.device).expand(shape)
+        return model_form(one, torch.zeros((), dtype=x.dtype, device=x.device).expand(shape), self.form)
 
 
 class EmbeddingPositions(nn.Module):

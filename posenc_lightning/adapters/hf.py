@@ -263,11 +263,11 @@ def adapt(hf: nn.Module, proto: Encoding, backend: str, share_across_layers: boo
         for enc in per_type.values() or [proto]:
             enc.bind(head_dim=head_dim_of(layers[0], cfg), n_heads=int(cfg.num_attention_heads))
             enc.to(next(rotary.buffers()).device)
-        base.rotary_emb = RotaryTable(proto, info.rotary.layout, per_type)
+        base.rotary_emb = RotaryTable(proto, info.rotary.form, per_type)
         encs.append(proto)
     else:
         if rotary is not None:
-            base.rotary_emb = NoRotation(info.rotary.dim)
+            base.rotary_emb = NoRotation(info.rotary.dim, info.rotary.form)
         if wpe is not None:
             base.wpe = EmbeddingPositions(d_model, proto if "embed" in stages else None)
         placed: set[int] = set()
