@@ -86,6 +86,8 @@ def tiny_config(model_type: str) -> Any:
                 break
     if hasattr(cfg, "qk_rope_head_dim"):  # latent attention: q/k heads are a nope and a rope slice
         cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.head_dim = 8, 8, 16, 8
+    if hasattr(cfg, "mamba_d_ssm"):  # hybrid attention / state-space layers: a small state
+        cfg.mamba_d_ssm, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_chunk_size = 32, 4, 8, 8, 16
     if isinstance(getattr(cfg, "rotary_dim", None), int):
         cfg.rotary_dim = 8
     types = getattr(cfg, "layer_types", None)
@@ -213,7 +215,7 @@ def trial(model_type: str) -> Outcome:
         if name == "alibi":
             nums["gen_alibi"] = _generate_error(model)
     if "alibi" not in " ".join(refused):
-        _scale_attention(model, 4.0)
+        _scale_attention(model, 10.0)
         inject(model, "nope")
         own = _logits(model, ids)
         inject(model, "alibi")

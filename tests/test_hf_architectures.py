@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.hf_archs import PAGE, Outcome, build, markdown, model_types, trial, violations
+from benchmarks.hf_archs import PAGE, Outcome, _scale_attention, build, markdown, model_types, trial, violations
 from posenc_lightning import inject
 from posenc_lightning.adapters._hf_arch import ArchitectureRefused, describe
 
@@ -76,6 +76,7 @@ def test_softcapping_matters_in_the_zero_bias_check() -> None:
     o = outcome("gemma2")
     assert o.numbers["zero_bias"] < 1e-4 and o.numbers["logit_range"] > 0
     model = build("gemma2")
+    _scale_attention(model, 10.0)  # as in the trial
     ids = torch.randint(1, 64, (1, 10), generator=torch.Generator().manual_seed(0))
     inject(model, "alibi")
     for m in describe(model).layers:

@@ -34,7 +34,8 @@ SCORE_TRANSFORMS = {"softcap": "attention logit softcapping"}
 HANDLED_CONFIG = frozenset({
     "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "rotary_pct", "rotary_emb_base",
     "max_position_embeddings", "n_positions", "attn_logit_softcapping", "final_logit_softcapping",
-    "position_embedding_type", "rope_interleave", "use_rope", "rotary_dim", "rope_type"})
+    "position_embedding_type", "rope_interleave", "use_rope", "rotary_dim", "rope_type",
+    "original_max_position_embeddings", "mamba_chunk_size", "ssm_chunk_size", "linear_chunk_size"})
 MECHANISM_CONFIG = re.compile(r"alibi|softcap|no_rope|nope|chunk_size|temperature_tuning|position_bias|"
                               r"relative_attention|sinks|rope|rotary|position_embedding", re.I)
 
@@ -239,14 +240,11 @@ def _known_refusals(hf: nn.Module) -> None:
         raise refuse(hf, "its multi-head latent attention rotates a separate decoupled-rope slice of q and k "
                      "(qk_rope_head_dim) that the attention function cannot tell apart",
                      "a Llama/Qwen-style model (rope laws, alibi, fire on full q/k)")
-    if getattr(cfg, "no_rope_layers", None) or getattr(cfg, "attention_chunk_size", None) \
-            or getattr(cfg, "attn_temperature_tuning", False):
-        raise refuse(hf, "its NoPE layers, chunked attention and position-dependent query temperature "
-                     "(Llama 4) are applied inside its attention module, outside the attention function",
-                     "Llama 3 style models (model_type 'llama')")
-    if "mrope" in str(getattr(cfg, "rope_parameters", None) or ""):
-        raise refuse(hf, "its multimodal rope (mrope sections over 3-D positions) is not a RoPE table of 1-D "
-                     "positions", "a text model with plain rope (e.g. 'qwen3')")
+    found = [k for k in ("no_rope_layers", "attention_chunk_size", "attn_temperature_tuning") if getattr(cfg, k, None)]
+    if found:
+        raise refuse(hf, f"its NoPE layers / chunked attention / position-dependent query temperature ({', '.join(found)}) "
+                     f"are applied inside its attention module, outside the attention function",
+                     "a model that rotates every layer (e.g. 'llama')")
     for key, value in cfg.to_dict().items():
         if key in HANDLED_CONFIG or not MECHANISM_CONFIG.search(key) or not value:
             continue
