@@ -142,7 +142,6 @@ def _fit_and_reload(arch: str, name: str, cfg: dict[str, Any], tmp: str) -> floa
 def check(arch: str, name: str, fit: bool = True) -> dict[str, Any]:
     """Every number of one cell (see the module docstring)."""
     from posenc_lightning import inject
-
     from posenc_lightning.adapters.hf import ArchitectureRefused
 
     cfg = ENCODINGS.get(name, {"factor": 4.0} if name == "yarn" else {})

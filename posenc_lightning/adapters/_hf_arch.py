@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 
 #: attribute names of position mechanisms (a module, parameter or buffer named so must be known)
-POSITION_NAME = re.compile(r"(^|_)(pos|position|positions|positional|rotary|rope|alibi|wpe|sinusoidal)(_|$)", re.I)
+POSITION_NAME = re.compile(r"(^|_)(pos|position|positions|positional|rotary|rope|alibi|wpe|sinusoidal)(_|$)", re.IGNORECASE)
 #: class names of position mechanisms
-POSITION_CLASS = re.compile(r"Rotary|Positional|PositionEmbedding|Alibi|Sinusoid", re.I)
+POSITION_CLASS = re.compile(r"Rotary|Positional|PositionEmbedding|Alibi|Sinusoid", re.IGNORECASE)
 #: keyword arguments of the attention-interface call the adapter handles (score transforms included)
 KNOWN_CALL_KWARGS = frozenset({"scaling", "dropout", "sliding_window", "softcap", "position_ids", "is_causal",
                                "output_attentions", "attention_mask", "head_mask"})
@@ -37,7 +37,7 @@ HANDLED_CONFIG = frozenset({
     "position_embedding_type", "rope_interleave", "use_rope", "rotary_dim", "rope_type",
     "original_max_position_embeddings", "mamba_chunk_size", "ssm_chunk_size", "linear_chunk_size"})
 MECHANISM_CONFIG = re.compile(r"alibi|softcap|no_rope|nope|chunk_size|temperature_tuning|position_bias|"
-                              r"relative_attention|sinks|rope|rotary|position_embedding", re.I)
+                              r"relative_attention|sinks|rope|rotary|position_embedding", re.IGNORECASE)
 
 
 ADAPTED = "_posenc_hf_originals"  # set on a model while an encoding is injected (hf.restore clears it)
@@ -135,12 +135,13 @@ def _interface_call(cls: type) -> str | None:
     start = src.find("attention_interface(")
     if start < 0 or "ALL_ATTENTION_FUNCTIONS" not in inspect.getsource(sys.modules[cls.__module__]):
         return None
-    depth, i = 0, start + len("attention_interface")
-    for i in range(i, len(src)):
-        depth += {"(": 1, ")": -1}.get(src[i], 0)
+    open_at = start + len("attention_interface")
+    depth, end = 0, len(src)
+    for end in range(open_at, len(src)):
+        depth += {"(": 1, ")": -1}.get(src[end], 0)
         if depth == 0:
             break
-    return src[start + len("attention_interface("):i]
+    return src[open_at + 1:end]
 
 
 def call_kwargs(call: str) -> dict[str, str]:
@@ -152,7 +153,7 @@ def call_kwargs(call: str) -> dict[str, str]:
         elif ch in ")]}":
             depth -= 1
         if depth == 0 and ch == ",":
-            m = re.fullmatch(r"\s*(\w+)\s*=\s*(.*?)\s*", token, re.S)
+            m = re.fullmatch(r"\s*(\w+)\s*=\s*(.*?)\s*", token, re.DOTALL)
             if m:
                 out[m.group(1)] = m.group(2)
             token = ""
@@ -213,7 +214,7 @@ def probe_rotary(hf: nn.Module, rot: nn.Module) -> RotaryInfo:
         x = torch.zeros(1, dtype=torch.float32, device=device)
         try:
             out = rot(x, pos.to(device)) if lt is None else rot(x, pos.to(device), lt)
-        except Exception as e:  # noqa: BLE001 - any failure of the probe is an unknown mechanism
+        except Exception as e:
             raise refuse(hf, f"its rotary module {type(rot).__name__} does not take (x, position_ids) ({e})",
                          "a model whose rotary module returns (cos, sin)") from e
         if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)):

@@ -12,6 +12,13 @@ module (``model.base_model.rotary_emb``), GPT-2's ``wpe``, ``AttentionInterface`
   q/k (and cached keys) stay un-rotated, and every stage runs inside the attention function
   (`_hf_attention`). The encoding is a submodule of each attention module (``.posenc``): it is in
   ``state_dict``, the optimizer, checkpoints and DDP like any parameter of the model.
+
+What a model has is read first (`_hf_arch.describe`): the form of its rotary module (half,
+interleaved, GPT-J's (sin, cos) pairs; one table per layer type where the bases differ), its
+absolute position tables (zeroed while an encoding is injected), the score transforms its attention
+passes on (softcapping, kept on the fused path). Anything it does not recognise is refused at
+inject with an `ArchitectureRefused` (a ValueError naming the architecture, what is missing and
+the closest supported route).
 """
 
 from __future__ import annotations
@@ -21,10 +28,17 @@ import inspect
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from posenc_lightning.adapters import _hf_attention as attn
-from posenc_lightning.adapters._hf_arch import ADAPTED, ArchInfo, ArchitectureRefused, attention_modules, describe, refuse
+from posenc_lightning.adapters._hf_arch import (
+    ADAPTED,
+    ArchInfo,
+    ArchitectureRefused,
+    attention_modules,
+    describe,
+    refuse,
+)
 from posenc_lightning.adapters._hf_modules import EmbeddingPositions, NoRotation, RotaryTable, zero_table_forward
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.encodings.base import Encoding
