@@ -57,6 +57,21 @@ class Outcome:
     numbers: dict[str, float]
 
 
+#: layer-pattern fields of hybrid (attention + state-space / recurrent) stacks, for two layers
+HYBRID = {"attn_layer_indices": [1], "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+          "expert_layer_offset": 1}
+
+
+def two_kinds(types: list[str]) -> list[str]:
+    """Two layers of a per-layer kind list: one other kind, then an attention kind (full preferred)."""
+    kinds = list(dict.fromkeys(types))
+    if len(kinds) == 1:
+        return kinds * 2
+    attn = sorted((k for k in kinds if "attention" in str(k)), key=lambda k: "full" not in str(k))
+    other = [k for k in kinds if k not in attn[:1]]
+    return [other[0], attn[0]] if attn else kinds[:2]
+
+
 def model_types() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -90,11 +105,13 @@ def tiny_config(model_type: str) -> Any:
         cfg.mamba_d_ssm, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_chunk_size = 32, 4, 8, 8, 16
     if isinstance(getattr(cfg, "rotary_dim", None), int):
         cfg.rotary_dim = 8
-    types = getattr(cfg, "layer_types", None)
-    if isinstance(types, list) and len(types) > 2:
-        # keep one of each kind where there are two kinds (sliding and full attention)
-        kinds = list(dict.fromkeys(types))
-        cfg.layer_types = (kinds + kinds)[:2] if len(kinds) <= 2 else types[:2]
+    for key, value in HYBRID.items():  # hybrid stacks: the second of the two layers attends
+        if getattr(cfg, key, None) is not None:
+            setattr(cfg, key, value)
+    for key in ("layer_types", "layers_block_type", "block_types"):
+        types = vars(cfg).get(key)
+        if isinstance(types, list) and len(types) > 2:
+            setattr(cfg, key, two_kinds(types))
     if getattr(cfg, "attn_logit_softcapping", None):
         cfg.attn_logit_softcapping = SOFTCAP
     if getattr(cfg, "sliding_window", None):

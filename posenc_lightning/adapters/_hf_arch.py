@@ -35,7 +35,7 @@ HANDLED_CONFIG = frozenset({
     "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "rotary_pct", "rotary_emb_base",
     "max_position_embeddings", "n_positions", "attn_logit_softcapping", "final_logit_softcapping",
     "position_embedding_type", "rope_interleave", "use_rope", "rotary_dim", "rope_type",
-    "original_max_position_embeddings", "mamba_chunk_size", "ssm_chunk_size", "linear_chunk_size"})
+    "original_max_position_embeddings", "mamba_chunk_size", "ssm_chunk_size", "linear_chunk_size", "chunk_size"})
 MECHANISM_CONFIG = re.compile(r"alibi|softcap|no_rope|nope|chunk_size|temperature_tuning|position_bias|"
                               r"relative_attention|sinks|rope|rotary|position_embedding", re.IGNORECASE)
 
@@ -195,6 +195,11 @@ def _matches(out: tuple[Tensor, Tensor], ang: Tensor, scale: float) -> str | Non
     return None
 
 
+def _needs_layer_type(rot: nn.Module) -> bool:
+    param = inspect.signature(rot.forward).parameters.get("layer_type")
+    return param is not None and param.default is inspect.Parameter.empty
+
+
 def probe_rotary(hf: nn.Module, rot: nn.Module) -> RotaryInfo:
     """The form of ``rot``'s output (`FORMS`), checked against RoPE of its own ``inv_freq`` (or, for
     a module with a sin/cos table and no ``inv_freq``, of the frequencies its table gives at position
@@ -212,8 +217,12 @@ def probe_rotary(hf: nn.Module, rot: nn.Module) -> RotaryInfo:
         device = (inv if isinstance(inv, Tensor) else buffers[0]).device
         scale = float(getattr(rot, f"{prefix}attention_scaling", 1.0) or 1.0)
         x = torch.zeros(1, dtype=torch.float32, device=device)
+        if lt is None and _needs_layer_type(rot):  # one table, a layer_type argument it does not use
+            lt_arg = next(t for t in hf.config.layer_types if "attention" in str(t))
+        else:
+            lt_arg = lt
         try:
-            out = rot(x, pos.to(device)) if lt is None else rot(x, pos.to(device), lt)
+            out = rot(x, pos.to(device)) if lt_arg is None else rot(x, pos.to(device), lt_arg)
         except Exception as e:
             raise refuse(hf, f"its rotary module {type(rot).__name__} does not take (x, position_ids) ({e})",
                          "a model whose rotary module returns (cos, sin)") from e
