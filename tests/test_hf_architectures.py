@@ -114,3 +114,18 @@ def test_an_unknown_position_mechanism_is_refused() -> None:
     model.model.rotary_emb = Rotary(model.model.rotary_emb)
     with pytest.raises(ArchitectureRefused, match="not RoPE of its inv_freq"):
         inject(model, "rope")
+
+
+@pytest.mark.parametrize("arch", ["cohere", "gptj", "gemma3_text"])
+def test_a_dynamic_law_in_the_attention_equals_the_models_own_rope_inside_its_length(arch: str) -> None:
+    """dynamic_ntk rotates q and k inside the attention function (the model's rotary module gives the
+    identity); inside the original length it is plain rope, so the model's own logits come back: the
+    layout (interleaved, GPT-J's pairs), the partial rotary dim and the per-layer-type bases follow the model."""
+    model = build(arch)
+    ids = torch.randint(1, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        own = model(ids).logits
+    inject(model, "dynamic_ntk", factor=4.0)
+    assert model.config._attn_implementation.startswith("posenc_wrap_")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, own, atol=1e-5, rtol=1e-5)
