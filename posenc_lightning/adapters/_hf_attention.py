@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from posenc_lightning.adapters._hf_scores import softcapped_attend
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias
@@ -59,10 +60,24 @@ def record_call(module: nn.Module, args: tuple, kwargs: dict) -> None:
     module._posenc_call = LayerCall(hidden, cache, seen)
 
 
-def positions(module: nn.Module, query: Tensor, key: Tensor, position_ids: Tensor | None
-              ) -> tuple[Tensor, Tensor, int, int]:
-    """``(q_pos [B, Nq], k_pos [B, Nk], seen, first)``: positions of queries and keys, the tokens
-    seen before this call and the token index of key 0 (> 0 once a sliding window evicted keys)."""
+@dataclass
+class Operands:
+    """What the attention runs on: keys, values and their positions (``k_pos [B, Nk]``), the query
+    positions (``q_pos [B, Nq]``), the tokens seen before this call and the token index of key 0
+    (> 0 once a sliding window evicted keys)."""
+
+    key: Tensor
+    value: Tensor
+    q_pos: Tensor
+    k_pos: Tensor
+    seen: int
+    first: int
+
+
+def operands(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, position_ids: Tensor | None
+             ) -> Operands:
+    """The one place where the keys, values and key positions every posenc attention path uses are
+    formed (a context-parallel gather of them belongs here)."""
     call: LayerCall = module._posenc_call
     b, _, n_q, _ = query.shape
     n_k = key.shape[-2]
@@ -73,10 +88,10 @@ def positions(module: nn.Module, query: Tensor, key: Tensor, position_ids: Tenso
     total = call.seen + n_q
     first = max(total - n_k, 0)
     if call.seen == 0 and n_k == n_q:
-        return q_pos, q_pos, 0, 0
+        return Operands(key, value, q_pos, q_pos, 0, 0)
     tok = torch.arange(first, first + n_k, device=query.device)
     k_pos = (q_pos[:, -1:] - (total - 1 - tok)).clamp_min(0)  # masked keys (pads, empty slots) only clamp
-    return q_pos, k_pos, call.seen, first
+    return Operands(key, value, q_pos, k_pos, call.seen, first)
 
 
 def _encoding(module: nn.Module) -> Any:
@@ -138,8 +153,9 @@ def wrap_function(impl: str) -> Callable[..., Any]:
                     **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         enc = _encoding(module)
         if "rotate" in enc.stages:
-            q_pos, k_pos, _, _ = positions(module, query, key, kwargs.get("position_ids"))
-            ctx = AttentionContext(q_pos, k_pos, True, None, None, module)
+            op = operands(module, query, key, value, kwargs.get("position_ids"))
+            key, value = op.key, op.value
+            ctx = AttentionContext(op.q_pos, op.k_pos, True, None, None, module)
             query, key = enc.rotate(query, key, ctx)
             query, key = query.to(value.dtype), key.to(value.dtype)
         return _original_function(module, impl)(module, query, key, value, attention_mask, **kwargs)
@@ -202,8 +218,9 @@ def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
         warnings.warn(f"{type(module).__name__}: attention dropout ({dropout}) is not applied by posenc's "
                       f"fused attention (encoding {enc.name!r})", stacklevel=2)
         module._posenc_warned_dropout = True
+    op = operands(module, query, key, value, kwargs.get("position_ids"))
+    key, value, q_pos, k_pos, seen, first = op.key, op.value, op.q_pos, op.k_pos, op.seen, op.first
     n_q, n_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
-    q_pos, k_pos, seen, first = positions(module, query, key, kwargs.get("position_ids"))
     state = _cache_state(module) if enc.keeps_cache_state else None  # the others keep nothing there
     if state is not None:
         _align_state(state, enc.name, type(call.cache).__name__, n_k - n_q, seen + n_q - first == n_k)
@@ -213,7 +230,8 @@ def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     if "rotate" in stages:
         query, key = enc.rotate(query, key, ctx)
     bias = enc.bias(query, key, ctx) if "bias" in stages else None
-    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    # the call's own window (None on a model's full-attention layers) over the module's attribute
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if window is not None and seen + n_q - first > int(window):
         bias = _window_bias(int(window), seen, first, n_q, n_k, query.device) + bias
     q_seg, k_seg = _segments(attention_mask, q_pos, seen, first, n_q, n_k)
@@ -222,8 +240,12 @@ def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     backend = resolve_backend(getattr(module, "posenc_backend", "auto"), enc, query.device, requires_grad)
     scale = (scaling if scaling is not None else d ** -0.5) * enc.softmax_scale(d) * d ** 0.5
     normalize = enc.normalize if "normalize" in stages else None
-    out = backend.attend(query, key, value, bias=bias, mask=mask, scale=scale, normalize=normalize, ctx=ctx)
-    return out.transpose(1, 2).to(value.dtype), None
+    if kwargs.get("softcap") is not None:  # the model's score transform: only the dense reference applies it
+        out = softcapped_attend(query, key, value, float(kwargs["softcap"]), bias=bias, mask=mask, scale=scale,
+                                normalize=normalize, ctx=ctx)
+    else:
+        out = backend.attend(query, key, value, bias=bias, mask=mask, scale=scale, normalize=normalize, ctx=ctx)
+    return out.transpose(1, 2).contiguous().to(value.dtype), None
 
 
 def register(impl: str) -> str:

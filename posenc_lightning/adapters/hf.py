@@ -12,22 +12,40 @@ module (``model.base_model.rotary_emb``), GPT-2's ``wpe``, ``AttentionInterface`
   q/k (and cached keys) stay un-rotated, and every stage runs inside the attention function
   (`_hf_attention`). The encoding is a submodule of each attention module (``.posenc``): it is in
   ``state_dict``, the optimizer, checkpoints and DDP like any parameter of the model.
+
+What a model has is read first (`_hf_arch.describe`): the form of its rotary module (half,
+interleaved, GPT-J's (sin, cos) pairs; one table per layer type where the bases differ), its
+absolute position tables (zeroed while an encoding is injected), the score transforms its attention
+passes on (softcapping, kept on the fused path). Anything it does not recognise is refused at
+inject with an `ArchitectureRefused` (a ValueError naming the architecture, what is missing and
+the closest supported route).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from posenc_lightning.adapters import _hf_attention as attn
+from posenc_lightning.adapters._hf_arch import (
+    ADAPTED,
+    ArchInfo,
+    ArchitectureRefused,
+    attention_modules,
+    describe,
+    refuse,
+)
+from posenc_lightning.adapters._hf_modules import EmbeddingPositions, NoRotation, RotaryTable, zero_table_forward
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.encodings.base import Encoding
 
 MIN_VERSION = (5, 0)
-ORIGINALS = "_posenc_hf_originals"
+ORIGINALS = ADAPTED
+USER_KEYS = "_posenc_hf_user_keys"  # the arguments the user gave by name (`defaults_for`)
 
 
 def require_transformers() -> None:
@@ -61,18 +79,6 @@ def find_hf_models(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def attention_modules(hf: nn.Module) -> list[nn.Module]:
-    """Self-attention modules: the ones with a ``layer_idx`` whose class calls the attention interface."""
-    out = []
-    for m in hf.modules():
-        if getattr(m, "layer_idx", None) is None or "Attention" not in type(m).__name__:
-            continue
-        if getattr(m, "is_cross_attention", False):
-            continue
-        out.append(m)
-    return out
-
-
 def head_dim_of(m: nn.Module, config: Any) -> int:
     for attr in ("head_dim", "head_size"):
         if isinstance(getattr(m, attr, None), int):
@@ -81,8 +87,21 @@ def head_dim_of(m: nn.Module, config: Any) -> int:
 
 
 def rope_parameters(config: Any) -> dict[str, Any] | None:
+    """The config's rope parameters; per layer type, the ones every layer type shares."""
     p = getattr(config, "rope_parameters", None)
-    return dict(p) if p else None
+    if not p:
+        return None
+    nested = [v for v in p.values() if isinstance(v, dict)]
+    if not nested:
+        return dict(p)
+    return {k: v for k, v in nested[0].items() if k != "rope_theta" and all(n.get(k) == v for n in nested)}
+
+
+def n_heads_of(m: nn.Module, config: Any) -> int:
+    for attr in ("num_heads", "num_attention_heads", "n_heads"):
+        if isinstance(getattr(m, attr, None), int):
+            return int(getattr(m, attr))
+    return int(config.num_attention_heads)
 
 
 def rotary_module(hf: nn.Module) -> nn.Module | None:
@@ -90,8 +109,9 @@ def rotary_module(hf: nn.Module) -> nn.Module | None:
 
 
 def model_defaults(hf: nn.Module) -> dict[str, Any]:
-    """Encoding arguments the model implies, used when the user gave none: its RoPE base and
-    partial rotary fraction, and its training length as the original length of a scaling law."""
+    """Encoding arguments the model implies, used when the user gave none: its RoPE base (left out
+    where the base is per layer type: each layer type then gets its own) and layout, partial rotary
+    fraction, and its training length as the original length of a scaling law."""
     cfg = hf.config
     out: dict[str, Any] = {}
     p = rope_parameters(cfg) or {}
@@ -99,6 +119,12 @@ def model_defaults(hf: nn.Module) -> dict[str, Any]:
         out["theta"] = float(p["rope_theta"])
     if p.get("partial_rotary_factor") is not None:
         out["partial_rotary_factor"] = float(p["partial_rotary_factor"])
+    info = describe(hf)
+    if info.rotary is not None:  # the rotated channels as probed (HF rounds head_dim * factor down)
+        out["layout"] = info.rotary.layout
+        head_dim = head_dim_of(info.layers[0], cfg)
+        if info.rotary.dim != head_dim:
+            out["partial_rotary_factor"] = info.rotary.dim / head_dim
     n = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     if isinstance(n, int):
         out["original_max_position_embeddings"] = int(p.get("original_max_position_embeddings") or n)
@@ -107,7 +133,13 @@ def model_defaults(hf: nn.Module) -> dict[str, Any]:
 
 
 def defaults_for(hf: nn.Module, encoding_cls: type, cfg: dict[str, Any]) -> dict[str, Any]:
-    """``cfg`` completed with `model_defaults` for the arguments ``encoding_cls`` takes."""
+    """``cfg`` completed with `model_defaults` for the arguments ``encoding_cls`` takes.
+
+    Raises:
+        ArchitectureRefused: the model has a mechanism the adapter cannot carry (`describe`).
+    """
+    describe(hf)
+    object.__setattr__(hf, USER_KEYS, frozenset(cfg))  # read (once) by the next `adapt`
     params = inspect.signature(encoding_cls.__init__).parameters
     out = dict(cfg)
     implied = model_defaults(hf)
@@ -122,75 +154,48 @@ def defaults_for(hf: nn.Module, encoding_cls: type, cfg: dict[str, Any]) -> dict
 
 
 # ------------------------------------------------------------------------------------------------
-# the modules that replace the model's own positions
-# ------------------------------------------------------------------------------------------------
-class RotaryTable(nn.Module):
-    """Stands in for ``model.base_model.rotary_emb``: cos/sin of this project's rotary law in
-    transformers' half layout ``[*position_ids.shape, rotary_dim]``, angles in fp32."""
-
-    def __init__(self, encoding: Encoding) -> None:
-        super().__init__()
-        self.posenc = encoding
-
-    @torch.no_grad()
-    def forward(self, x: Tensor, position_ids: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        pos = position_ids.to(x.device)
-        cos, sin = self.posenc.cos_sin(pos if pos.dim() == 2 else pos.reshape(1, -1))
-        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        return cos.reshape(*pos.shape, -1).to(x.dtype), sin.reshape(*pos.shape, -1).to(x.dtype)
-
-
-class NoRotation(nn.Module):
-    """Stands in for the rotary module: cos = 1, sin = 0 (q and k pass through exactly)."""
-
-    def __init__(self, rotary_dim: int) -> None:
-        super().__init__()
-        self.rotary_dim = rotary_dim
-
-    def forward(self, x: Tensor, position_ids: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        shape = (*position_ids.shape, self.rotary_dim)
-        one = torch.ones((), dtype=x.dtype, device=x.device)
-        return one.expand(shape), torch.zeros((), dtype=x.dtype, device=x.device).expand(shape)
-
-
-class EmbeddingPositions(nn.Module):
-    """Stands in for GPT-2's ``wpe``: the encoding's stage 1 (sinusoidal, learned) or zero."""
-
-    def __init__(self, d_model: int, encoding: Encoding | None = None) -> None:
-        super().__init__()
-        self.d_model = d_model
-        self.posenc = encoding
-
-    def forward(self, position_ids: Tensor) -> Tensor:
-        zeros = torch.zeros((*position_ids.shape, self.d_model), device=position_ids.device)
-        if self.posenc is None:
-            return zeros
-        return self.posenc.embed(zeros, position_ids.expand(position_ids.shape[0], -1))
-
-
-# ------------------------------------------------------------------------------------------------
 # the adapter
 # ------------------------------------------------------------------------------------------------
-def uses_table(hf: nn.Module, enc: Encoding) -> bool:
-    """A static rotary law that transformers' own rotary module can carry (half layout, one
+def per_type_encodings(hf: nn.Module, info: ArchInfo, proto: Encoding, user_keys: frozenset[str] | None
+                       ) -> dict[str, Encoding]:
+    """One encoding per layer type where the model's RoPE base is per layer type and the user left
+    ``theta`` to the model (an encoding given by name without ``theta``; the first type's is
+    ``proto`` itself); ``{}`` otherwise."""
+    if info.rotary is None or not info.rotary.per_layer_type or user_keys is None or "theta" in user_keys \
+            or "theta" not in proto.config():
+        return {}
+    out: dict[str, Encoding] = {}
+    for lt, theta in info.rotary.thetas.items():
+        theta = float(theta if theta is not None else 10000.0)
+        if out:
+            out[lt] = type(proto)(**{**proto.config(), "theta": theta})
+        else:  # proto's config leaves theta to the model: a checkpoint's reload does the same again
+            proto.theta = theta
+            proto.__dict__.get("_init_args", {}).pop("theta", None)
+            out[lt] = proto
+    return out
+
+
+def uses_table(hf: nn.Module, enc: Encoding, info: ArchInfo | None = None) -> bool:
+    """A static rotary law that transformers' own rotary module can carry (the model's layout, one
     table for all heads, the model's partial rotary fraction)."""
     from posenc_lightning.encodings.rope import RotaryEncoding
 
-    if rotary_module(hf) is None or not isinstance(enc, RotaryEncoding) or enc.dynamic:
+    info = info or describe(hf)
+    if info.rotary is None or not isinstance(enc, RotaryEncoding) or enc.dynamic:
         return False
     # per-head laws (multiscale_rope) need n_heads to give their table
-    enc.bind(head_dim=head_dim_of(attention_modules(hf)[0], hf.config), n_heads=int(hf.config.num_attention_heads))
-    if enc.stages != frozenset({"rotate"}) or enc.layout != "half" or enc.frequencies_key(None) is None:
+    enc.bind(head_dim=head_dim_of(info.layers[0], hf.config), n_heads=int(hf.config.num_attention_heads))
+    if enc.stages != frozenset({"rotate"}) or enc.layout != info.rotary.layout or enc.frequencies_key(None) is None:
         return False
     if type(enc).rotate is not RotaryEncoding.rotate or type(enc).cos_sin is not RotaryEncoding.cos_sin:
         return False
     cos, _ = enc.cos_sin(torch.arange(2)[None])
-    inv = rotary_module(hf).inv_freq
-    return cos.dim() == 3 and cos.shape[-1] == inv.numel()
+    return cos.dim() == 3 and 2 * cos.shape[-1] == info.rotary.dim
 
 
 def restore(hf: nn.Module) -> None:
-    """Undo an earlier adaptation: the original rotary module, ``wpe`` and attention function."""
+    """Undo an earlier adaptation: the original rotary module, position tables and attention function."""
     orig = getattr(hf, ORIGINALS, None)
     if orig is None:
         return
@@ -198,6 +203,11 @@ def restore(hf: nn.Module) -> None:
         hf.base_model.rotary_emb = orig["rotary_emb"]
     if "wpe" in orig:
         hf.base_model.wpe = orig["wpe"]
+    for table in orig.get("tables", []):
+        del table.forward
+    for owner, name, value in orig.get("buffers", []):
+        with torch.no_grad():
+            getattr(owner, name).copy_(value)
     for m in attention_modules(hf):
         for h in getattr(m, "_posenc_hooks", []):
             h.remove()
@@ -209,14 +219,35 @@ def restore(hf: nn.Module) -> None:
     object.__setattr__(hf, ORIGINALS, None)
 
 
+def _neutralize_tables(hf: nn.Module, info: ArchInfo, orig: dict[str, Any]) -> None:
+    """Absolute position tables other than GPT-2's ``wpe`` give zeros (`zero_table_forward`; buffers zeroed)."""
+    orig["tables"] = [getattr(owner, name) for owner, name in info.tables
+                      if not (owner is hf.base_model and name == "wpe")]
+    for table in orig["tables"]:
+        table.forward = functools.partial(zero_table_forward, table)
+    orig["buffers"] = []
+    for owner, name in info.buffers:
+        buf = getattr(owner, name)
+        orig["buffers"].append((owner, name, buf.detach().clone()))
+        with torch.no_grad():
+            buf.zero_()
+
+
 def adapt(hf: nn.Module, proto: Encoding, backend: str, share_across_layers: bool,
           copy: Any) -> list[Encoding]:
-    """Put ``proto`` into ``hf`` (after `restore`); returns the encodings placed (the first is ``proto``)."""
+    """Put ``proto`` into ``hf`` (after `restore`); returns the encodings placed (the first is ``proto``).
+
+    Raises:
+        ArchitectureRefused: what the model has that the adapter cannot carry (`describe`), or an
+            encoding that needs posenc's fused attention on a model whose attention passes it
+            something the fused attention does not apply (attention sinks, ...).
+    """
     require_transformers()
     restore(hf)
+    info = describe(hf)
     cfg = hf.config
     base = hf.base_model
-    rotary = rotary_module(hf)
+    rotary = info.rotary.module if info.rotary is not None else None
     wpe = getattr(base, "wpe", None)
     impl = cfg._attn_implementation or "sdpa"
     orig: dict[str, Any] = {"attn_implementation": impl}
@@ -225,30 +256,40 @@ def adapt(hf: nn.Module, proto: Encoding, backend: str, share_across_layers: boo
     if isinstance(wpe, nn.Embedding):
         orig["wpe"] = wpe
     d_model = int(cfg.hidden_size)
-    layers = attention_modules(hf)
-    if not layers:
-        raise ValueError(f"{type(hf).__name__}: found no self-attention module with a layer_idx; "
-                         f"posenc's adapter supports transformers decoder models (Llama, Mistral, Qwen2, "
-                         f"GPT-NeoX, GPT-2, Phi, ...)")
+    layers = info.layers
     stages = proto.stages
     if "embed" in stages and wpe is None:
         raise ValueError(f"{proto.name} adds positions to the token embeddings (stage 1); {type(hf).__name__} "
                          f"has no position-embedding table (wpe) to carry it. Use a rotary or bias encoding "
                          f"(e.g. 'rope', 'alibi', 'fire') on this model")
+    attn_stages = stages & {"rotate", "bias", "normalize"}
+    if attn_stages - {"rotate"} and info.fused_unsupported:
+        raise refuse(hf, f"{proto.name} needs posenc's fused attention, which does not apply "
+                     f"{', '.join(info.fused_unsupported.values())}",
+                     "a rotary encoding (rope, yarn, llama3, ...), which keeps the model's own attention")
+    heads = sorted({n_heads_of(m, cfg) for m in layers})
+    if share_across_layers and len(heads) > 1 and attn_stages:
+        raise refuse(hf, f"its layers have different head counts {heads}, which one shared encoding cannot serve",
+                     "inject(model, ..., share_across_layers=False)")
+    per_type = per_type_encodings(hf, info, proto, hf.__dict__.pop(USER_KEYS, None))
     encs: list[Encoding] = []
-    if uses_table(hf, proto):
-        proto.to(rotary.inv_freq.device)
-        base.rotary_emb = RotaryTable(proto)
+    if uses_table(hf, proto, info):
+        for enc in per_type.values() or [proto]:
+            enc.bind(head_dim=head_dim_of(layers[0], cfg), n_heads=int(cfg.num_attention_heads))
+            enc.to(next(rotary.buffers()).device)
+        base.rotary_emb = RotaryTable(proto, info.rotary.form, per_type)
         encs.append(proto)
     else:
         if rotary is not None:
-            base.rotary_emb = NoRotation(2 * rotary.inv_freq.numel())
+            base.rotary_emb = NoRotation(info.rotary.dim, info.rotary.form)
         if wpe is not None:
             base.wpe = EmbeddingPositions(d_model, proto if "embed" in stages else None)
-        attn_stages = stages & {"rotate", "bias", "normalize"}
-        for i, m in enumerate(layers if attn_stages else []):
-            enc = proto if (share_across_layers or i == 0) else copy(proto)
-            enc.bind(n_heads=int(cfg.num_attention_heads), head_dim=head_dim_of(m, cfg), d_model=d_model)
+        placed: set[int] = set()
+        for m in layers if attn_stages else []:
+            kind = per_type[cfg.layer_types[m.layer_idx]] if per_type else proto
+            enc = kind if (share_across_layers or id(kind) not in placed) else copy(kind)
+            placed.add(id(kind))
+            enc.bind(n_heads=n_heads_of(m, cfg), head_dim=head_dim_of(m, cfg), d_model=d_model)
             weight = next(m.parameters())
             enc.to(device=weight.device, dtype=weight.dtype if weight.is_floating_point() else None)
             resolve_backend(backend, enc, weight.device, requires_grad=False)
@@ -265,5 +306,12 @@ def adapt(hf: nn.Module, proto: Encoding, backend: str, share_across_layers: boo
         if attn_stages:
             name = attn.register(attn.FUSED if attn_stages - {"rotate"} else impl)
             hf.set_attn_implementation(name)
+    _neutralize_tables(hf, info, orig)
     object.__setattr__(hf, ORIGINALS, orig)
-    return encs or [proto]
+    if proto in encs:
+        encs.remove(proto)
+    return [proto, *encs]
+
+
+__all__ = ["ArchInfo", "ArchitectureRefused", "EmbeddingPositions", "NoRotation", "RotaryTable", "adapt",
+           "attention_modules", "describe", "find_hf_models", "restore"]

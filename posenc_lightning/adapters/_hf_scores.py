@@ -1,0 +1,43 @@
+"""Score transforms a model applies inside its attention, kept on posenc's fused path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from posenc_lightning.attention.backends.eager import repeat_kv
+from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings.base import AttentionContext, Bias
+
+
+def softcapped_attend(q: Tensor, k: Tensor, v: Tensor, softcap: float, *, bias: Bias | None,
+                      mask: AttentionMask, scale: float, normalize: Callable | None = None,
+                      ctx: AttentionContext | None = None) -> Tensor:
+    """Attention with Gemma 2's logit softcapping, in float32: ``cap * tanh(q.k * scale / cap)``,
+    then the encoding's bias and the mask (where the model adds its own mask), then softmax or the
+    encoding's normalizer.
+
+    Args:
+        q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]``.
+        softcap: the cap (``config.attn_logit_softcapping``).
+        bias, mask, scale, normalize, ctx: as for a posenc backend's ``attend``.
+
+    Returns:
+        ``[B, H, Nq, D]`` in q's dtype.
+    """
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    wt = torch.promote_types(q.dtype, torch.float32)
+    logits = torch.matmul(q.to(wt), k.to(wt).transpose(-1, -2)) * scale
+    logits = torch.tanh(logits / softcap) * softcap
+    if bias is not None:
+        logits = logits + bias.materialize()
+    m = mask.materialize(q.device)
+    if normalize is not None:
+        w = normalize(logits, m, ctx)
+    elif m is not None:
+        w = torch.nan_to_num(torch.softmax(logits.masked_fill(~m, float("-inf")), dim=-1), nan=0.0)
+    else:
+        w = torch.softmax(logits, dim=-1)
+    return torch.matmul(w, v.to(w.dtype)).to(q.dtype)
