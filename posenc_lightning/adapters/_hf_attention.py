@@ -32,9 +32,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from posenc_lightning.adapters._hf_sharded import sharded_hf_attention
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias
+from posenc_lightning.parallel.group import active as active_context_parallel
 
 FUSED = "posenc_fused"
 WRAP_PREFIX = "posenc_wrap_"
@@ -204,6 +206,10 @@ def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
         module._posenc_warned_dropout = True
     n_q, n_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
     q_pos, k_pos, seen, first = positions(module, query, key, kwargs.get("position_ids"))
+    group = active_context_parallel() if call.cache is None else None
+    if group is not None:  # this rank's shard of the sequence (`posenc_lightning.parallel`)
+        return sharded_hf_attention(group, module, enc, query, key, value, attention_mask, q_pos, call.hidden,
+                                    scaling), None
     state = _cache_state(module) if enc.keeps_cache_state else None  # the others keep nothing there
     if state is not None:
         _align_state(state, enc.name, type(call.cache).__name__, n_k - n_q, seen + n_q - first == n_k)

@@ -14,6 +14,7 @@ from posenc_lightning.attention.recompute import RotationRecompute
 from posenc_lightning.attention.validate import check_attend, check_embed
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 from posenc_lightning.functional.positions import arange_offset
+from posenc_lightning.parallel.group import active as active_context_parallel
 
 
 class _NoEncoding(Encoding):
@@ -66,10 +67,14 @@ class PosEncAttentionMixin:
         b, _, n, _ = q.shape
         offset = cache.length if cache is not None else 0
         start = None  # positions known to be start + arange(n) in every row (`AttentionContext`)
+        group = active_context_parallel() if cache is None else None  # q, k, v: this rank's shard
         if positions is None:
             if enc.position_dims != 1:
                 raise ValueError(f"{enc.name} needs explicit positions of shape [B, N, {enc.position_dims}]")
-            positions, start = default_positions(b, n, offset, q.device), offset
+            if group is not None:  # the shard's true global positions; the full sequence is arange
+                positions, start = group.positions(b, n, q.device), 0
+            else:
+                positions, start = default_positions(b, n, offset, q.device), offset
         elif positions.dim() == 1:
             positions = positions.expand(b, -1)
         want = 2 if enc.position_dims == 1 else 3
@@ -79,6 +84,13 @@ class PosEncAttentionMixin:
                              f"(got shape {tuple(positions.shape)})")
         if enc.requires_hidden and hidden is None:
             raise ValueError(f"{enc.name} is content-dependent: pass hidden=<layer input> to attend()")
+        if group is not None:
+            from posenc_lightning.attention.sharded import sharded_attend
+
+            enc.check_positions(positions, None)
+            backend = resolve_backend(getattr(self, "posenc_backend", "auto"), enc, q.device, torch.is_grad_enabled())
+            return sharded_attend(group, self, enc, backend, enc.softmax_scale(q.shape[-1]), q, k, v, positions,
+                                  causal, hidden, segment_ids, key_padding_mask, positions_start=start)
         if start is None and positions.dim() == 2:
             start = arange_offset(positions)  # a look at the values only where that is free
         enc.check_positions(positions, start)
@@ -143,6 +155,9 @@ class PosEncEmbeddingMixin:
             return h
         check_embed(h, positions, getattr(self, "d_model", None))
         start = None
-        if positions is None:
+        group = active_context_parallel() if offset == 0 else None
+        if positions is None and group is not None:  # a context-parallel shard: its global positions
+            positions = group.positions(h.shape[0], h.shape[1], h.device)
+        elif positions is None:
             positions, start = default_positions(h.shape[0], h.shape[1], offset, h.device), offset
         return enc.embed(h, positions, start)
