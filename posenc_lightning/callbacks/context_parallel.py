@@ -133,7 +133,6 @@ def _fused_hf_attention(model: nn.Module) -> Callable[[], None] | None:
         return None
     from posenc_lightning.adapters import _hf_attention as hf_attn
     from posenc_lightning.adapters.hf import attention_modules, find_hf_models
-
     from posenc_lightning.attention.mixin import NO_ENCODING
 
     switched, plain = [], []

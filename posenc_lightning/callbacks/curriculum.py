@@ -98,8 +98,9 @@ class CurriculumSampler(DistributedSampler):
 
     def __init__(self, dataset: Dataset, curriculum: ContextCurriculum, trainer: pl.Trainer,
                  base_batch_size: int, batches_per_epoch: int, seed: int = 0) -> None:
-        super().__init__(dataset, num_replicas=max(1, trainer.world_size), rank=trainer.global_rank,
-                         shuffle=False, seed=seed)
+        split = trainer.distributed_sampler_kwargs or {}  # the data-parallel axis (`ContextParallel`)
+        super().__init__(dataset, num_replicas=split.get("num_replicas", max(1, trainer.world_size)),
+                         rank=split.get("rank", trainer.global_rank), shuffle=False, seed=seed)
         self.curriculum, self.trainer = curriculum, trainer
         self.base_batch_size, self.batches_per_epoch = base_batch_size, batches_per_epoch
 
