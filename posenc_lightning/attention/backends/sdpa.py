@@ -48,9 +48,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         with _flush_denormals(q.device):
             out = _attend_biased(q, k, v, bias, mask, scale, gqa, ctx, given)
         return _DenormalsOnForBackward.apply(out) if flush else out
-    if 4 * q.shape[0] * q.shape[-2] * k.shape[-2] > BIAS_BLOCK_BYTES:
-        # a mask alone (a causal offset: a KV-cache or context-parallel chunk; documents, padding)
-        # as large as a bias block: its rows a block at a time too, never the whole [Nq, Nk] mask
+    if mask.causal and mask.q_offset > 0 and 4 * q.shape[0] * q.shape[-2] * k.shape[-2] > BIAS_BLOCK_BYTES:
+        # a causal offset (a context-parallel chunk, a long prefill after a KV cache), which SDPA's
+        # is_causal cannot express, with a mask larger than a bias block: its rows a block at a time
         return _attend_blockwise(q, k, v, _zero_rows(q.shape[1], q.shape[-2], k.shape[-2], q.device), mask, scale, gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.materialize(q.device), scale=scale,
                                           enable_gqa=gqa)
