@@ -84,19 +84,19 @@ class PosEncAttentionMixin:
                              f"(got shape {tuple(positions.shape)})")
         if enc.requires_hidden and hidden is None:
             raise ValueError(f"{enc.name} is content-dependent: pass hidden=<layer input> to attend()")
-        if group is not None:
-            from posenc_lightning.attention.sharded import sharded_attend
-
-            enc.check_positions(positions, None)
-            backend = resolve_backend(getattr(self, "posenc_backend", "auto"), enc, q.device, torch.is_grad_enabled())
-            return sharded_attend(group, self, enc, backend, enc.softmax_scale(q.shape[-1]), q, k, v, positions,
-                                  causal, hidden, segment_ids, key_padding_mask, positions_start=start)
-        if start is None and positions.dim() == 2:
+        # under context parallelism ``start`` describes the whole sequence's positions, not the shard's
+        shard_start, start = (start, None) if group is not None else (None, start)
+        if start is None and positions.dim() == 2 and group is None:
             start = arange_offset(positions)  # a look at the values only where that is free
         enc.check_positions(positions, start)
         stages = enc.stages
         requires_grad = torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in enc.parameters()))
         backend = resolve_backend(getattr(self, "posenc_backend", "auto"), enc, q.device, requires_grad)
+        if group is not None:  # this rank's chunks attend to the group's gathered keys
+            from posenc_lightning.attention.sharded import sharded_attend
+
+            return sharded_attend(group, self, enc, backend, enc.softmax_scale(q.shape[-1]), q, k, v, positions,
+                                  causal, hidden, segment_ids, key_padding_mask, positions_start=shard_start)
         # a backend that rotates in-kernel (triton) gets un-rotated q, k and the rotary encoding
         # as ``ctx.rotary``; its KV cache then holds un-rotated keys, as for dynamic encodings
         fused_rotary = enc.fused_rotary if backend.FUSES_ROTARY and "rotate" in stages else None
