@@ -6,10 +6,11 @@ Two process groups, each started once for the module (tests/cp_worker.py): 2 pro
 (context-parallel 2) and 4 processes (data-parallel 2 x context-parallel 2). The shard gradients
 are averaged over the world as DDP does.
 
-Tolerances (float32), measured: |loss - loss_1proc| <= 9.5e-7 (one float32 ulp at 5.6 is 4.8e-7),
-max |grad - grad_1proc| <= 2.1e-7 for every parameter of every case, and relative to the
-parameter's largest gradient (floored at 1e-3 x the model's largest) <= 7.1e-6 (fox: its
-cumulative gates sum the same terms in another order). Asserted: 4e-6, 1e-6 and 1e-4.
+Tolerances (float32), measured over every case of both runs: |loss - loss_1proc| <= 9.5e-7 (two
+float32 ulps at 5.6), max |grad - grad_1proc| <= 2.1e-7 (gpt2/fox), and that difference relative to
+the parameter's largest gradient (floored at 1e-3 x the model's largest, for gradients that are zero
+in exact arithmetic such as FIRE's per-head output bias) <= 1.4e-5 (llama/fire). Asserted: 4e-6,
+1e-6 and 1e-4.
 """
 
 from __future__ import annotations
