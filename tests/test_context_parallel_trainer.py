@@ -1,6 +1,6 @@
 """`ContextParallel` in real Trainer runs (2 gloo processes, ddp_spawn): each rank trains on its
 head-tail shard of the batch, the mean of the ranks' losses equals a 1-process run on the full
-sequences step by step, a run resumed from a checkpoint under context parallelism ends with the
+sequences step by step (through a `ContextCurriculum` stage that doubles the length), a run resumed from a checkpoint under context parallelism ends with the
 parameters of an uninterrupted one, `LengthEvalCallback` scores shards under the same groups, and
 bad setups fail at setup with the rule named.
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from posenc_lightning import ContextParallel, LengthEvalCallback
+from posenc_lightning import ContextCurriculum, ContextParallel, LengthEvalCallback, Stage
 from posenc_lightning.encodings.base import Encoding
 from posenc_lightning.parallel.group import active
 from tests.curriculum_helpers import tiny_data, tiny_model
@@ -47,7 +47,9 @@ class Record(pl.Callback):
 def _fit(out: Path, devices: int, steps: int = STEPS, ckpt: str | None = None, save: bool = False) -> None:
     out.mkdir(exist_ok=True)
     pl.seed_everything(0)
-    cbs = [Record(str(out)), LengthEvalCallback(lengths=[SEQ, 2 * SEQ], max_windows=2)]
+    # a curriculum doubling the length at step 2: the shards follow it (8 tokens, then 16)
+    cbs = [Record(str(out)), LengthEvalCallback(lengths=[SEQ, 2 * SEQ], max_windows=2),
+           ContextCurriculum([Stage(0, SEQ), Stage(2, 2 * SEQ)], seed=3)]
     if save:  # by rank 0 inside the run, at the end of epoch 0 (step 2), with the optimizer's state
         cbs.append(ModelCheckpoint(dirpath=str(out), filename="step", save_on_train_epoch_end=True, save_top_k=-1))
     if devices > 1:
@@ -70,8 +72,8 @@ def test_trainer_two_ranks_equal_one_process_and_resume(tmp_path):
     _fit(tmp_path / "one", 1)
     cp = [_read(tmp_path / "cp", r) for r in (0, 1)]
     one = _read(tmp_path / "one", 0)
-    assert [r["n"] for r in cp[0]["rows"]] == [SEQ // 2] * STEPS and all(r["sharded"] for r in cp[0]["rows"])
-    assert [r["n"] for r in one["rows"]] == [SEQ] * STEPS
+    assert [r["n"] for r in cp[0]["rows"]] == [SEQ // 2, SEQ // 2, SEQ] and all(r["sharded"] for r in cp[0]["rows"])
+    assert [r["n"] for r in one["rows"]] == [SEQ, SEQ, 2 * SEQ]
     mean = torch.tensor([(a["loss"] + b["loss"]) / 2 for a, b in zip(cp[0]["rows"], cp[1]["rows"])])
     torch.testing.assert_close(mean, torch.tensor([r["loss"] for r in one["rows"]]), rtol=1e-5, atol=1e-5)
     assert cp[0]["params"] == cp[1]["params"]  # DDP kept the ranks in sync
