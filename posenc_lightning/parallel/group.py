@@ -34,7 +34,7 @@ class ContextParallelGroup:
     Args:
         size: ranks per context-parallel group.
         mesh: a ``DeviceMesh`` with a ``"context_parallel"`` dim (and optionally ``"data_parallel"``);
-            None: build one over the default process group (`from_world`).
+            `from_world` builds one over the default process group.
     """
 
     def __init__(self, size: int, mesh: Any) -> None:
@@ -84,13 +84,6 @@ class ContextParallelGroup:
         out = fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out
         full = out.movedim(0, dim)
         return self.layout(x.shape[dim]).unshard(full, dim)
-
-    def all_reduce_sum(self, x: Tensor) -> Tensor:
-        """``x`` summed over the context-parallel group (no autograd)."""
-        import torch.distributed._functional_collectives as fc
-
-        out = fc.all_reduce(x, "sum", self.group)
-        return fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out
 
 
 _ACTIVE: ContextParallelGroup | None = None
