@@ -16,7 +16,7 @@ from posenc_lightning.inject import inject, injected_spec, restore_from_checkpoi
 
 __version__ = "0.1.0"
 
-_CALLBACKS = ("ContextCurriculum", "LMEvalCallback", "LengthEvalCallback", "PosEncCallback", "PosEncVisualizer", "Stage")
+_CALLBACKS = ("ContextCurriculum", "ContextParallel", "LMEvalCallback", "LengthEvalCallback", "PosEncCallback", "PosEncVisualizer", "Stage")
 
 
 def __getattr__(name: str):
@@ -31,6 +31,7 @@ __all__ = [
     "Bias",
     "BiasSum",
     "ContextCurriculum",
+    "ContextParallel",
     "DecayBias",
     "DenseBias",
     "Encoding",

@@ -32,22 +32,22 @@ def known_recipes() -> list[str]:
 
 def recipe_command(recipe: str, overrides: Sequence[str]) -> list[str]:
     """The command ``posenc run`` executes: ``python recipes/NAME.py --config configs/NAME.yaml
-    [--trainer.devices=N --trainer.strategy=ddp] [overrides]``."""
+    [--trainer.devices=N --trainer.strategy=ddp] [a ContextParallel(K) callback] [overrides]``."""
     from pathlib import Path
 
-    rest, devices, config = [], None, None
+    rest: list[str] = []
+    opts: dict[str, str | None] = {"--devices": None, "--config": None, "--context-parallel": None}
     it = iter(overrides)
     for a in it:
-        if a in ("--devices", "--config"):
-            val = next(it, None)
+        key, eq, val = a.partition("=")
+        if key in opts:
+            val = val if eq else next(it, None)
             if val is None:
                 raise SystemExit(f"posenc run: {a} needs a value")
-            devices, config = (val, config) if a == "--devices" else (devices, val)
-        elif a.startswith(("--devices=", "--config=")):
-            key, val = a.split("=", 1)
-            devices, config = (val, config) if key == "--devices" else (devices, val)
+            opts[key] = val
         else:
             rest.append(a)
+    devices, config, cp = opts["--devices"], opts["--config"], opts["--context-parallel"]
     script = Path(recipe) if recipe.endswith(".py") else None
     for d in _recipe_dirs():
         if script is None and (d / "recipes" / f"{recipe}.py").is_file():
@@ -62,6 +62,12 @@ def recipe_command(recipe: str, overrides: Sequence[str]) -> list[str]:
         cmd.append(f"--trainer.devices={devices}")
         if devices not in ("1", "auto") and not any(a.startswith("--trainer.strategy") for a in rest):
             cmd.append("--trainer.strategy=ddp")
+    if cp is not None:
+        if not cp.isdigit() or int(cp) < 1:
+            raise SystemExit(f"posenc run: --context-parallel needs a positive integer (ranks per sequence), got {cp!r}")
+        if devices is not None and devices.isdigit() and int(devices) % int(cp):
+            raise SystemExit(f"posenc run: --devices {devices} is not divisible by --context-parallel {cp}")
+        cmd += ["--trainer.callbacks+=posenc_lightning.callbacks.ContextParallel", f"--trainer.callbacks.size={cp}"]
     return cmd + rest
 
 
@@ -88,12 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description=f"Runs recipes/RECIPE.py --config configs/RECIPE.yaml with your overrides "
                                    f"(LightningCLI syntax: --trainer.max_steps=100 --model.d_model=128 ...); "
-                                   f"--devices N > 1 adds --trainer.strategy=ddp. Recipes: {recipes}. "
+                                   f"--devices N > 1 adds --trainer.strategy=ddp; --context-parallel K splits each sequence "
+                                   f"over K of the N ranks (posenc_lightning.ContextParallel). Recipes: {recipes}. "
                                    f"A recipe's own options: posenc run RECIPE --help.")
     r.add_argument("--dry-run", action="store_true", help="print the command only")
     r.add_argument("recipe", help=f"one of {recipes}, or a path to a .py")
     r.add_argument("overrides", nargs=argparse.REMAINDER,
-                   help="--devices N, --config FILE (default: configs/RECIPE.yaml), --group.key=value ...")
+                   help="--devices N, --context-parallel K, --config FILE (default: configs/RECIPE.yaml), "
+                        "--group.key=value ...")
     r.set_defaults(fn=_cmd_run)
     rep = sub.add_parser("report", help="summarize a run directory: recipe tables, ppl by length, every scalar series",
                          description="Reads a run directory (a logger's version dir, a recipe's results_dir, a "

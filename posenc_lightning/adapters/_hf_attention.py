@@ -33,9 +33,11 @@ import torch
 from torch import Tensor, nn
 
 from posenc_lightning.adapters._hf_scores import softcapped_attend
+from posenc_lightning.adapters._hf_sharded import sharded_hf_attention
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias
+from posenc_lightning.parallel.group import active as active_context_parallel
 
 FUSED = "posenc_fused"
 WRAP_PREFIX = "posenc_wrap_"
@@ -208,6 +210,18 @@ def _window_bias(window: int, seen: int, first: int, n_q: int, n_k: int, device:
     return DenseBias.lazy(rows, n_q, n_k, inputs=(), window=lambda s, e, k: ())
 
 
+def _check_sharded_scores(module: nn.Module, kwargs: dict[str, Any], n: int) -> None:
+    """Refuse the score transforms the sharded path does not apply (softcapping, a window shorter
+    than the ``n``-token sequence) rather than attend without them."""
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    missing = ["attention logit softcapping"] if kwargs.get("softcap") is not None else []
+    if window is not None and n > int(window):
+        missing.append(f"a sliding window of {int(window)} tokens (the sequence has {n})")
+    if missing:
+        raise ValueError(f"{type(module).__name__}: ContextParallel does not apply {' or '.join(missing)} yet; "
+                         f"train this model without ContextParallel, or on sequences no longer than its window")
+
+
 def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
                     scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
                     ) -> tuple[Tensor, Tensor | None]:
@@ -221,6 +235,11 @@ def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     op = operands(module, query, key, value, kwargs.get("position_ids"))
     key, value, q_pos, k_pos, seen, first = op.key, op.value, op.q_pos, op.k_pos, op.seen, op.first
     n_q, n_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
+    group = active_context_parallel() if call.cache is None else None
+    if group is not None:  # this rank's shard of the sequence (`posenc_lightning.parallel`)
+        _check_sharded_scores(module, kwargs, n_q * group.size)
+        return sharded_hf_attention(group, module, enc, query, key, value, attention_mask, q_pos, call.hidden,
+                                    scaling), None
     state = _cache_state(module) if enc.keeps_cache_state else None  # the others keep nothing there
     if state is not None:
         _align_state(state, enc.name, type(call.cache).__name__, n_k - n_q, seen + n_q - first == n_k)

@@ -14,6 +14,7 @@ from posenc_lightning.attention.recompute import RotationRecompute
 from posenc_lightning.attention.validate import check_attend, check_embed
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 from posenc_lightning.functional.positions import arange_offset
+from posenc_lightning.parallel.group import active as active_context_parallel
 
 
 class _NoEncoding(Encoding):
@@ -52,7 +53,9 @@ class PosEncAttentionMixin:
         """Attention with the injected encoding's stages 2-4.
 
         Args:
-            q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nq, D]`` (the new tokens only when caching).
+            q: ``[B, H, Nq, D]`` queries of the new tokens.
+            k: ``[B, Hkv, Nq, D]`` keys of the new tokens (un-rotated; the cache holds the earlier ones).
+            v: ``[B, Hkv, Nq, D]`` values of the new tokens.
             positions: ``[B, Nq]`` integer (or float) positions of the new tokens, ``[B, Nq, 2]``
                 for 2-D encodings; default ``arange`` after what the cache holds.
             causal: causal mask by order in the sequence (cached keys come first).
@@ -60,16 +63,23 @@ class PosEncAttentionMixin:
             cache: this layer's `LayerKVCache` for incremental decoding.
             segment_ids: ``[B, Nq]`` document ids of a packed batch; attention stays inside a document.
             key_padding_mask: ``[B, Nk]`` bool, False for padding keys.
+
+        Returns:
+            ``[B, H, Nq, D]``: the attention output of the new tokens.
         """
         enc = self.encoding or NO_ENCODING
         check_attend(enc, q, k, v, positions, hidden, cache, segment_ids, key_padding_mask)
         b, _, n, _ = q.shape
         offset = cache.length if cache is not None else 0
         start = None  # positions known to be start + arange(n) in every row (`AttentionContext`)
+        group = active_context_parallel() if cache is None else None  # q, k, v: this rank's shard
         if positions is None:
             if enc.position_dims != 1:
                 raise ValueError(f"{enc.name} needs explicit positions of shape [B, N, {enc.position_dims}]")
-            positions, start = default_positions(b, n, offset, q.device), offset
+            if group is not None:  # the shard's true global positions; the full sequence is arange
+                positions, start = group.positions(b, n, q.device), 0
+            else:
+                positions, start = default_positions(b, n, offset, q.device), offset
         elif positions.dim() == 1:
             positions = positions.expand(b, -1)
         want = 2 if enc.position_dims == 1 else 3
@@ -79,12 +89,19 @@ class PosEncAttentionMixin:
                              f"(got shape {tuple(positions.shape)})")
         if enc.requires_hidden and hidden is None:
             raise ValueError(f"{enc.name} is content-dependent: pass hidden=<layer input> to attend()")
-        if start is None and positions.dim() == 2:
+        # under context parallelism ``start`` describes the whole sequence's positions, not the shard's
+        shard_start, start = (start, None) if group is not None else (None, start)
+        if start is None and positions.dim() == 2 and group is None:
             start = arange_offset(positions)  # a look at the values only where that is free
         enc.check_positions(positions, start)
         stages = enc.stages
         requires_grad = torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in enc.parameters()))
         backend = resolve_backend(getattr(self, "posenc_backend", "auto"), enc, q.device, requires_grad)
+        if group is not None:  # this rank's chunks attend to the group's gathered keys
+            from posenc_lightning.attention.sharded import sharded_attend
+
+            return sharded_attend(group, self, enc, backend, enc.softmax_scale(q.shape[-1]), q, k, v, positions,
+                                  causal, hidden, segment_ids, key_padding_mask, positions_start=shard_start)
         # a backend that rotates in-kernel (triton) gets un-rotated q, k and the rotary encoding
         # as ``ctx.rotary``; its KV cache then holds un-rotated keys, as for dynamic encodings
         fused_rotary = enc.fused_rotary if backend.FUSES_ROTARY and "rotate" in stages else None
@@ -138,11 +155,24 @@ class PosEncEmbeddingMixin:
         return getattr(self, "posenc", None)
 
     def embed_positions(self, h: Tensor, positions: Tensor | None = None, offset: int = 0) -> Tensor:
+        """Add the injected encoding's position embedding to the token embeddings.
+
+        Args:
+            h: ``[B, N, d_model]`` token embeddings.
+            positions: ``[B, N]`` positions of the tokens; default ``offset + arange(N)``.
+            offset: the first position when ``positions`` is None (tokens already in a cache).
+
+        Returns:
+            ``h`` with the encoding's stage 1 applied; ``h`` itself when the encoding has none.
+        """
         enc = self.encoding
         if enc is None or "embed" not in enc.stages:
             return h
         check_embed(h, positions, getattr(self, "d_model", None))
         start = None
-        if positions is None:
+        group = active_context_parallel() if offset == 0 else None
+        if positions is None and group is not None:  # a context-parallel shard: its global positions
+            positions = group.positions(h.shape[0], h.shape[1], h.device)
+        elif positions is None:
             positions, start = default_positions(h.shape[0], h.shape[1], offset, h.device), offset
         return enc.embed(h, positions, start)

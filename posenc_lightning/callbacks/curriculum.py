@@ -98,8 +98,9 @@ class CurriculumSampler(DistributedSampler):
 
     def __init__(self, dataset: Dataset, curriculum: ContextCurriculum, trainer: pl.Trainer,
                  base_batch_size: int, batches_per_epoch: int, seed: int = 0) -> None:
-        super().__init__(dataset, num_replicas=max(1, trainer.world_size), rank=trainer.global_rank,
-                         shuffle=False, seed=seed)
+        split = trainer.distributed_sampler_kwargs or {}  # the data-parallel axis (`ContextParallel`)
+        super().__init__(dataset, num_replicas=split.get("num_replicas", max(1, trainer.world_size)),
+                         rank=split.get("rank", trainer.global_rank), shuffle=False, seed=seed)
         self.curriculum, self.trainer = curriculum, trainer
         self.base_batch_size, self.batches_per_epoch = base_batch_size, batches_per_epoch
 
@@ -282,7 +283,8 @@ class ContextCurriculum(pl.Callback):
             raise TypeError("ContextCurriculum needs the train dataloader to be a torch DataLoader with a batch_size")
         self.base_batch_size = loader.batch_size
         ds = StagedDataset(loader.dataset, loader.collate_fn)
-        per_rank = max(1, len(loader) // max(1, trainer.world_size))  # an epoch as long as a DistributedSampler's
+        replicas = (trainer.distributed_sampler_kwargs or {}).get("num_replicas", trainer.world_size)
+        per_rank = max(1, len(loader) // max(1, replicas))  # an epoch as long as a DistributedSampler's
         sampler = CurriculumSampler(ds, self, trainer, loader.batch_size, per_rank, self.seed)
         return CurriculumDataLoader(ds, batch_size=None, sampler=sampler, num_workers=loader.num_workers,
                           pin_memory=loader.pin_memory, collate_fn=lambda b: b,
@@ -333,9 +335,13 @@ class ContextCurriculum(pl.Callback):
         if dm is not None and hasattr(dm, "seq_len"):
             dm.seq_len = stage.seq_len  # for anyone reading it (the batch itself comes from the sampler)
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-1] != stage.seq_len:
+        from posenc_lightning.callbacks.context_parallel import find
+
+        shards = find(trainer)  # under context parallelism each rank holds 1 / size of the sequence
+        want = stage.seq_len // (shards.size if shards is not None else 1)
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-1] != want:
             raise RuntimeError(f"ContextCurriculum: step {step} got a batch of length {x.shape[-1]} but its stage "
-                               f"says {stage.seq_len}; is the train dataloader built by the curriculum?")
+                               f"says {want}; is the train dataloader built by the curriculum?")
         if isinstance(x, torch.Tensor):
             self.history.append((step, int(x.shape[-1]), int(x.shape[0]), stage.scale))
         f = self.lr_factor(step)

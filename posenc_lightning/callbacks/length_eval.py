@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posenc_lightning.eval.length_report import length_plot, length_table
+from posenc_lightning.parallel.group import engaged
+from posenc_lightning.parallel.shard import shard_batch
 
 __all__ = ["LengthEvalCallback", "base_length", "length_plot", "length_table", "token_nll"]
 
@@ -39,8 +41,9 @@ class LengthEvalCallback(pl.Callback):
 
     The windows come from the datamodule's ``length_dataloader(seq_len, max_windows, batch_size)``
     (`CorpusDataModule` has it) or from ``dataloader_fn(seq_len)``. Ranks split the windows and
-    a torchmetrics `MeanMetric` averages the token NLL over all of them. A length the model
-    cannot run (a learned table shorter than it) is logged as NaN and named in ``failures``.
+    a torchmetrics `MeanMetric` averages the token NLL over all of them; under `ContextParallel`
+    the ranks of a group share each window, each scoring its shard (lengths a multiple of 2 x size).
+    A length the model cannot run (a learned table shorter than it) is logged as NaN and named in ``failures``.
 
     Args:
         lengths: evaluation lengths; default ``multiples`` of ``base_len``.
@@ -114,6 +117,10 @@ class LengthEvalCallback(pl.Callback):
 
         rank = trainer.global_rank if trainer is not None else 0
         world = trainer.world_size if trainer is not None else 1
+        group = _context_parallel_group(trainer)
+        # under context parallelism the ranks of a group share each window, each scoring its shard
+        shards, parts = (group, group.dp_size) if group is not None else (None, world)
+        part = group.dp_rank if group is not None else rank
         was_training = pl_module.training
         pl_module.eval()
         self.failures = {}
@@ -130,9 +137,15 @@ class LengthEvalCallback(pl.Callback):
                 error = None
                 try:
                     for i, (x, y) in enumerate(self._batches(trainer, n, max(lengths))):
-                        if i % world != rank:
+                        if i % parts != part:
                             continue
-                        metric.update(token_nll(pl_module, x.to(pl_module.device), y.to(pl_module.device)))
+                        x, y = x.to(pl_module.device), y.to(pl_module.device)
+                        if shards is None:
+                            metric.update(token_nll(pl_module, x, y))
+                            continue
+                        x, y = shard_batch((x, y), shards)
+                        with engaged(shards):
+                            metric.update(token_nll(pl_module, x, y))
                 except ValueError as e:  # e.g. beyond a learned table: reported, not raised
                     error = str(e)
                 if world > 1:  # any rank failing makes the length fail everywhere
@@ -169,6 +182,14 @@ class LengthEvalCallback(pl.Callback):
                     fig = length_plot({"model": res})
                     if fig is not None:
                         exp.add_figure("length_eval/ppl_vs_length", fig, global_step=trainer.global_step)
+
+
+def _context_parallel_group(trainer: pl.Trainer | None) -> Any:
+    """The groups of the trainer's `ContextParallel` callback (None without one)."""
+    from posenc_lightning.callbacks.context_parallel import find
+
+    cb = find(trainer)
+    return cb.group if cb is not None else None
 
 
 def _scalable_encodings(module: torch.nn.Module) -> list[Any]:

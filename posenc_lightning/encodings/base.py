@@ -59,6 +59,9 @@ class AttentionContext:
     cache filled only so), every row of ``q_pos`` / ``k_pos`` is ``start + arange(N)``; None: not
     known. Fast paths read these instead of the values (no device sync, nothing data-dependent to
     trace: `functional.positions`).
+    ``k_hidden``: the layer input at the keys' tokens when the keys are not only the queries' own
+    and no cache holds their state (context parallelism: gathered from the group); the queries are
+    then the last ``Nq`` keys. None otherwise (``hidden`` covers the keys).
     """
 
     q_pos: Tensor
@@ -70,6 +73,7 @@ class AttentionContext:
     rotary: Encoding | None = None
     q_start: int | None = None
     k_start: int | None = None
+    k_hidden: Tensor | None = None
 
     @property
     def ascending(self) -> bool:
@@ -133,6 +137,9 @@ class Encoding(nn.Module):
     #: keeps per-token state beside the cached keys (``ctx.cache.extra``: FoX's cumulative gates),
     #: so its cache must hold exactly the tokens seen (no fixed-size static buffer)
     keeps_cache_state: ClassVar[bool] = False
+    #: runs with the keys gathered over a context-parallel group (`posenc_lightning.parallel`); an
+    #: encoding with `keeps_cache_state` must set it itself, its bias reading ``ctx.k_hidden`` there
+    context_parallel: ClassVar[bool] = True
     #: the bias kinds `bias` may return (their ``fused_in`` tells a fused backend whether it can
     #: compute them without an N x N tensor); none declared = unknown: only blocks of rows (sdpa)
     bias_kinds: ClassVar[tuple[type[Bias], ...]] = ()

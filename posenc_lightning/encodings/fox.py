@@ -34,6 +34,7 @@ class ForgettingAttention(Encoding):
 
     requires_hidden = True
     keeps_cache_state = True
+    context_parallel = True  # gates of gathered keys from ctx.k_hidden (`bias`)
 
     def __init__(self, gate_bias_init: float = 0.0, rope: bool = False, theta: float = 10000.0,
                  layout: Literal["half", "interleaved"] = "half") -> None:
@@ -79,6 +80,9 @@ class ForgettingAttention(Encoding):
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
         if ctx.hidden is None:
             raise ValueError("fox is content-dependent: pass hidden=<layer input> to attend()")
+        if ctx.k_hidden is not None:  # keys gathered over a context-parallel group: queries are the last Nq
+            c = fox_cumulative(self.log_forget(ctx.k_hidden))
+            return DecayBias(c[..., c.shape[-1] - q.shape[-2]:], c)
         log_f = self.log_forget(ctx.hidden)
         cache = ctx.cache
         if cache is None:

@@ -13,13 +13,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posenc_lightning.inject import CHECKPOINT_KEY, injected_spec, restore_from_checkpoint
+from posenc_lightning.parallel.group import active as active_context_parallel
 
 
 class CausalLMSteps:
     """Mixin for a ``LightningModule`` that is a causal language model over ``(input_ids, targets)``."""
 
     def token_nll(self, input_ids: Tensor, targets: Tensor, **kw: Any) -> Tensor:
-        """Per-token negative log-likelihood ``[B, N]`` (float32)."""
+        """Per-token negative log-likelihood ``[B, N]`` (float32). Under context parallelism the
+        inputs are this rank's shard, and the model gets the tokens' global positions."""
+        group = active_context_parallel()
+        if group is not None and kw.get("positions") is None and kw.get("cache") is None:
+            kw["positions"] = group.positions(input_ids.shape[0], input_ids.shape[1], input_ids.device)
         logits = self(input_ids, **kw)
         return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
 

@@ -48,8 +48,22 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         with _flush_denormals(q.device):
             out = _attend_biased(q, k, v, bias, mask, scale, gqa, ctx, given)
         return _DenormalsOnForBackward.apply(out) if flush else out
+    if mask.causal and mask.q_offset > 0 and 4 * q.shape[0] * q.shape[-2] * k.shape[-2] > BIAS_BLOCK_BYTES:
+        # a causal offset (a context-parallel chunk, a long prefill after a KV cache), which SDPA's
+        # is_causal cannot express, with a mask larger than a bias block: its rows a block at a time
+        return _attend_blockwise(q, k, v, _zero_rows(q.shape[1], q.shape[-2], k.shape[-2], q.device), mask, scale, gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.materialize(q.device), scale=scale,
                                           enable_gqa=gqa)
+
+
+def _zero_rows(n_heads: int, n_q: int, n_k: int, device: torch.device) -> Bias:
+    """A zero bias computed by rows (the blockwise path then applies the mask rows alone)."""
+    from posenc_lightning.encodings.bias import DenseBias
+
+    def rows(start: int, stop: int, k_stop: int) -> Tensor:
+        return torch.zeros(1, n_heads, stop - start, k_stop, device=device)
+
+    return DenseBias.lazy(rows, n_q, n_k, inputs=(), window=lambda start, stop, k_stop: ())
 
 
 def _attend_biased(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,

@@ -1,0 +1,1 @@
+"""Context parallelism: a sequence split over ranks (see docs/guides/context-parallel.md)."""
