@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from posenc_lightning.attention.backends import BACKENDS, flex, get_backend, resolve_backend, sdpa
+from posenc_lightning.attention.backends import BACKENDS, flex, get_backend, proven, resolve_backend, sdpa
 from posenc_lightning.encodings.registry import available_encodings, build_encoding
 from posenc_lightning.inject import inject
 from tests.helpers import Attn, fast_triton_interpreter
@@ -25,8 +25,16 @@ CASES = {**{n: (n, {}) for n in available_encodings() if "bias" in build_encodin
          "fire_past_L": ("fire", {"init_L": 8.0, "mlp_width": 8}),
          "mixture_rope": ("mixture", {"members": ("alibi", "fire", "rope"), "member_cfgs": {"fire": {"init_L": 8.0}}}),
          "fox_rope": ("fox", {"rope": True})}
-#: where ``auto`` lands on CUDA: the fused kernels, except for rows that read q and k
+#: where ``auto`` lands on CUDA once a recorded run has proven every custom kernel
+#: (`proven.PROVEN`): the fused kernels, except for rows that read q and k
 EXPECTED = {case: "sdpa" if case in ("cope", "mixture_rope") else "triton" for case in CASES}
+
+
+@pytest.fixture
+def all_proven(monkeypatch):
+    """`proven.PROVEN` naming every (custom kernel, encoding) pair."""
+    table = {(b, n): "test" for b in proven.CUSTOM_KERNELS for n in available_encodings()}
+    monkeypatch.setattr(proven, "PROVEN", table)
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +62,7 @@ def test_every_bias_encoding_declares_its_kinds(case):
 
 @pytest.mark.parametrize("requires_grad", [False, True])
 @pytest.mark.parametrize("case", list(CASES))
-def test_auto_on_cuda_picks_a_backend_that_fuses_the_bias(case, requires_grad):
+def test_auto_on_cuda_picks_a_backend_that_fuses_the_bias(case, requires_grad, all_proven):
     pytest.importorskip("triton")
     enc = _bound(case)
     mod = resolve_backend("auto", enc, CUDA, requires_grad)
