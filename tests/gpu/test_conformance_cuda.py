@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from posenc_lightning.attention.backends import get_backend
-from posenc_lightning.attention.mixin import NO_ENCODING
 from posenc_lightning.encodings.registry import available_encodings
 from tests.conformance import SCENARIOS, Inputs, build_layer, run_case
 from tests.gpu import GPU
@@ -50,10 +49,12 @@ def test_cuda_backend_equals_eager_reference(name, backend, dtype, scenario, sha
         if any(re.search(p, str(e)) for p in DECLARED_LIMITS):
             pytest.skip(f"{name} cannot take this shape: {e}")
         raise
-    why = get_backend(backend).supports(enc if enc is not None else NO_ENCODING, CUDA, True)
+    why = get_backend(backend).supports(enc, CUDA, True)
     if why is not None:
         pytest.skip(f"{backend} cannot run {name} on cuda: {why}")
-    layer = build_layer(name, backend, DTYPES[dtype], heads, state).to(CUDA)
+    # injected on CPU (where `inject` checks the backend against the module's device), then moved
+    layer = build_layer(name, "eager", DTYPES[dtype], heads, state).to(CUDA)
+    layer.posenc_backend = backend
     xs = Inputs(*(t.to(CUDA) for t in (x.q, x.k, x.v, x.hidden, x.cotangent)))
     got = run_case(layer, xs, {k: _to_cuda(v) for k, v in args.items()}, grad=True)
     assert got[0].device.type == CUDA.type

@@ -40,8 +40,9 @@ def test_the_triton_kernels_are_compiled_for_the_device():
     for name in ("rope", "alibi", "fox", "fire", "sba"):
         torch.manual_seed(0)
         m = ConfLayer(4, 64)
-        inject(m, name, backend="triton")
+        inject(m, name)  # checked against the module's device: a layer without parameters is on CPU
         m.to(CUDA, torch.bfloat16)
+        m.posenc_backend = "triton"
         q, k, v = (torch.randn(2, 4, 300, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         hidden = torch.randn(2, 300, 256, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
         out = m(q, k, v, hidden)
