@@ -57,3 +57,11 @@ def test_every_proven_entry_names_a_recorded_run_and_a_real_pair():
         assert get_backend(backend).supports(_bound(name), CUDA, True) is None, (backend, name)
         page = record.split()[0]
         assert (ROOT / page).is_file(), f"{backend}/{name}: its record {page} is not in the repository"
+
+
+def test_compiled_flex_refuses_a_head_dim_its_gpu_kernels_cannot_take():
+    small = build_encoding("alibi").bind(n_heads=2, head_dim=8, d_model=16)
+    why = get_backend("flex").supports(small, CUDA, True)
+    assert why is not None and "head_dim >= 16" in why and "sdpa" in why
+    assert get_backend("flex").supports(small, CPU, False) is None  # CPU flex runs eagerly
+    assert get_backend("flex").supports(_bound("alibi"), CUDA, True) is None

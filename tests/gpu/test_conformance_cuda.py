@@ -6,7 +6,8 @@ the eager float64 reference computed on CPU (tests/test_conformance.py, whose to
 Shapes: the CPU matrix's (B=2, N=13, 2 heads of 8) and a grouped-query one (B=2, N=150, 4 query
 heads over 2 kv heads of 32): neither length divides the GPU tiles (32 and 64 rows), and the
 second spans several tiles, so the kernels' tile loops, masks and partial tiles all run. A
-backend that refuses a case on CUDA (``supports``) is skipped with its reason; an encoding that
+backend that refuses a case on CUDA (``supports``: flex takes head_dim >= 16 only, so it runs the
+second shape) is skipped with its reason; an encoding that
 cannot take a shape (a declared limit: learned's 64-row table) is skipped with its ValueError.
 """
 
