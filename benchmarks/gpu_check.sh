@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-command validation on a CUDA machine (issue 28; docs/guides/gpu.md):
-#   1. the suite's GPU mode (python -m pytest -m gpu tests), the Triton interpreter off;
+#   1. the suite's GPU mode (python -m pytest -m gpu tests, in 6 shards side by side:
+#      benchmarks/gpu_suite.py), the Triton interpreter off;
 #   2. benchmarks/bench_triton.py: the fused kernels vs SDPA at N = 4k and 16k;
 #   3. benchmarks/gpu_overhead.py: every encoding vs flash SDPA and nope, N = 1k..16k, bf16.
 # Each step has a time limit (together under 8 minutes). Writes benchmarks/results/gpu-<device>-<date>.md
@@ -20,7 +21,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
     --out-dir) OUT_DIR=${2:?--out-dir needs a directory}; shift ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (use --dry-run, --out-dir DIR)" >&2; exit 2 ;;
   esac
   shift
@@ -36,9 +37,9 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 
 # name | limit (s) | command
 STEPS=(
-  "suite|260|env -u TRITON_INTERPRET $PY -m pytest -m gpu tests -q -rfE -p no:cacheprovider --junitxml=$JUNIT"
-  "bench_triton|60|$PY benchmarks/bench_triton.py --lengths 4096 16384 --reps 10 --out $WORK/bench_triton.md"
-  "overhead|150|$PY benchmarks/gpu_overhead.py --lengths 1024 2048 4096 8192 16384 --budget-s 120 --out $WORK/overhead.md"
+  "suite|270|$PY benchmarks/gpu_suite.py --shards 6 --deadline-s 240 --junit $JUNIT"
+  "bench_triton|50|$PY benchmarks/bench_triton.py --lengths 4096 16384 --reps 10 --out $WORK/bench_triton.md"
+  "overhead|140|$PY benchmarks/gpu_overhead.py --lengths 1024 2048 4096 8192 16384 --budget-s 110 --out $WORK/overhead.md"
 )
 
 if [ "$DRY" = 1 ]; then
@@ -89,7 +90,7 @@ TOTAL=$(( $(date +%s) - T0 ))
   echo "## GPU suite (python -m pytest -m gpu tests)"
   echo
   echo '```'
-  grep -E '^(FAILED|ERROR)|passed|failed|skipped|error' "$WORK/suite.log" | tail -n 80
+  grep -E '^(FAILED|ERROR|-- )|passed|failed|skipped|error' "$WORK/suite.log" | tail -n 100
   echo '```'
   echo
   echo "## Fused Triton kernels vs SDPA (benchmarks/bench_triton.py)"
@@ -102,7 +103,7 @@ TOTAL=$(( $(date +%s) - T0 ))
 echo
 echo "== summary ($DEVICE, ${TOTAL} s)"
 printf '%s\n' "${STATUS[@]}" | cut -d'|' -f2-4
-grep -E '[0-9]+ (passed|failed)' "$WORK/suite.log" | tail -n 1
+grep -E '^-- GPU suite' "$WORK/suite.log" | tail -n 1
 grep -E '^\| (4096|16384) \|' "$WORK/overhead.md" 2>/dev/null | grep -E '\| (yes|no) \|$' || true
 echo "wrote $REPORT"
 rm -rf "$WORK"

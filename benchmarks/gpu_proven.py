@@ -2,7 +2,7 @@
 
 Reads the JUnit report that benchmarks/gpu_check.sh keeps beside its results page and prints the
 custom-kernel pairs (`proven.CUSTOM_KERNELS`) of tests/gpu/test_conformance_cuda.py that passed
-in every case they ran (forward and backward, fp32 and bf16, every scenario and shape) and failed
+in every case they ran (forward and backward, fp32 and bf16, every scenario) and failed
 in none; a pair with any failure, or with a dtype or scenario it never passed, is left out.
 
     python benchmarks/gpu_proven.py benchmarks/results/gpu-<device>-<date>.junit.xml \\
@@ -42,7 +42,7 @@ def proven_pairs(junit: Path) -> list[tuple[str, str]]:
         name = case.get("name", "")
         if not name.startswith(TEST + "["):
             continue
-        encoding, backend, dtype, scenario, _shape = name[len(TEST) + 1:-1].split("-")
+        encoding, backend, dtype, scenario = name[len(TEST) + 1:-1].split("-")
         if backend not in CUSTOM_KERNELS:
             continue
         outcome = {child.tag for child in case}

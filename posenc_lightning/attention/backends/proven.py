@@ -9,7 +9,7 @@ An explicit ``backend="triton"`` or ``"flex"`` still runs whatever its ``support
 How an entry gets here (docs/guides/gpu.md): ``benchmarks/gpu_check.sh`` on a CUDA machine runs
 the suite's GPU mode and keeps its JUnit report beside the results page; ``python
 benchmarks/gpu_proven.py <that report>`` prints the pairs whose every case passed (every dtype,
-scenario and shape of tests/gpu/test_conformance_cuda.py, forward and backward), which are
+scenario of tests/gpu/test_conformance_cuda.py, forward and backward), which are
 pasted below with the results page as their record.
 """
 
