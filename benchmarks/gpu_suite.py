@@ -73,7 +73,7 @@ def run_shards(a: argparse.Namespace) -> int:
                    or " skipped" in ln or "Interrupted" in ln]
         print(f"-- shard {i}/{a.shards}: exit {p.returncode}")
         print("\n".join(summary or lines[-30:]))
-        rc = rc or (p.returncode != 0)
+        rc = rc or p.returncode not in (0, 5)  # 5: a shard that drew no test
     totals = merge_junit([tmp / f"shard-{i}.xml" for i in range(a.shards)], a.junit)
     print(f"-- GPU suite: {totals['tests']} tests, {totals['failures']} failed, {totals['errors']} errors, "
           f"{totals['skipped']} skipped{' (interrupted at the deadline)' if timed_out else ''}; {a.junit}")
