@@ -2,7 +2,8 @@
 may return (`Encoding.bias_kinds`), each kind the fused forms it has (`Bias.fused_in`), and each
 fused backend the form it computes (``FUSED_BIAS``: "kernel" for triton, "score_mod" for flex);
 `supports` refuses a kind without it. Checked on CPU for a CUDA device (``supports`` reads
-``device.type`` only): FIRE runs in the Triton kernels, CoPE and a mixture with a rotary member
+``device.type`` only), with every custom kernel proven (`proven.PROVEN`; the rule for unproven
+ones is in tests/test_cuda_defaults.py): FIRE runs in the Triton kernels, CoPE and a mixture with a rotary member
 (rows that read q and k) fall to the blockwise SDPA path. And whenever a backend says yes on
 CUDA, running it (triton under TRITON_INTERPRET=1, sdpa; flex's ``score_mod`` plan, as CPU flex
 evaluates every score eagerly) creates no tensor of ``B H N x N`` elements."""
