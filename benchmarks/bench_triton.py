@@ -36,13 +36,12 @@ def _time(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def cases(b: int, h: int, n: int, d: int, dtype: torch.dtype):
+def cases(b: int, h: int, n: int, d: int, dtype: torch.dtype, dev: str = "cuda"):
     from posenc_lightning.encodings.rope import RoPE
     from posenc_lightning.functional.alibi import alibi_slopes
     from posenc_lightning.functional.rope import apply_rotary
     from posenc_lightning.kernels.fused import RotaryTables, fused_attention
 
-    dev = "cuda"
     q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
     pos = torch.arange(n, device=dev).expand(b, n)
     rope = RoPE().bind(n_heads=h, head_dim=d).to(dev)
@@ -62,7 +61,7 @@ def cases(b: int, h: int, n: int, d: int, dtype: torch.dtype):
     yield "triton:sba", lambda: fused_attention(q, k, v, stick_breaking=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", nargs="*", type=int, default=[1024, 2048, 4096, 8192])
     p.add_argument("--batch", type=int, default=4)
@@ -71,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", help="also write the markdown table here")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_triton needs a CUDA GPU (the Triton kernels are compiled for it); none here", file=sys.stderr)
         return 2

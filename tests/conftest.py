@@ -3,8 +3,24 @@ import os
 import pytest
 import torch
 
-# The Triton interpreter must be chosen before triton is first imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+
+def gpu_mode(markexpr: str, cuda: bool) -> bool:
+    """The suite's GPU mode: a mark expression that keeps only ``gpu`` tests (``-m gpu``,
+    ``-m "gpu and not slow"``) on a machine with CUDA."""
+    words = markexpr.replace("(", " ").replace(")", " ").split()
+    if not cuda or "gpu" not in words or "or" in words:
+        return False
+    i = words.index("gpu")
+    return i == 0 or words[i - 1] != "not"
+
+
+def pytest_configure(config):
+    # The Triton interpreter must be chosen before triton is first imported (before collection):
+    # on for the CPU suite, off in GPU mode, where the kernels are compiled for the device.
+    if not gpu_mode(config.getoption("markexpr") or "", torch.cuda.is_available()):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 # The suite's models are tiny: one intra-op thread is fastest (and ~10x faster than two on a busy machine).
 torch.set_num_threads(1)
 

@@ -2,7 +2,8 @@
 may return (`Encoding.bias_kinds`), each kind the fused forms it has (`Bias.fused_in`), and each
 fused backend the form it computes (``FUSED_BIAS``: "kernel" for triton, "score_mod" for flex);
 `supports` refuses a kind without it. Checked on CPU for a CUDA device (``supports`` reads
-``device.type`` only): FIRE runs in the Triton kernels, CoPE and a mixture with a rotary member
+``device.type`` only), with every custom kernel proven (`proven.PROVEN`; the rule for unproven
+ones is in tests/test_cuda_defaults.py): FIRE runs in the Triton kernels, CoPE and a mixture with a rotary member
 (rows that read q and k) fall to the blockwise SDPA path. And whenever a backend says yes on
 CUDA, running it (triton under TRITON_INTERPRET=1, sdpa; flex's ``score_mod`` plan, as CPU flex
 evaluates every score eagerly) creates no tensor of ``B H N x N`` elements."""
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from posenc_lightning.attention.backends import BACKENDS, flex, get_backend, resolve_backend, sdpa
+from posenc_lightning.attention.backends import BACKENDS, flex, get_backend, proven, resolve_backend, sdpa
 from posenc_lightning.encodings.registry import available_encodings, build_encoding
 from posenc_lightning.inject import inject
 from tests.helpers import Attn, fast_triton_interpreter
@@ -25,8 +26,16 @@ CASES = {**{n: (n, {}) for n in available_encodings() if "bias" in build_encodin
          "fire_past_L": ("fire", {"init_L": 8.0, "mlp_width": 8}),
          "mixture_rope": ("mixture", {"members": ("alibi", "fire", "rope"), "member_cfgs": {"fire": {"init_L": 8.0}}}),
          "fox_rope": ("fox", {"rope": True})}
-#: where ``auto`` lands on CUDA: the fused kernels, except for rows that read q and k
+#: where ``auto`` lands on CUDA once a recorded run has proven every custom kernel
+#: (`proven.PROVEN`): the fused kernels, except for rows that read q and k
 EXPECTED = {case: "sdpa" if case in ("cope", "mixture_rope") else "triton" for case in CASES}
+
+
+@pytest.fixture
+def all_proven(monkeypatch):
+    """`proven.PROVEN` naming every (custom kernel, encoding) pair."""
+    table = {(b, n): "test" for b in proven.CUSTOM_KERNELS for n in available_encodings()}
+    monkeypatch.setattr(proven, "PROVEN", table)
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +63,7 @@ def test_every_bias_encoding_declares_its_kinds(case):
 
 @pytest.mark.parametrize("requires_grad", [False, True])
 @pytest.mark.parametrize("case", list(CASES))
-def test_auto_on_cuda_picks_a_backend_that_fuses_the_bias(case, requires_grad):
+def test_auto_on_cuda_picks_a_backend_that_fuses_the_bias(case, requires_grad, all_proven):
     pytest.importorskip("triton")
     enc = _bound(case)
     mod = resolve_backend("auto", enc, CUDA, requires_grad)

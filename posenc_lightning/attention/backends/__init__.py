@@ -16,10 +16,12 @@ from types import ModuleType
 
 import torch
 
+from posenc_lightning.attention.backends.proven import unproven
 from posenc_lightning.encodings.base import Encoding
 
 BACKENDS = ("eager", "sdpa", "flex", "triton", "blockwise")
-#: the order ``auto`` tries, fastest first
+#: the order ``auto`` tries, fastest first; on CUDA a custom kernel only where a recorded GPU run
+#: validated it for the encoding (`proven.PROVEN`)
 _AUTO_ORDER = {"cuda": ("triton", "flex", "sdpa", "blockwise", "eager"), "cpu": ("sdpa", "blockwise", "eager")}
 
 
@@ -83,6 +85,8 @@ def resolve_backend(name: str, encoding: Encoding, device: torch.device, require
         for cand in _AUTO_ORDER.get(device.type, _AUTO_ORDER["cpu"]):
             if cand == "flex" and "bias" not in encoding.stages:
                 continue  # nothing to fuse into a score_mod: SDPA's flash kernels are faster
+            if unproven(cand, encoding.name, device.type):
+                continue
             if _why_not(cand, encoding, device, requires_grad) is None:
                 return get_backend(cand)
         return get_backend("eager")

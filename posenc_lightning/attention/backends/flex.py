@@ -27,6 +27,8 @@ NAME = "flex"
 FUSES_ROTARY = False
 #: the fused form it computes a bias kind in (`Bias.fused_in`)
 FUSED_BIAS = "score_mod"
+#: the smallest head_dim inductor's flex attention kernels take on a GPU (tl.dot needs 16)
+MIN_COMPILED_HEAD_DIM = 16
 
 
 def _flex_module():
@@ -47,6 +49,9 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
     if device.type not in ("cpu", "cuda", "xpu"):
         return f"flex attention does not run on {device.type}"
     if device.type != "cpu":  # on CPU flex is the eager reference path: every score is computed anyway
+        if encoding.head_dim is not None and encoding.head_dim < MIN_COMPILED_HEAD_DIM:
+            return (f"compiled flex attention needs head_dim >= {MIN_COMPILED_HEAD_DIM} (inductor's tl.dot), "
+                    f"got {encoding.head_dim}; use backend='sdpa'")
         return unfused_bias(encoding, FUSED_BIAS, "flex attention")
     return None
 

@@ -1,0 +1,38 @@
+"""The custom attention kernels a recorded GPU run has validated, per encoding.
+
+On CUDA, ``backend="auto"`` takes a custom kernel (`CUSTOM_KERNELS`: the Triton kernels, flex
+attention's compiled ``score_mod``) for an encoding only when `PROVEN` names the pair; otherwise
+it takes PyTorch's own SDPA (flash for rotary encodings, a bias added by blocks of rows) and the
+pure-PyTorch blockwise normalizers, the paths the CPU suite proves against the eager reference.
+An explicit ``backend="triton"`` or ``"flex"`` still runs whatever its ``supports`` accepts.
+
+How an entry gets here (docs/guides/gpu.md): ``benchmarks/gpu_check.sh`` on a CUDA machine runs
+the suite's GPU mode and keeps its JUnit report beside the results page; ``python
+benchmarks/gpu_proven.py <that report>`` prints the pairs whose every case passed (every dtype,
+scenario of tests/gpu/test_conformance_cuda.py, forward and backward), which are
+pasted below with the results page as their record.
+"""
+
+from __future__ import annotations
+
+#: backends that run code of this project's own on the GPU (as opposed to PyTorch's SDPA)
+CUSTOM_KERNELS = ("triton", "flex")
+
+#: (backend, encoding name) -> the recorded run that validated it (a benchmarks/results page and
+#: the GPU it ran on). Empty: no custom kernel of this project has run on a real GPU yet.
+PROVEN: dict[tuple[str, str], str] = {}
+
+
+def unproven(backend: str, encoding: str, device_type: str) -> bool:
+    """Whether ``auto`` must pass over ``backend`` for ``encoding`` on ``device_type``: a custom
+    kernel on CUDA that no recorded run has validated.
+
+    Args:
+        backend: a backend name (`posenc_lightning.attention.backends.BACKENDS`).
+        encoding: the encoding's registered name.
+        device_type: ``torch.device.type`` of the inputs.
+
+    Returns:
+        True when ``auto`` may not choose it.
+    """
+    return device_type == "cuda" and backend in CUSTOM_KERNELS and (backend, encoding) not in PROVEN

@@ -1,0 +1,67 @@
+"""``backend="auto"`` on CUDA takes only proven paths (issue 28): a custom kernel (triton, flex)
+only for an encoding that a recorded GPU run validated (`proven.PROVEN`); otherwise PyTorch's
+SDPA for rotary and bias encodings (a bias added by blocks of rows) and the pure-PyTorch blockwise
+normalizers: the same choice as on CPU, where the suite proves it. Checked on CPU for a CUDA
+device (``supports`` reads ``device.type`` only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from posenc_lightning.attention.backends import get_backend, proven, resolve_backend
+from posenc_lightning.encodings.registry import available_encodings, build_encoding
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bound(name: str):
+    return build_encoding(name).bind(n_heads=2, head_dim=16, d_model=32)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_with_nothing_proven_auto_on_cuda_is_sdpa_or_blockwise_as_on_cpu(requires_grad, monkeypatch):
+    monkeypatch.setattr(proven, "PROVEN", {})
+    for name in available_encodings():
+        enc = _bound(name)
+        got = resolve_backend("auto", enc, CUDA, requires_grad).NAME
+        want = "blockwise" if "normalize" in enc.stages else "sdpa"
+        assert got == want, (name, got)
+        assert resolve_backend("auto", enc, CPU, requires_grad).NAME == got, name
+
+
+def test_a_proven_pair_is_taken_for_its_encoding_only(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(proven, "PROVEN", {("triton", "fire"): "r.md", ("flex", "alibi"): "r.md",
+                                           ("triton", "rope"): "r.md"})
+    picks = {n: resolve_backend("auto", _bound(n), CUDA, True).NAME for n in ("fire", "alibi", "rope", "fox", "yarn")}
+    assert picks == {"fire": "triton", "alibi": "flex", "rope": "triton", "fox": "sdpa", "yarn": "sdpa"}
+    assert resolve_backend("auto", _bound("fire"), CPU, True).NAME == "sdpa"  # CPU never reads the table
+
+
+def test_the_triton_kernels_stay_available_by_name_on_cuda(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(proven, "PROVEN", {})
+    for name in ("rope", "alibi", "fire", "fox", "sba"):
+        assert resolve_backend("triton", _bound(name), CUDA, True).NAME == "triton"
+    assert resolve_backend("flex", _bound("alibi"), CUDA, True).NAME == "flex"
+
+
+def test_every_proven_entry_names_a_recorded_run_and_a_real_pair():
+    for (backend, name), record in proven.PROVEN.items():
+        assert backend in proven.CUSTOM_KERNELS, backend
+        assert name in available_encodings(), name
+        assert get_backend(backend).supports(_bound(name), CUDA, True) is None, (backend, name)
+        page = record.split()[0]
+        assert (ROOT / page).is_file(), f"{backend}/{name}: its record {page} is not in the repository"
+
+
+def test_compiled_flex_refuses_a_head_dim_its_gpu_kernels_cannot_take():
+    small = build_encoding("alibi").bind(n_heads=2, head_dim=8, d_model=16)
+    why = get_backend("flex").supports(small, CUDA, True)
+    assert why is not None and "head_dim >= 16" in why and "sdpa" in why
+    assert get_backend("flex").supports(small, CPU, False) is None  # CPU flex runs eagerly
+    assert get_backend("flex").supports(_bound("alibi"), CUDA, True) is None
