@@ -14,25 +14,36 @@ from torch import Tensor
 
 from posenc_lightning.inject import CHECKPOINT_KEY, injected_spec, restore_from_checkpoint
 
+#: the target of an unscored token (``F.cross_entropy``'s default ``ignore_index``)
+IGNORE_INDEX = -100
+
+
+def masked_mean(nll: Tensor, targets: Tensor) -> Tensor:
+    """The mean of ``nll`` over scored tokens (``targets != IGNORE_INDEX``; the cross-entropy is 0
+    at the others): the plain mean when every token is scored."""
+    scored = (targets != IGNORE_INDEX).sum()
+    return nll.sum() / scored.clamp(min=1)
+
 
 class CausalLMSteps:
     """Mixin for a ``LightningModule`` that is a causal language model over ``(input_ids, targets)``."""
 
     def token_nll(self, input_ids: Tensor, targets: Tensor, **kw: Any) -> Tensor:
-        """Per-token negative log-likelihood ``[B, N]`` (float32)."""
+        """Per-token negative log-likelihood ``[B, N]`` (float32); 0 where ``targets`` is
+        ``IGNORE_INDEX`` (-100: tokens outside a task's answer)."""
         logits = self(input_ids, **kw)
         return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
-        loss = self.token_nll(x, y).mean()
+        loss = masked_mean(self.token_nll(x, y), y)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch
         nll = self.token_nll(x, y)
-        self.val_nll.update(nll)
+        self.val_nll.update(nll[y != IGNORE_INDEX])  # scored tokens only (all of them for plain LM data)
 
     def on_validation_epoch_end(self) -> None:
         mean = self.val_nll.compute()
