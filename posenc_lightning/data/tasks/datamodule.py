@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from posenc_lightning.data.tasks.base import Task
+from posenc_lightning.data.tasks.registry import build_task
 
 TRAIN, TEST = 0, 1
 
@@ -69,8 +70,6 @@ class TaskDataModule(pl.LightningDataModule):
                  min_train_len: int | None = None, batch_size: int = 32, train_examples: int = 1_000_000,
                  test_examples: int = 64, seed: int = 0, num_workers: int = 0) -> None:
         super().__init__()
-        from posenc_lightning.data.tasks import build_task
-
         self.task_name = task
         self.task_cfg = dict(task_cfg or {})
         self.task = build_task(task, **self.task_cfg)
