@@ -119,9 +119,9 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
     total, k = len(tasks) * len(names), 0
     for task in tasks:
         dm = TaskDataModule(task=task, task_cfg=cfg.task_cfg.get(task, {}), **data_cfg)
-        results["tasks"][task] = entry = {"config": dm.task.config(), "exact_match": {}, "token_accuracy": {},
-                                          "failures": {}, "seconds": {}, "steps": {}, "final_loss": {}}
-        results["min_train_len"] = dm.min_train_len
+        results["tasks"][task] = entry = {"config": dm.task.config(), "min_train_len": dm.min_train_len,
+                                          "exact_match": {}, "token_accuracy": {}, "failures": {}, "seconds": {},
+                                          "steps": {}, "final_loss": {}}
         for name in names:
             k += 1
             enc_cfg = dict(cfg.encoding_cfg.get(name, {}))

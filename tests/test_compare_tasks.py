@@ -112,5 +112,9 @@ def test_verdicts_follow_the_stated_rule():
     assert verdict(mq, {"rope": {32: 0.95}, "alibi": {32: 0.97}}, L)[0] == "held"
     v, why = verdict(mq, {"rope": {32: 0.95}, "nope": {32: 0.4}}, L)
     assert v == "not held" and why.endswith("below: nope")
+    glitch = next(x for x in EXPECTATIONS if x.glitches)
+    assert verdict(glitch, {"fox": {32: 1.0, 64: 0.99}, "sba": {32: 0.9, 64: 1.0, 128: 0.98}}, L)[0] == "held"
+    v, why = verdict(glitch, {"fox": {32: 0.9, 64: 1.0, 128: 1.0}, "sba": {32: 1.0, 64: 0.5}}, L)
+    assert v == "not held" and why.endswith(": fox")
     assert {x.task for x in EXPECTATIONS} == {"copy", "reverse", "addition", "flip_flop", "selective_copy",
                                              "counting", "mqar", "passkey"}
