@@ -241,3 +241,26 @@ def test_exact_match_under_teacher_forcing_is_greedy_decoding():
         gen = model.generate(torch.from_numpy(e.tokens[:q])[None], len(e.tokens) - q, use_cache=False)
         agree.append((ok, gen[0].tolist() == e.tokens.tolist()))
     assert all(a == b for a, b in agree) and {a for a, _ in agree} == {True, False}
+
+
+def test_task_eval_callback_logs_exact_match_per_length_in_a_trainer():
+    import lightning.pytorch as pl
+
+    from posenc_lightning.callbacks import PosEncCallback, TaskEvalCallback
+    from posenc_lightning.models import TinyGPT
+
+    dm = TaskDataModule("passkey", train_len=16, batch_size=4, test_examples=6)
+    model = TinyGPT(vocab_size=dm.vocab_size, d_model=16, n_layers=1, n_heads=2, max_seq_len=16, encoding=None)
+    cb = TaskEvalCallback(multiples=[1, 3], examples=5)
+    trainer = pl.Trainer(max_steps=2, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[PosEncCallback("alibi"), cb])
+    trainer.fit(model, dm)
+    assert set(cb.results) == {16, 48}
+    for n in (16, 48):
+        assert float(trainer.callback_metrics[f"task_eval/exact_match/{n}"]) == pytest.approx(cb.results[n])
+        assert 0.0 <= cb.results[n] <= cb.token_accuracy[n] <= 1.0  # a sequence right means all its tokens right
+    x = torch.cat([b[0] for b in dm.length_dataloader(48, max_windows=5)])
+    logits = model.eval()(x)
+    y = torch.cat([b[1] for b in dm.length_dataloader(48, max_windows=5)])
+    assert exact_match(logits, y)[0].float().mean().item() == pytest.approx(cb.results[48])
