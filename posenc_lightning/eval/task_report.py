@@ -90,18 +90,25 @@ def _pct(v: float) -> str:
     return "fails" if not math.isfinite(v) else f"{100 * v:.0f}"
 
 
-def task_table(acc: dict[str, dict[int, float]], base_len: int, families: dict[str, str]) -> str:
-    """Markdown: one row per encoding (grouped by family, best first), exact match % per length."""
+def task_table(acc: dict[str, dict[int, float]], base_len: int, families: dict[str, str],
+               tokens: dict[str, dict[int, float]] | None = None) -> str:
+    """Markdown: one row per encoding (grouped by family, best first), exact match % per length,
+    and (given ``tokens``, answer-token accuracy per length) answer-token accuracy at L and beyond."""
     from posenc_lightning.eval.plots import FAMILY_ORDER
 
     lengths = sorted({n for r in acc.values() for n in r})
     order = {f: i for i, f in enumerate(FAMILY_ORDER)}
     rows = sorted(acc, key=lambda k: (order.get(families.get(k, "other"), len(order)), -_score(acc[k], base_len), k))
     head = "| encoding | family | " + " | ".join(f"{n // base_len}x ({n})" for n in lengths) + " | beyond L |"
-    lines = [head, "|" + "---|" * (len(lengths) + 3)]
+    head += " tokens at L | tokens beyond L |" if tokens else ""
+    lines = [head, "|" + "---|" * (len(lengths) + 3 + (2 if tokens else 0))]
     for k in rows:
         cells = " | ".join(_pct(acc[k].get(n, math.nan)) for n in lengths)
-        lines.append(f"| {k} | {families.get(k, 'other')} | {cells} | {_pct(beyond(acc[k], base_len))} |")
+        line = f"| {k} | {families.get(k, 'other')} | {cells} | {_pct(beyond(acc[k], base_len))} |"
+        if tokens:
+            t = tokens.get(k, {})
+            line += f" {_pct(t.get(base_len, math.nan))} | {_pct(beyond(t, base_len))} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -168,7 +175,8 @@ def render_tasks(results: dict[str, Any], out_dir: str | Path, heatmaps: bool = 
     L = int(results["train_len"])
     tasks = results["tasks"]
     for r in tasks.values():  # lengths as ints, NaN for null: results read back from results.json render too
-        r["exact_match"] = {k: {int(n): _num(v) for n, v in a.items()} for k, a in r["exact_match"].items()}
+        for key in ("exact_match", "token_accuracy"):
+            r[key] = {k: {int(n): _num(v) for n, v in a.items()} for k, a in (r.get(key) or {}).items()}
     fam = families_of(sorted({k for t in tasks.values() for k in t["exact_match"]}))
     checks = []
     for e in EXPECTATIONS:
@@ -180,7 +188,8 @@ def render_tasks(results: dict[str, Any], out_dir: str | Path, heatmaps: bool = 
           f"Exact-match accuracy (%) of TinyGPT trained per encoding per task on input lengths up to L={L}, "
           f"tested on lengths L x "
           f"{'/'.join(str(m) for m in results.get('multiples', []))}; a sequence counts when every answer token is "
-          f"the model's argmax. {results.get('notes', '')}".rstrip(), ""]
+          f"the model's argmax. \"tokens\": the share of answer tokens right (at L, and the mean beyond L). "
+          f"{results.get('notes', '')}".rstrip(), ""]
     if results.get("command"):
         md += [f"Command: `{results['command']}`", ""]
     if checks:
@@ -192,7 +201,7 @@ def render_tasks(results: dict[str, Any], out_dir: str | Path, heatmaps: bool = 
         acc = r["exact_match"]
         about = (f"Task arguments: `{json.dumps(r.get('config', {}))}`; training lengths "
                  f"{r.get('min_train_len', '?')}..{L}; {_steps(r)}.")
-        md += [f"## {t}", "", about, "", task_table(acc, L, fam), ""]
+        md += [f"## {t}", "", about, "", task_table(acc, L, fam, r["token_accuracy"]), ""]
         if r.get("failures"):
             md += ["Failures: " + "; ".join(f"{k}: {v}" for k, v in r["failures"].items()), ""]
         if heatmaps:
