@@ -65,14 +65,14 @@ def test_recipes_show_a_progress_bar_by_default(tmp_path):
     assert isinstance(make_cli(SweepOptions, args).trainer.progress_bar_callback, StepRichProgressBar)
     cli = make_cli(SweepOptions, [*args, "--trainer.enable_progress_bar=false"])
     assert cli.trainer.progress_bar_callback is None
-    for name in ("fire_train", "clex_train", "yarn_extend", "longrope_extend", "compare_encodings"):
+    for name in ("fire_train", "clex_train", "yarn_extend", "longrope_extend", "compare_encodings", "compare_tasks"):
         assert "enable_progress_bar" not in (ROOT / "configs" / f"{name}.yaml").read_text()
 
 
 def test_posenc_run_help_lists_every_recipe_and_list_has_no_internal_notes():
     code, text = _posenc("run", "--help")
     assert code == 0
-    for name in ("clex_train", "compare_encodings", "fire_train", "longrope_extend", "yarn_extend"):
+    for name in ("clex_train", "compare_encodings", "compare_tasks", "fire_train", "longrope_extend", "yarn_extend"):
         assert name in text
     code, text = _posenc("list")
     assert code == 0 and "seed 004" not in text and "sec. 5" not in text
@@ -80,7 +80,8 @@ def test_posenc_run_help_lists_every_recipe_and_list_has_no_internal_notes():
     assert "default: RUN_DIR/report" in " ".join(text.split())
 
 
-@pytest.mark.parametrize("name", ["fire_train", "clex_train", "yarn_extend", "longrope_extend", "compare_encodings"])
+@pytest.mark.parametrize("name", ["fire_train", "clex_train", "yarn_extend", "longrope_extend", "compare_encodings",
+                                  "compare_tasks"])
 def test_recipe_help_describes_the_recipe(name):
     sys.path.insert(0, str(ROOT / "recipes"))
     try:
@@ -94,5 +95,5 @@ def test_recipe_help_describes_the_recipe(name):
     assert text.startswith(f"usage: recipes/{name}.py")
     assert "Lightning Trainer command line tool" not in text
     assert " ".join(mod.__doc__.split())[:60] in text
-    group = "compare" if name == "compare_encodings" else "extend"
+    group = {"compare_encodings": "compare", "compare_tasks": "tasks"}.get(name, "extend")
     assert f"--{group}.results_dir" in text and "default:" in text.split(f"--{group}.results_dir")[-1][:400]

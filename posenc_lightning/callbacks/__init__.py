@@ -3,6 +3,9 @@ from posenc_lightning.callbacks.curriculum import ContextCurriculum, Stage
 from posenc_lightning.callbacks.length_eval import LengthEvalCallback
 from posenc_lightning.callbacks.lm_eval import LMEvalCallback
 from posenc_lightning.callbacks.posenc import PosEncCallback
+from posenc_lightning.callbacks.task_eval import TaskEvalCallback
 from posenc_lightning.callbacks.visualize import PosEncVisualizer
 
-__all__ = ["ContextCurriculum", "ContextParallel", "LMEvalCallback", "LengthEvalCallback", "PosEncCallback", "PosEncVisualizer", "Stage"]
+__all__ = ["ContextCurriculum", "ContextParallel", "LMEvalCallback", "LengthEvalCallback", "PosEncCallback",
+           "PosEncVisualizer",
+           "Stage", "TaskEvalCallback"]

@@ -15,12 +15,31 @@ from torch import Tensor
 from posenc_lightning.inject import CHECKPOINT_KEY, injected_spec, restore_from_checkpoint
 from posenc_lightning.parallel.group import active as active_context_parallel
 
+#: the target of an unscored token (``F.cross_entropy``'s default ``ignore_index``)
+IGNORE_INDEX = -100
+
+
+def masked_mean(nll: Tensor, targets: Tensor) -> Tensor:
+    """The mean of ``nll`` over scored tokens (``targets != IGNORE_INDEX``; the cross-entropy is 0
+    at the others): the plain mean when every token is scored.
+
+    Under context parallelism ``nll`` is this rank's shard: the result is the shard's sum over the
+    whole sequence's scored-token count, times the group size, so that the ranks' mean (what DDP's
+    gradient averaging takes) is the sequence's mean however the scored tokens fall on the shards.
+    """
+    scored = (targets != IGNORE_INDEX).sum()
+    group = active_context_parallel()
+    if group is None:
+        return nll.sum() / scored.clamp(min=1)
+    return nll.sum() * group.size / group.sum(scored).clamp(min=1)
+
 
 class CausalLMSteps:
     """Mixin for a ``LightningModule`` that is a causal language model over ``(input_ids, targets)``."""
 
     def token_nll(self, input_ids: Tensor, targets: Tensor, **kw: Any) -> Tensor:
-        """Per-token negative log-likelihood ``[B, N]`` (float32). Under context parallelism the
+        """Per-token negative log-likelihood ``[B, N]`` (float32); 0 where ``targets`` is
+        ``IGNORE_INDEX`` (-100: tokens outside a task's answer). Under context parallelism the
         inputs are this rank's shard, and the model gets the tokens' global positions."""
         group = active_context_parallel()
         if group is not None and kw.get("positions") is None and kw.get("cache") is None:
@@ -30,14 +49,14 @@ class CausalLMSteps:
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
-        loss = self.token_nll(x, y).mean()
+        loss = masked_mean(self.token_nll(x, y), y)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch
         nll = self.token_nll(x, y)
-        self.val_nll.update(nll)
+        self.val_nll.update(nll[y != IGNORE_INDEX])  # scored tokens only (all of them for plain LM data)
 
     def on_validation_epoch_end(self) -> None:
         mean = self.val_nll.compute()

@@ -85,6 +85,13 @@ class ContextParallelGroup:
         full = out.movedim(0, dim)
         return self.layout(x.shape[dim]).unshard(full, dim)
 
+    def sum(self, x: Tensor) -> Tensor:
+        """``x`` summed over the group's ranks, without autograd (token counts, statistics)."""
+        import torch.distributed._functional_collectives as fc
+
+        out = fc.all_reduce(x.detach(), "sum", self.group)
+        return fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out
+
 
 _ACTIVE: ContextParallelGroup | None = None
 

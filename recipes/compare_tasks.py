@@ -1,0 +1,236 @@
+"""Compare positional encodings on the synthetic length-generalization tasks: for every task and
+encoding, train a small TinyGPT at the training length L, then exact-match accuracy at L x 1..16.
+Writes ``results.json`` / ``results.md`` (with the papers' expectations checked), one heatmap per
+task (``heatmap_<task>.png``) and TensorBoard scalars (``tb/<task>/<encoding>``) in the run
+directory. Each finished (task, encoding) cell is saved under ``cells/`` and not retrained when the
+run is repeated with the same settings (``--tasks.retrain=true`` retrains).
+
+    posenc run compare_tasks                                    # the default subset
+    posenc run compare_tasks --tasks.full=true                  # every registered encoding x every task
+    posenc run compare_tasks --tasks.tasks='[copy]' --tasks.encodings='[nope,rope]'
+    posenc report runs/compare_tasks
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import lightning.pytorch as pl
+
+from posenc_lightning.callbacks import PosEncCallback, TaskEvalCallback
+from posenc_lightning.curriculum.extend import RecipeCLI, RunDirSaveConfig, recipe_parser_kwargs, stop_reason
+from posenc_lightning.data.tasks import TASKS, TaskDataModule
+from posenc_lightning.encodings import available_encodings
+from posenc_lightning.eval.task_report import jsonable, render_tasks
+from posenc_lightning.inject import inject
+from posenc_lightning.models import TinyGPT
+
+DEFAULT_TASKS = ["copy", "flip_flop", "selective_copy", "mqar", "counting"]
+DEFAULT_ENCODINGS = ["nope", "rope", "alibi", "fire", "cope", "fox", "sba", "yarn"]
+
+
+@dataclass
+class TasksOptions:
+    """``--tasks.*`` of compare_tasks.
+
+    Args:
+        tasks: tasks to run (``posenc_lightning.data.tasks.TASKS``).
+        encodings: encodings to train on each task.
+        full: every registered encoding on every task (overrides ``tasks`` and ``encodings``).
+        exclude: encodings to skip.
+        task_cfg: per-task arguments, e.g. {mqar: {n_pairs: 8}}.
+        encoding_cfg: per-encoding arguments, e.g. {yarn: {factor: 1.0, original_max_position_embeddings: 32}}.
+        scale_with_length: encodings evaluated zero-shot with factor n/L at length n (PI/NTK/YaRN protocol).
+        multiples: evaluation lengths as multiples of the training length (--data.train_len).
+        test_examples: examples per evaluation length.
+        results_dir: the run directory: results.*, heatmap_<task>.png, cells/, tb/.
+        retrain: retrain cells already finished with the same settings.
+        num_threads: torch CPU threads (0 = torch's default; 1 is fastest on a busy shared machine).
+    """
+
+    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
+    encodings: list[str] = field(default_factory=lambda: list(DEFAULT_ENCODINGS))
+    full: bool = False
+    exclude: list[str] = field(default_factory=list)
+    task_cfg: dict[str, dict[str, Any]] = field(default_factory=dict)
+    encoding_cfg: dict[str, dict[str, Any]] = field(default_factory=dict)
+    scale_with_length: list[str] = field(default_factory=lambda: ["yarn"])
+    multiples: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    test_examples: int = 64
+    results_dir: str = "runs/compare_tasks"
+    retrain: bool = False
+    num_threads: int = 0
+
+
+class TasksCLI(RecipeCLI):
+    options_class = TasksOptions
+    recipe = "compare_tasks"
+    results_group = "tasks"
+
+
+def grid(cfg: TasksOptions) -> tuple[list[str], list[str]]:
+    """The (tasks, encodings) the run covers.
+
+    Raises:
+        ValueError: an unknown task or encoding (the message lists the known ones).
+    """
+    tasks = sorted(TASKS) if cfg.full else list(cfg.tasks)
+    names = available_encodings() if cfg.full or "all" in cfg.encodings else list(cfg.encodings)
+    names = [n for n in names if n not in set(cfg.exclude)]
+    bad = [t for t in tasks if t not in TASKS]
+    if bad:
+        raise ValueError(f"--tasks.tasks: unknown {bad}; known tasks: {sorted(TASKS)}")
+    unknown = [n for n in names if n not in available_encodings()]
+    if unknown:
+        raise ValueError(f"--tasks.encodings: unknown {unknown}; known: {available_encodings()}")
+    return tasks, names
+
+
+def main(args: list[str] | None = None) -> dict[str, Any]:
+    cli = TasksCLI(TinyGPT, TaskDataModule, run=False, args=args, save_config_callback=RunDirSaveConfig,
+                   save_config_kwargs={"overwrite": True}, trainer_defaults={"logger": False},
+                   parser_kwargs=recipe_parser_kwargs("compare_tasks", __doc__))
+    cfg: TasksOptions = cli.options_value
+    if cfg.num_threads > 0:
+        import torch
+
+        torch.set_num_threads(cfg.num_threads)
+    tasks, names = grid(cfg)
+    out = Path(cfg.results_dir)
+    data_cfg = {k: v for k, v in dict(cli.config["data"]).items() if k not in ("task", "task_cfg")}
+    model_cfg = {k: v for k, v in dict(cli.config["model"]).items()
+                 if k not in ("encoding", "encoding_cfg", "vocab_size", "max_seq_len")}
+    seed = cli.config.get("seed_everything") or 0
+    trainer_cfg = dict(cli.config["trainer"])
+    barebones = bool(trainer_cfg.get("barebones"))
+    L = int(data_cfg["train_len"])
+    command = " ".join(["python", "recipes/compare_tasks.py", *(sys.argv[1:] if args is None else args)])
+    results: dict[str, Any] = {"recipe": "compare_tasks", "title": "compare_tasks", "command": command,
+                               "train_len": L, "multiples": list(cfg.multiples), "model": model_cfg,
+                               "data": data_cfg, "max_steps": trainer_cfg.get("max_steps"), "tasks": {}}
+    total, k = len(tasks) * len(names), 0
+    for task in tasks:
+        dm = TaskDataModule(task=task, task_cfg=cfg.task_cfg.get(task, {}), **data_cfg)
+        results["tasks"][task] = entry = {"config": dm.task.config(), "min_train_len": dm.min_train_len,
+                                          "exact_match": {}, "token_accuracy": {}, "failures": {}, "seconds": {},
+                                          "steps": {}, "final_loss": {}}
+        for name in names:
+            k += 1
+            enc_cfg = dict(cfg.encoding_cfg.get(name, {}))
+            signature = jsonable({"task": task, "task_cfg": dm.task.config(), "encoding": name, "encoding_cfg": enc_cfg,
+                                  "model": model_cfg, "data": data_cfg, "seed": seed, "multiples": list(cfg.multiples),
+                                  "scale_with_length": name in cfg.scale_with_length,
+                                  "trainer": {key: trainer_cfg.get(key) for key in ("max_steps", "precision",
+                                                                                 "gradient_clip_val")}})
+            cell_file = out / "cells" / task / f"{name}.json"
+            cell = _finished(cell_file, signature) if not cfg.retrain else None
+            if cell is not None:
+                print(f"[compare_tasks] {k}/{total} {task}/{name}: finished before, not retrained", flush=True)
+            else:
+                print(f"[compare_tasks] {k}/{total} {task}/{name}: training", flush=True)
+                cell = run_cell(cli, dm, task, name, enc_cfg, model_cfg, seed, cfg, out, barebones)
+                if "error" not in cell:
+                    cell_file.parent.mkdir(parents=True, exist_ok=True)
+                    cell_file.write_text(json.dumps(jsonable({"signature": signature, **cell}), indent=1))
+            _collect(entry, name, cell)
+            if pl.utilities.rank_zero.rank_zero_only.rank == 0:
+                render_tasks(results, out, heatmaps=False)  # the table so far: a stopped run still shows its cells
+    if pl.utilities.rank_zero.rank_zero_only.rank == 0:
+        md = render_tasks(results, out, heatmaps=True)
+        if not barebones:
+            _tensorboard_summary(results, out, md)
+        print(md, flush=True)
+    return results
+
+
+def _finished(path: Path, signature: dict[str, Any]) -> dict[str, Any] | None:
+    """The saved cell at ``path`` when it was run with the same ``signature``, else None."""
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    return saved if saved.get("signature") == signature else None
+
+
+def run_cell(cli: Any, dm: TaskDataModule, task: str, name: str, enc_cfg: dict[str, Any], model_cfg: dict[str, Any],
+             seed: int, cfg: TasksOptions, out: Path, barebones: bool) -> dict[str, Any]:
+    """Train one (task, encoding) cell and evaluate it at every length: ``{exact_match: {n: acc},
+    token_accuracy, steps, seconds, final_loss}``, or ``{error: ...}`` when the encoding cannot
+    build in TinyGPT or training fails."""
+    t0 = time.perf_counter()
+    L = dm.train_len
+    build = {**model_cfg, "vocab_size": dm.vocab_size, "max_seq_len": L, "encoding": None}
+    try:  # a dry build: an encoding that cannot run in TinyGPT is reported, the rest go on
+        inject(TinyGPT(**build), name, **enc_cfg)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"cannot build: {e}"}
+    pl.seed_everything(seed)
+    model = TinyGPT(**build)
+    evaluator = TaskEvalCallback(multiples=cfg.multiples, base_len=L, examples=cfg.test_examples,
+                                 scale_with_length=name in cfg.scale_with_length)
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    logger = False if barebones else TensorBoardLogger(str(out / "tb"), name=task, version=name, default_hp_metric=False)
+    trainer = cli.instantiate_trainer(logger=logger, callbacks=[PosEncCallback(name, config=enc_cfg)],
+                                      enable_checkpointing=False, limit_val_batches=0)
+    try:
+        trainer.fit(model, dm)
+    except Exception as e:  # noqa: BLE001  one failing cell is reported, the grid goes on
+        return {"error": f"training failed: {type(e).__name__}: {e}"}
+    acc = evaluator.evaluate(model, trainer, datamodule=dm)
+    loss = trainer.callback_metrics.get("train/loss")
+    cell = {"exact_match": acc, "token_accuracy": dict(evaluator.token_accuracy), "failures": dict(evaluator.failures),
+            "steps": trainer.global_step, "stopped": stop_reason(trainer),
+            "final_loss": float(loss) if loss is not None else math.nan, "seconds": time.perf_counter() - t0}
+    if logger:
+        logger.log_metrics({**{f"task_eval/exact_match/{n}": v for n, v in acc.items()},
+                            **{f"task_eval/token_accuracy/{n}": v for n, v in evaluator.token_accuracy.items()}},
+                           step=trainer.global_step)
+        logger.save()
+    print(f"[compare_tasks] {task}/{name}: " + ", ".join(f"{n}: {100 * v:.0f}%" for n, v in acc.items())
+          + f" (loss {cell['final_loss']:.3f}, {cell['seconds']:.0f}s)", flush=True)
+    return cell
+
+
+def _collect(entry: dict[str, Any], name: str, cell: dict[str, Any]) -> None:
+    if "error" in cell:
+        entry["failures"][name] = cell["error"]
+        return
+    entry["exact_match"][name] = {int(n): (math.nan if v is None else v) for n, v in cell["exact_match"].items()}
+    entry["token_accuracy"][name] = {int(n): (math.nan if v is None else v) for n, v in cell["token_accuracy"].items()}
+    for key in ("seconds", "steps", "final_loss"):
+        entry[key][name] = cell[key]
+    if cell.get("failures"):
+        entry["failures"][name] = "; ".join(f"{n}: {v}" for n, v in cell["failures"].items())
+
+
+def _tensorboard_summary(results: dict[str, Any], out: Path, md: str) -> None:
+    """The heatmaps and the table in TensorBoard (run ``tb/summary``)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from posenc_lightning.eval.plots import families_of
+    from posenc_lightning.eval.task_report import accuracy_heatmap
+
+    writer = SummaryWriter(str(out / "tb" / "summary"))
+    L = results["train_len"]
+    for task, r in results["tasks"].items():
+        fam = families_of(list(r["exact_match"]))
+        fig = accuracy_heatmap(r["exact_match"], None, f"compare_tasks: {task}", L, fam)
+        if fig is not None:
+            writer.add_figure(f"compare_tasks/{task}", fig)  # closes the figure
+    writer.add_text("compare_tasks/results", md)
+    writer.close()
+
+
+if __name__ == "__main__":
+    main()

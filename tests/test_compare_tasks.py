@@ -1,0 +1,120 @@
+"""recipes/compare_tasks.py end to end at tiny settings: results.json / results.md / heatmaps /
+TensorBoard scalars agree with each other, a finished cell is not retrained on rerun (and is when
+its settings change), `posenc report` reads the run; the papers' expectations are judged as
+stated."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from posenc_lightning.eval.task_report import EXPECTATIONS, Expectation, verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--config", str(ROOT / "configs" / "compare_tasks.yaml"), "--trainer.max_steps=3",
+        "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1", "--model.d_model=16", "--model.n_layers=1", "--model.n_heads=2",
+        "--data.train_len=24", "--data.batch_size=4", "--tasks.tasks=[copy,mqar]", "--tasks.encodings=[nope,yarn]",
+        "--tasks.multiples=[1,2]", "--tasks.test_examples=3", "--tasks.task_cfg={mqar: {n_pairs: 3}}",
+        "--tasks.encoding_cfg={yarn: {factor: 1.0, original_max_position_embeddings: 24}}"]
+
+
+def _recipe():
+    sys.path.insert(0, str(ROOT / "recipes"))
+    try:
+        import compare_tasks
+    finally:
+        sys.path.pop(0)
+    return compare_tasks
+
+
+@pytest.mark.slow
+def test_compare_tasks_writes_results_and_skips_finished_cells(tmp_path, capsys):
+    recipe = _recipe()
+    out = tmp_path / "run"
+    args = [*TINY, f"--tasks.results_dir={out}"]
+    r = recipe.main(args)
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["train_len"] == 24 and saved["multiples"] == [1, 2] and set(saved["tasks"]) == {"copy", "mqar"}
+    for task in ("copy", "mqar"):
+        em = saved["tasks"][task]["exact_match"]
+        assert set(em) == {"nope", "yarn"} and saved["tasks"][task]["steps"] == {"nope": 3, "yarn": 3}
+        for name, row in em.items():
+            assert set(row) == {"24", "48"} and all(0.0 <= v <= 1.0 for v in row.values())
+            assert row == {str(n): v for n, v in r["tasks"][task]["exact_match"][name].items()}
+        assert (out / f"heatmap_{task}.png").stat().st_size > 5_000
+        assert (out / "cells" / task / "nope.json").is_file()
+    assert saved["tasks"]["mqar"]["config"] == {"n_pairs": 3, "n_keys": 32, "n_values": 32}
+    md = (out / "results.md").read_text()
+    assert "| copy | NoPE beats RoPE beyond the training length |" in md  # rope is not in this grid:
+    assert "needs nope and rope in the grid" in md                     # no verdict, said so
+    assert "| nope | none |" in md and "| yarn | rotate |" in md and "2x (48)" in md
+
+    from posenc_lightning.eval.compare import scalar_series
+
+    series = scalar_series(out / "tb")
+    tb = series["copy/yarn"]["task_eval/exact_match/48"][-1]
+    assert tb == (3, pytest.approx(saved["tasks"]["copy"]["exact_match"]["yarn"]["48"], abs=1e-6))
+    assert "train/loss" in series["mqar/nope"]
+
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "cells").rglob("*.json")}
+    capsys.readouterr()
+    again = recipe.main(args)
+    log = capsys.readouterr().out
+    assert log.count("finished before, not retrained") == 4 and ": training" not in log
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    assert json.loads((out / "results.json").read_text())["tasks"] == saved["tasks"]
+    assert again["tasks"]["copy"]["exact_match"] == r["tasks"]["copy"]["exact_match"]
+
+    recipe.main([*args, "--tasks.tasks=[copy]", "--tasks.encodings=[nope]", "--tasks.multiples=[1,2,4]"])
+    log = capsys.readouterr().out
+    assert "1/1 copy/nope: training" in log  # another evaluation grid: the cell is run again
+    assert set(json.loads((out / "cells" / "copy" / "nope.json").read_text())["exact_match"]) == {"24", "48", "96"}
+
+    from posenc_lightning.cli import main as cli_main
+
+    assert cli_main(["report", str(out), "--out", str(tmp_path / "rep")]) == 0
+    rep = (tmp_path / "rep" / "report.md").read_text()
+    assert "## Recipe results: ." in rep and "| nope | none |" in rep and "task_eval/exact_match/48" in rep
+
+
+def test_bad_grid_names_the_known_ones():
+    recipe = _recipe()
+    with pytest.raises(ValueError, match=r"--tasks.tasks: unknown \['copyy'\]; known tasks: \['addition'"):
+        recipe.grid(recipe.TasksOptions(tasks=["copyy"]))
+    with pytest.raises(ValueError, match=r"--tasks.encodings: unknown \['ropee'\]; known: \["):
+        recipe.grid(recipe.TasksOptions(encodings=["ropee"]))
+    tasks, names = recipe.grid(recipe.TasksOptions(full=True, exclude=["nope"]))
+    from posenc_lightning.data.tasks import TASKS
+    from posenc_lightning.encodings import available_encodings
+
+    assert tasks == sorted(TASKS) and names == [n for n in available_encodings() if n != "nope"]
+
+
+def test_verdicts_follow_the_stated_rule():
+    e = Expectation("copy", "NoPE beats RoPE", "paper", "nope", "rope")
+    L = 32
+    held = {"nope": {32: 1.0, 64: 0.5, 128: 0.25}, "rope": {32: 1.0, 64: 0.1, 128: 0.0}}
+    assert verdict(e, held, L) == ("held", "nope 38% vs rope 5% beyond L (at L: 100% vs 100%)")
+    flipped = {"nope": held["rope"], "rope": held["nope"]}
+    assert verdict(e, flipped, L)[0] == "not held"
+    tie = {"nope": {32: 0.9, 64: 0.0}, "rope": {32: 0.9, 64: 0.0}}
+    assert verdict(e, tie, L)[0] == "not held"  # a tie is not a win
+    unlearned = {"nope": {32: 0.2, 64: 0.1}, "rope": {32: 0.3, 64: 0.0}}
+    v, why = verdict(e, unlearned, L)
+    assert v == "no verdict" and "not learned at this scale" in why
+    failing = {"nope": {32: 1.0, 64: math.nan, 128: 0.5}, "rope": {32: 1.0, 64: 0.2, 128: 0.2}}
+    assert verdict(e, failing, L)[0] == "held"  # a length that cannot run is left out of the mean
+    mq = next(x for x in EXPECTATIONS if x.task == "mqar")
+    assert verdict(mq, {"rope": {32: 0.95}, "alibi": {32: 0.97}}, L)[0] == "held"
+    v, why = verdict(mq, {"rope": {32: 0.95}, "nope": {32: 0.4}}, L)
+    assert v == "not held" and why.endswith("below: nope")
+    glitch = next(x for x in EXPECTATIONS if x.glitches)
+    assert verdict(glitch, {"fox": {32: 1.0, 64: 0.99}, "sba": {32: 0.9, 64: 1.0, 128: 0.98}}, L)[0] == "held"
+    v, why = verdict(glitch, {"fox": {32: 0.9, 64: 1.0, 128: 1.0}, "sba": {32: 1.0, 64: 0.5}}, L)
+    assert v == "not held" and why.endswith(": fox")
+    assert {x.task for x in EXPECTATIONS} == {"copy", "reverse", "addition", "flip_flop", "selective_copy",
+                                             "counting", "mqar", "passkey"}
