@@ -16,7 +16,8 @@ from posenc_lightning.inject import inject, injected_spec, restore_from_checkpoi
 
 __version__ = "0.1.0"
 
-_CALLBACKS = ("ContextCurriculum", "ContextParallel", "LMEvalCallback", "LengthEvalCallback", "PosEncCallback", "PosEncVisualizer", "Stage")
+_CALLBACKS = ("ContextCurriculum", "ContextParallel", "LMEvalCallback", "LengthEvalCallback", "PosEncCallback",
+              "PosEncVisualizer", "Stage", "TaskEvalCallback")
 
 
 def __getattr__(name: str):
@@ -46,6 +47,7 @@ __all__ = [
     "PosEncVisualizer",
     "RelativeBias",
     "Stage",
+    "TaskEvalCallback",
     "available_encodings",
     "build_encoding",
     "inject",

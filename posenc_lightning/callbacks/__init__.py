@@ -7,5 +7,4 @@ from posenc_lightning.callbacks.task_eval import TaskEvalCallback
 from posenc_lightning.callbacks.visualize import PosEncVisualizer
 
 __all__ = ["ContextCurriculum", "ContextParallel", "LMEvalCallback", "LengthEvalCallback", "PosEncCallback",
-           "PosEncVisualizer",
-           "Stage", "TaskEvalCallback"]
+           "PosEncVisualizer", "Stage", "TaskEvalCallback"]

@@ -44,6 +44,15 @@ class TaskEvalCallback(pl.Callback):
         self.failures: dict[int, str] = {}
 
     def resolve_lengths(self, datamodule: Any) -> list[int]:
+        """The evaluation lengths: ``lengths`` when given, else ``multiples`` of the base length.
+
+        Args:
+            datamodule: the run's datamodule; its ``train_len`` (or ``seq_len``) is the base length
+                when ``base_len`` is not set.
+
+        Returns:
+            The sequence lengths to evaluate, in order.
+        """
         if self.lengths:
             return self.lengths
         base = self.base_len or getattr(datamodule, "train_len", None) or getattr(datamodule, "seq_len", None)
@@ -54,7 +63,16 @@ class TaskEvalCallback(pl.Callback):
     @torch.no_grad()
     def evaluate(self, pl_module: pl.LightningModule, trainer: pl.Trainer | None = None,
                  datamodule: Any = None) -> dict[int, float]:
-        """Exact-match accuracy per length (NaN where the model fails, see ``failures``)."""
+        """Exact-match accuracy per length (NaN where the model fails, see ``failures``).
+
+        Args:
+            pl_module: the model to score.
+            trainer: the running trainer (its ranks share the test examples), or None for one process.
+            datamodule: a datamodule with ``length_dataloader``; default the trainer's.
+
+        Returns:
+            ``{length: accuracy}`` over the examples of every rank.
+        """
         from posenc_lightning.data.tasks.metric import ExactMatchByLength
 
         dm = datamodule if datamodule is not None else getattr(trainer, "datamodule", None)
