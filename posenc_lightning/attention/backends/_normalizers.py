@@ -11,19 +11,23 @@ plus the output and one log-sum-exp per query row (softmax), is kept for backwar
   logits (ExpoSB, stage 4), an online softmax over key tiles (Milakov & Gimelshein, 2018;
   FlashAttention's forward) with the log-sum-exp kept per row, and the softmax gradient by tiles.
 
-Weights below ``exp(EXP_FLOOR)`` are computed as that (x86 computes denormal exps ~30x slower).
+Weights below ``exp(EXP_FLOOR)`` are computed as that, and forward and backward run with denormals
+flushed to zero on CPU (`_flushing`): x86 arithmetic on denormals is many times slower, and the
+products of small weights and gradients fall there.
 Inputs of a bias that need a gradient come after ``spec`` (so autograd routes their gradients);
 the tiles' bias gradient reaches them through `_tiles.BiasTiles`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from posenc_lightning.attention.backends._denormals import _flush_denormals
 from posenc_lightning.attention.backends._tiles import BiasTiles, Tiling, flat, grouped, ungrouped
 from posenc_lightning.encodings.base import Bias
 from posenc_lightning.functional.stick_breaking import (
@@ -95,6 +99,17 @@ def _wide(q: Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
+def _flushing(fn: Callable) -> Callable:
+    """An autograd Function's ``forward`` / ``backward`` run with denormals flushed to zero on CPU."""
+
+    @functools.wraps(fn)
+    def run(ctx, x: Tensor, *args):
+        with _flush_denormals(x.device):
+            return fn(ctx, x, *args)
+
+    return run
+
+
 class StickBreakingBlocks(torch.autograd.Function):
     """Stick-breaking attention by tiles: ``o_i = sum_j A_ij v_j`` (see the module docstring).
 
@@ -102,6 +117,7 @@ class StickBreakingBlocks(torch.autograd.Function):
     tiles farthest first, where the sum of ``g`` over the farther keys is carried exactly."""
 
     @staticmethod
+    @_flushing
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: Spec, *extra: Tensor) -> Tensor:
         out = _sb_forward(q, k, v, spec, _wide(q))
         ctx.save_for_backward(q, k, v)
@@ -109,6 +125,7 @@ class StickBreakingBlocks(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @_flushing
     def backward(ctx, d_out: Tensor):
         q, k, v = ctx.saved_tensors
         spec: Spec = ctx.spec
@@ -176,6 +193,7 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
     """``softmax((q k^T s + bias) * mod(i, j))`` by tiles (see the module docstring)."""
 
     @staticmethod
+    @_flushing
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: Spec, *extra: Tensor) -> Tensor:
         wt = _wide(q)
         out, lse = _softmax_forward(q, k, v, spec, wt)
@@ -184,6 +202,7 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @_flushing
     def backward(ctx, d_out: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         spec: Spec = ctx.spec
