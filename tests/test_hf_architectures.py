@@ -129,3 +129,14 @@ def test_a_dynamic_law_in_the_attention_equals_the_models_own_rope_inside_its_le
     assert model.config._attn_implementation.startswith("posenc_wrap_")
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, own, atol=1e-5, rtol=1e-5)
+
+
+def test_readme_counts_are_the_pages() -> None:
+    """The README's counts of working and refused architectures are the generated page's."""
+    import re
+
+    page = re.search(r"(\d+) model types: (\d+) work, (\d+) are refused", PAGE.read_text())
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    total, works, refused = page.groups()
+    assert f"Of the {total} causal-LM model types" in readme
+    assert f"{works} work and {refused} are refused" in readme
