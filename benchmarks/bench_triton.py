@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 
-def _time(fn, reps: int, warmup: int = 3) -> float:
+def cuda_median_ms(fn, reps: int, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` calls, by CUDA events, after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -86,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in a.lengths:
         base = None
         for name, fn in cases(a.batch, a.heads, n, a.head_dim, dtype):
-            fwd = _time(fn, a.reps)
-            both = _time(lambda f=fn: f().sum().backward(), a.reps)
+            fwd = cuda_median_ms(fn, a.reps)
+            both = cuda_median_ms(lambda f=fn: f().sum().backward(), a.reps)
             if base is None:
                 base = (fwd, both)
             rows.append(f"| {n} | {name} | {fwd:.3f} | {both:.3f} | {fwd / base[0]:.2f} | {both / base[1]:.2f} |")

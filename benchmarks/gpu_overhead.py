@@ -15,7 +15,6 @@ benchmarks/gpu_check.sh.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from benchmarks.bench_triton import cuda_median_ms
 from posenc_lightning import PosEncAttentionMixin, PosEncEmbeddingMixin
 
 #: the issue's bars: fused kernels within this factor of flash SDPA without an encoding, at these
@@ -52,21 +52,6 @@ class _Layer(nn.Module, PosEncAttentionMixin, PosEncEmbeddingMixin):
         return self.attend(q, k, v, hidden=hidden)
 
 
-def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def _fwd_bwd(fn: Callable[[], Tensor]) -> Callable[[], None]:
     return lambda: fn().backward(GRAD[0])
 
@@ -77,8 +62,8 @@ GRAD: list[Tensor] = []  # the cotangent of the current shape (one allocation pe
 def time_case(fn: Callable[[], Tensor], reps: int) -> tuple[float, float]:
     """(forward ms, forward+backward ms) of ``fn``."""
     with torch.no_grad():
-        fwd = _median_ms(fn, reps)
-    return fwd, _median_ms(_fwd_bwd(fn), reps)
+        fwd = cuda_median_ms(fn, reps)
+    return fwd, cuda_median_ms(_fwd_bwd(fn), reps)
 
 
 def cases(names: list[str], backends: list[str], a: argparse.Namespace, n: int, device: str = "cuda"):
