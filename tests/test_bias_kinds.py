@@ -94,7 +94,7 @@ def _kinds(b=2, h=3, n_q=5, n_k=7):
 
 
 def _from_kernel_args(a: KernelBias, shape) -> torch.Tensor:
-    """The bias the Triton kernels compute from their arguments (the formulas of DESIGN.md)."""
+    """The bias the Triton kernels compute from their arguments (the formulas of docs/architecture.md)."""
     out = torch.zeros(shape)
     if a.slopes is not None or a.table is not None:
         d = (a.q_pos[:, :, None] - a.k_pos[:, None, :])[:, None]

@@ -1,4 +1,4 @@
-"""Adapters for models the user did not write (DESIGN.md, layout): each maps the model's own hooks
+"""Adapters for models the user did not write (docs/architecture.md, injection): each maps the model's own hooks
 onto the four stages and the posenc backends; `posenc_lightning.inject` picks one when it finds no
 mixin module. ``hf``: transformers ``PreTrainedModel``s. (litgpt: see the README.)"""
 

@@ -1,4 +1,4 @@
-"""The `Encoding` base class and the structured attention-bias kinds (DESIGN.md, stages 1-4).
+"""The `Encoding` base class and the structured attention-bias kinds (docs/architecture.md, stages 1-4).
 
 An encoding implements only the stages it uses:
 

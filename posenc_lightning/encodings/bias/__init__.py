@@ -1,4 +1,4 @@
-"""The structured attention-bias kinds (DESIGN.md, "Bias is a description, not a tensor").
+"""The structured attention-bias kinds (docs/architecture.md, "Bias is a description, not a tensor").
 
 A kind owns everything a backend asks of it, so no backend tests a bias's class:
 
