@@ -24,6 +24,7 @@ from types import MethodType
 import torch
 from torch import Tensor
 
+from posenc_lightning.attention.backends._blocks import tile_rows
 from posenc_lightning.attention.backends._normalizers import ModulatedSoftmaxBlocks, Spec, StickBreakingBlocks
 from posenc_lightning.attention.backends._tiles import Tiling
 from posenc_lightning.attention.mask import AttentionMask
@@ -34,10 +35,9 @@ NAME = "blockwise"
 FUSES_ROTARY = False
 #: the declared normalizers (`Encoding.fused_normalizer`) this backend runs
 NORMALIZERS = ("stick_breaking", "distance_modulated_softmax")
-#: query rows per block and keys per tile; with a bias, fewer rows so that a block's bias rows
-#: (``[B, H, rows, keys seen]`` float32, and their gradient in backward) stay near `BIAS_BLOCK_BYTES`
+#: query rows per block and keys per tile; with a bias computed by rows, fewer rows (at least
+#: ``MIN_BIAS_ROWS``) as the engine's block budget gives them (`_blocks.tile_rows`)
 BLOCK_ROWS, BLOCK_KEYS = 128, 256
-BIAS_BLOCK_BYTES = 2 * 2**20
 MIN_BIAS_ROWS = 16
 
 
@@ -55,7 +55,7 @@ def block_rows(bias: Bias | None, b: int, h: int, n_k: int) -> int:
     """Query rows per block: fewer with a bias computed by blocks of rows (not `Bias.distance_only`)."""
     if bias is None or bias.distance_only:
         return BLOCK_ROWS
-    return int(min(BLOCK_ROWS, max(MIN_BIAS_ROWS, BIAS_BLOCK_BYTES // (4 * b * h * max(n_k, 1)))))
+    return tile_rows(b, h, n_k, BLOCK_ROWS, MIN_BIAS_ROWS)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,

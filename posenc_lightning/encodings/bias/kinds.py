@@ -168,6 +168,12 @@ class Bias(ABC):
         return False
 
     @property
+    def backward_share(self) -> float:
+        """The share of the engine's backward block of rows this kind's rows take (default 1); less
+        for rows whose recomputation keeps more row-sized state alive (CoPE's gates and counts)."""
+        return 1.0
+
+    @property
     def rows_shape(self) -> tuple[int, int] | None:
         """``(Nq, Nk)`` when the values exist only as `rows` computed on request (a lazy dense
         bias, FIRE's MLP per pair): what a backend computes block by block; None when the kind
@@ -277,6 +283,7 @@ class DenseBias(Bias):
     shape_qk: tuple[int, int] | None = None  # (Nq, Nk) of a lazy bias
     inputs: tuple[Tensor, ...] | None = field(default=None, repr=False)  # what ``fn`` is computed from
     window: Callable[[int, int, int], tuple[Index, ...]] | None = field(default=None, repr=False)
+    share: float = 1.0  # `backward_share`
 
     def __post_init__(self) -> None:
         if (self.tensor is None) == (self.fn is None) or (self.fn is not None and self.shape_qk is None):
@@ -287,7 +294,8 @@ class DenseBias(Bias):
 
     @classmethod
     def lazy(cls, fn: Callable[..., Tensor], n_q: int, n_k: int, inputs: Sequence[Tensor] | None = None,
-             window: Callable[[int, int, int], tuple[Index, ...]] | None = None) -> DenseBias:
+             window: Callable[[int, int, int], tuple[Index, ...]] | None = None,
+             backward_share: float = 1.0) -> DenseBias:
         """A bias computed only for the rows asked for (``materialize()`` = all rows).
 
         Without ``inputs``: ``fn(start, stop, k_stop) -> [B|1, H, stop - start, k_stop]``; the SDPA
@@ -301,7 +309,7 @@ class DenseBias(Bias):
         differentiates to them: no ``N x N`` kept, gradients only as large as the parts.
         """
         ins = None if inputs is None else tuple(inputs)
-        return cls(fn=fn, shape_qk=(int(n_q), int(n_k)), inputs=ins, window=window)
+        return cls(fn=fn, shape_qk=(int(n_q), int(n_k)), inputs=ins, window=window, share=backward_share)
 
     def grad_inputs(self) -> tuple[Tensor, ...] | None:
         return (self.tensor,) if self.tensor is not None else self.inputs
@@ -328,6 +336,10 @@ class DenseBias(Bias):
     @property
     def fresh_rows(self) -> bool:
         return self.is_lazy and self.inputs is not None  # a function of its arguments: new rows
+
+    @property
+    def backward_share(self) -> float:
+        return self.share
 
     def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
         if self.tensor is not None:
@@ -356,7 +368,8 @@ class DenseBias(Bias):
         if ins is None:
             return DenseBias.lazy(lambda s, e, ke: self.rows(s, e, ke) * w, *self.shape_qk)
         return DenseBias.lazy(lambda s, e, ke, *v: self.rows_from(s, e, ke, v[:-1]) * v[-1], *self.shape_qk,
-                              inputs=(*ins, w), window=lambda s, e, ke: (*self.input_windows(s, e, ke), None))
+                              inputs=(*ins, w), window=lambda s, e, ke: (*self.input_windows(s, e, ke), None),
+                              backward_share=self.share)
 
     def fold_into(self, args: KernelBias) -> None:
         args.add_dense(self.tensor if self.tensor is not None else self.materialize())
@@ -390,6 +403,10 @@ class ScaledBias(Bias):
 
     def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
         return self.inner.rows_from(start, stop, k_stop, views[:-1]) * views[-1]
+
+    @property
+    def backward_share(self) -> float:
+        return self.inner.backward_share
 
     @property
     def distance_only(self) -> bool:
@@ -507,6 +524,10 @@ class BiasSum(Bias):
     @property
     def fresh_rows(self) -> bool:
         return all(p.fresh_rows for p in self.parts)
+
+    @property
+    def backward_share(self) -> float:
+        return min(p.backward_share for p in self.parts)
 
     @property
     def distance_only(self) -> bool:
