@@ -273,6 +273,7 @@ class DenseBias(Bias):
         shape_qk: ``(Nq, Nk)`` of a lazy bias.
         inputs: the tensors ``fn`` is computed from (its `grad_inputs`).
         window: ``window(start, stop, k_stop)``: the parts of ``inputs`` those rows read.
+        share: the share of the engine's backward blocks of rows its rows take (`backward_share`).
 
     Raises:
         ValueError: neither or both of ``tensor`` and ``fn``, or ``fn`` without ``shape_qk``.
@@ -283,7 +284,7 @@ class DenseBias(Bias):
     shape_qk: tuple[int, int] | None = None  # (Nq, Nk) of a lazy bias
     inputs: tuple[Tensor, ...] | None = field(default=None, repr=False)  # what ``fn`` is computed from
     window: Callable[[int, int, int], tuple[Index, ...]] | None = field(default=None, repr=False)
-    share: float = 1.0  # `backward_share`
+    share: float = 1.0
 
     def __post_init__(self) -> None:
         if (self.tensor is None) == (self.fn is None) or (self.fn is not None and self.shape_qk is None):
@@ -307,6 +308,8 @@ class DenseBias(Bias):
         None = all; e.g. ``span(start, stop, -2)`` for the query rows of q): ``fn`` then gets
         the parts. The SDPA backend's own backward calls ``fn`` on detached parts and
         differentiates to them: no ``N x N`` kept, gradients only as large as the parts.
+        ``backward_share``: below 1 for rows whose recomputation keeps more row-sized state alive
+        (smaller backward blocks, `Bias.backward_share`).
         """
         ins = None if inputs is None else tuple(inputs)
         return cls(fn=fn, shape_qk=(int(n_q), int(n_k)), inputs=ins, window=window, share=backward_share)
