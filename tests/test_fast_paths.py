@@ -339,7 +339,7 @@ def test_absolute_embed_slice_equals_lookup_fwd_bwd(name, pos):
 
 
 def test_blockwise_own_backward_with_dependent_inputs(monkeypatch):
-    """A bias that can recompute its rows from stand-ins runs `_BlockwiseAttention` (SDPA forward,
+    """A bias that can recompute its rows from stand-ins runs `_RowsAttention` (SDPA forward,
     its own backward), even when its inputs are computed from one another (a mixture's w and
     slopes * w) or are q and k themselves (CoPE): rows are recomputed from detached, windowed
     leaves, so every input gets its partial gradient and autograd sums the paths. Packed

@@ -124,8 +124,8 @@ class Scratch:
 
 
 #: eagerly, a block's bias is differentiated with ``autograd.grad`` on its small graph rather than
-#: ``torch.func.vjp``, whose per-call overhead (~0.4 ms: pytrees, signature binding) was most of
-#: FIRE's backward rows at N=4096 (256 blocks); under compile ``torch.func.vjp`` (traceable)
+#: ``torch.func.vjp``, whose per-call overhead (pytrees, signature binding) dominates small blocks
+#: (measured in CHANGELOG.md); under compile ``torch.func.vjp`` (traceable)
 EAGER_AUTOGRAD = True
 
 
