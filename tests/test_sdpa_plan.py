@@ -111,3 +111,44 @@ def test_blockwise_backend_tiles_take_a_quarter_of_the_budget():
     assert _blocks.tile_rows(1, H, n_k, 128, 16) == min(128, _blocks.BIAS_BLOCK_BYTES // (4 * 4 * H * n_k))
     assert _blocks.tile_rows(8, 16, 8192, 128, 16) == 16
     assert _blocks.tile_rows(8, 16, 8192, 128, 4) == 4
+
+
+def _declared_form(bias, q, k, v, mask, ctx):
+    from posenc_lightning.attention.backends import sdpa
+
+    mode = Mode.of(q)
+    call, _ = sdpa._declared(q, k, v, bias, mask, ctx, None, mode)
+    return choose(call, mode, sdpa.COMPILED_ONE_BLOCK_BYTES).form
+
+
+def test_what_real_kinds_declare_leads_to_their_form():
+    """The bias kinds' declarations as sdpa reads them (`sdpa._declared`), eagerly on CPU:
+    causal ALiBi is key-only (the key mask: no gradient, one kv head per query head), a T5
+    table at arange positions Toeplitz, at shuffled positions rows; a lazy bias recomputable
+    from its inputs the engine's own backward when one needs a gradient, else rows."""
+    import torch
+
+    from posenc_lightning.attention.mask import AttentionMask
+    from posenc_lightning.encodings.base import AttentionContext, DenseBias, LinearBias, RelativeBias
+    from posenc_lightning.functional.alibi import alibi_slopes
+
+    h, n, d = 4, 64, 8
+    q, k, v = (torch.randn(1, h, n, d) for _ in range(3))
+    pos = torch.arange(n)[None]
+    mask, ctx = AttentionMask(True, 0, n, n), AttentionContext(pos, pos, True)
+    with torch.no_grad():
+        assert _declared_form(LinearBias(alibi_slopes(h), pos, pos), q, k, v, mask, ctx) is Form.KEY_MASK
+        table = torch.randn(h, 15)
+        assert _declared_form(RelativeBias(table, pos, pos), q, k, v, mask, ctx) is Form.TOEPLITZ
+        perm = torch.randperm(n)[None]
+        assert _declared_form(RelativeBias(table, perm, perm), q, k, v, mask, AttentionContext(perm, perm)) \
+            is Form.ROWS
+    w = torch.randn(h, requires_grad=True)
+
+    def rows(s, e, ke, w_):
+        return w_[None, :, None, None].expand(1, h, e - s, ke).float()
+
+    lazy = DenseBias.lazy(rows, n, n, inputs=(w,))
+    assert _declared_form(lazy, q, k, v, mask, ctx) is Form.OWN_BACKWARD
+    with torch.no_grad():
+        assert _declared_form(lazy, q, k, v, mask, ctx) is Form.ROWS

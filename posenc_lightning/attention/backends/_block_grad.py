@@ -21,7 +21,7 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
                                  on_ds: Callable[[int, int, int, Tensor], None] | None = None,
                                  reverse_rows: bool = False, dq: Tensor | None = None,
                                  dk: Tensor | None = None, empty_rows: bool = False,
-                                 scratch: Scratch | None = None, compiling: bool | None = None
+                                 scratch: Scratch | None = None, compiling: bool = False
                                  ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the dtypes of q, k, v, computed ``rows`` query rows at a time.
 
@@ -35,7 +35,7 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
     ``empty_rows``: a query may see no key at all (key padding): its weights are 0, not NaN.
     ``scratch``: the blocks' buffers (`Scratch`, two of a block's size at least); buffer 1 is free
     while ``on_ds`` runs (a caller may use it there). ``compiling``: traced by ``torch.compile``
-    (None: asked here), for the default ``scratch``.
+    (as the caller's `_mode.Mode` says), for the default ``scratch``.
     """
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[-2]
@@ -99,11 +99,10 @@ class Scratch:
     block, whose pages are new to the process each time (page faults). Under compile every
     block gets new tensors (`eager` False), as inductor plans its own buffers, and so does a
     backward that is itself differentiated (``create_graph``: ``out=`` records no graph).
-    ``compiling``: traced by ``torch.compile``, as the caller decided (None: asked here)."""
+    ``compiling``: traced by ``torch.compile``, as the caller's `_mode.Mode` says."""
 
     def __init__(self, sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 compiling: bool | None = None) -> None:
-        compiling = torch.compiler.is_compiling() if compiling is None else compiling
+                 compiling: bool = False) -> None:
         self.eager = not compiling and not torch.is_grad_enabled()
         self._buffers = [torch.empty(n, dtype=dtype, device=device) for n in sizes] if self.eager else []
 
@@ -160,13 +159,13 @@ def _recording() -> Iterator[None]:
         yield
 
 
-def block_vjp(fn: Callable[..., Tensor], *primals: Tensor, compiling: bool | None = None
+def block_vjp(fn: Callable[..., Tensor], *primals: Tensor, compiling: bool = False
               ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]]:
     """``(fn(*primals), pullback)`` with ``pullback(g)`` the gradients of ``<fn(...), g>`` to every
     primal (zeros for one ``fn`` does not use), as ``torch.func.vjp``; eagerly through autograd
     (inside a custom operator's kernel too, `_recording`). ``compiling``: traced by
-    ``torch.compile``, as the caller decided (None: asked here)."""
-    if (torch.compiler.is_compiling() if compiling is None else compiling) or not EAGER_AUTOGRAD:
+    ``torch.compile``, as the caller's `_mode.Mode` says."""
+    if compiling or not EAGER_AUTOGRAD:
         return torch.func.vjp(fn, *primals)
     leaves = [p.detach().requires_grad_() for p in primals]
     with _recording():

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.attention.backends._denormals import _flush_denormals
+from posenc_lightning.attention.backends._mode import Mode
 from posenc_lightning.attention.backends._tiles import BiasTiles, Tiling, flat, grouped, ungrouped
 from posenc_lightning.encodings.base import Bias
 from posenc_lightning.functional.stick_breaking import (
@@ -52,9 +53,10 @@ class Spec:
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
 
-    def bias_tiles(self, h_kv: int, dtype: torch.dtype, needs: tuple[bool, ...] = ()) -> BiasTiles:
-        """`BiasTiles` with, per bias input, whether it needs a gradient (an ``extra`` that needs one)."""
-        bt = BiasTiles(self.bias, self.tiling, h_kv, dtype, self.q_pos, self.k_pos)
+    def bias_tiles(self, h_kv: int, dtype: torch.dtype, mode: Mode, needs: tuple[bool, ...] = ()) -> BiasTiles:
+        """`BiasTiles` of a pass in ``mode`` with, per bias input, whether it needs a gradient (an
+        ``extra`` that needs one)."""
+        bt = BiasTiles(self.bias, self.tiling, h_kv, dtype, self.q_pos, self.k_pos, mode.compiling)
         if needs:
             bt.need = tuple(any(t is x and n for x, n in zip(self.extra, needs)) for t in bt.inputs)
         return bt
@@ -81,7 +83,7 @@ def _grad_buffers(ctx, spec: Spec, q: Tensor, k: Tensor, v: Tensor, wt: torch.dt
                   ) -> tuple[Tensor, Tensor, Tensor, BiasTiles]:
     """Zeroed ``dq, dk, dv`` accumulators in ``wt`` and the bias tiles of a backward pass."""
     dq, dk, dv = (torch.zeros(t.shape, dtype=wt, device=t.device) for t in (q, k, v))
-    return dq, dk, dv, spec.bias_tiles(k.shape[1], wt, ctx.needs_input_grad[4:])
+    return dq, dk, dv, spec.bias_tiles(k.shape[1], wt, Mode.of(q), ctx.needs_input_grad[4:])
 
 
 def _tile_grads(tl: Tiling, t: object, dz: Tensor, w: Tensor, qb: Tensor, kt: Tensor, dob: Tensor, dq_b: Tensor,
@@ -178,7 +180,7 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtype) ->
     h_kv, d_v = k.shape[1], v.shape[-1]
     tl = spec.tiling
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
-    bt = spec.bias_tiles(h_kv, wt)
+    bt = spec.bias_tiles(h_kv, wt, Mode.of(q))
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         tail = torch.zeros(shape, dtype=wt, device=q.device)
         for t in tl.tiles(s, k_stop):
@@ -250,7 +252,7 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtyp
     tl = spec.tiling
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
     lse = torch.full((b, h, n_q), float("inf"), dtype=wt, device=q.device)
-    bt = spec.bias_tiles(h_kv, wt)
+    bt = spec.bias_tiles(h_kv, wt, Mode.of(q))
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         m = torch.full(shape, float("-inf"), dtype=wt, device=q.device)
         den = torch.zeros(shape, dtype=wt, device=q.device)

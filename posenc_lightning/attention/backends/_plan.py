@@ -14,29 +14,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-import torch
-from torch import Tensor
-
 from posenc_lightning.attention.backends import _blocks
+from posenc_lightning.attention.backends._mode import Mode
 
-
-@dataclass(frozen=True)
-class Mode:
-    """How this call runs, decided once and passed down: traced by ``torch.compile`` or eager, and
-    the device type (reading a tensor's values is free only eagerly on CPU: `host_reads`)."""
-
-    compiling: bool
-    device: str
-
-    @classmethod
-    def of(cls, t: Tensor) -> Mode:
-        """The mode of a call on ``t``'s device, now."""
-        return cls(torch.compiler.is_compiling(), t.device.type)
-
-    @property
-    def host_reads(self) -> bool:
-        """Reading a tensor's values costs no device sync and breaks no trace."""
-        return self.device == "cpu" and not self.compiling
+__all__ = ["Call", "Form", "Mode", "Plan", "choose"]
 
 
 class Form(enum.Enum):

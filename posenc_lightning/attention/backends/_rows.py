@@ -86,7 +86,7 @@ class _InFlight:
 
 
 def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, spec: RowsSpec,
-                  needs_input_grad: tuple[bool, ...], compiling: bool | None = None
+                  needs_input_grad: tuple[bool, ...], compiling: bool = False
                   ) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
     """The backward of the rows form (`sdpa._RowsAttention`): ``dq, dk, dv`` and the gradients of
     its extra inputs, by blocks of query rows; each block's bias rows recomputed (`BlockRows`).
@@ -95,12 +95,11 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
         q, k, v, out, d_out: the forward's tensors and the output's gradient.
         spec: the bias and where its inputs' gradients go.
         needs_input_grad: as the Function's: q, k, v, spec, then the extra inputs.
-        compiling: traced by ``torch.compile`` (None: asked here).
+        compiling: traced by ``torch.compile`` (`_mode.Mode`; a custom operator's kernel runs eagerly).
 
     Returns:
         ``(dq, dk, dv, extra gradients)``.
     """
-    compiling = torch.compiler.is_compiling() if compiling is None else compiling
     need_extra = needs_input_grad[4:]
     live = [(tg.sink is Sink.Q and needs_input_grad[0]) or (tg.sink is Sink.K and needs_input_grad[1])
             or (tg.sink is Sink.EXTRA and need_extra[tg.slot]) for tg in spec.targets]

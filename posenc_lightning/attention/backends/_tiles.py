@@ -133,10 +133,11 @@ class BiasTiles:
     backend's Toeplitz path reads it): nothing larger than a tile. Any other
     kind: one block of `Bias.rows` at a time, sliced. Gradients: `Bias.rows_from` on detached
     windows of `Bias.grad_inputs` (the engine's `_blocks.BlockRows`, as sdpa's rows), added window by
-    window into full-size accumulators of the inputs that need one (``need``, per input)."""
+    window into full-size accumulators of the inputs that need one (``need``, per input).
+    ``compiling``: the pass is traced by ``torch.compile`` (`_mode.Mode`)."""
 
     def __init__(self, bias: Bias | None, tiling: Tiling, h_kv: int, dtype: torch.dtype,
-                 q_pos: Tensor | None = None, k_pos: Tensor | None = None) -> None:
+                 q_pos: Tensor | None = None, k_pos: Tensor | None = None, compiling: bool = False) -> None:
         self.bias, self.tiling, self.h_kv, self.dtype = bias, tiling, h_kv, dtype
         self.inputs = tuple(bias.grad_inputs() or ()) if bias is not None else ()
         self.need: tuple[bool, ...] = (False,) * len(self.inputs)
@@ -149,7 +150,7 @@ class BiasTiles:
         self._rows: Tensor | None = None
         self._d_rows: Tensor | None = None
         self._vjp: _Routed | None = None
-        self.compiling = torch.compiler.is_compiling()  # decided once per pass
+        self.compiling = compiling
 
     @property
     def grad(self) -> bool:

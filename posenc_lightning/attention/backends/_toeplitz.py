@@ -47,15 +47,14 @@ def template_at(bias: Bias, mask: AttentionMask, n_q: int, n_k: int, shift: int,
 
 
 def toeplitz_backward(q: Tensor, k: Tensor, v: Tensor, u: Tensor, out: Tensor, d_out: Tensor, causal: bool,
-                      q_offset: int, scale: float, need_du: bool, compiling: bool | None = None
+                      q_offset: int, scale: float, need_du: bool, compiling: bool = False
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`sdpa._ToeplitzAttention`'s backward: ``dq, dk, dv`` and ``du`` (zeros unless ``need_du``).
 
     From the standard softmax attention gradient by blocks of query rows, ``du[h, t]`` the sum of
     ``dS`` over the diagonal ``j - i + n_q - 1 = t`` (summed over the batch). ``compiling``:
-    traced by ``torch.compile`` (None: asked here).
+    traced by ``torch.compile`` (`_mode.Mode`; a custom operator's kernel runs eagerly).
     """
-    compiling = torch.compiler.is_compiling() if compiling is None else compiling
     b, h, n_q, _ = q.shape
     h_kv, n_k = k.shape[1], k.shape[-2]
     g = h // h_kv

@@ -83,7 +83,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
     call = Call(b, q.shape[1], n_q, n_k, bias=False, plain_mask=mask.is_plain_causal or mask.is_trivial,
                 offset_causal=mask.causal and mask.q_offset > 0, recomputable=True,
                 grads=q.requires_grad or k.requires_grad or v.requires_grad, grad_mode=torch.is_grad_enabled())
-    plan = choose(call, Mode.of(q))
+    mode = Mode.of(q)
+    plan = choose(call, mode)
     if plan.form is Form.SDPA:
         return F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, scale=scale, enable_gqa=gqa)
     if plan.form is Form.MASK:
@@ -91,7 +92,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
                                               enable_gqa=gqa)
     # a causal offset SDPA's is_causal cannot express, larger than a bias block: a zero bias by rows
     zero = _zero_rows(q.shape[1], n_q, n_k, q.device)
-    return _run(plan, q, k, v, zero, mask, scale, gqa, None, None, Mode.of(q))
+    return _run(plan, q, k, v, zero, mask, scale, gqa, None, None, mode)
 
 
 def _zero_rows(n_heads: int, n_q: int, n_k: int, device: torch.device) -> Bias:
@@ -188,9 +189,9 @@ def _run(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attentio
 
 def _toeplitz_template(bias: Bias, mask: AttentionMask, n_q: int, n_k: int,
                        ctx: AttentionContext | None) -> Tensor | None:
-    """The Toeplitz template ``u`` of a call (`_toeplitz.template_at`), or None where that form does
-    not apply (traced, other positions, not `Bias.distance_only`)."""
-    shift = None if torch.compiler.is_compiling() else toeplitz_shift(bias, mask, n_q, n_k, ctx)
+    """The Toeplitz template ``u`` of an eager call (`_toeplitz.template_at`), or None where that
+    form does not apply (other positions, not `Bias.distance_only`)."""
+    shift = toeplitz_shift(bias, mask, n_q, n_k, ctx)
     return None if shift is None else template_at(bias, mask, n_q, n_k, shift, ctx.q_pos.device)
 
 
@@ -244,7 +245,7 @@ class _ToeplitzAttention(torch.autograd.Function):
     def backward(ctx, d_out: Tensor):
         q, k, v, u, out = ctx.saved_tensors
         dq, dk, dv, du = toeplitz_backward(q, k, v, u, out, d_out, ctx.causal, ctx.q_offset, ctx.scale,
-                                           ctx.needs_input_grad[3], torch.compiler.is_compiling())
+                                           ctx.needs_input_grad[3], Mode.of(q).compiling)
         return dq, dk, dv, du, None, None, None, None
 
 
@@ -269,13 +270,13 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMas
 
 
 def _attend_by_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,
-                    rows: int, checkpointed: bool = False, compiling: bool | None = None) -> Tensor:
+                    rows: int, checkpointed: bool = False, compiling: bool = False) -> Tensor:
     """`_attend_rows` over consecutive blocks of ``rows`` queries, each recomputed in backward
-    when ``checkpointed``; ``compiling``: traced by ``torch.compile`` (None: asked here)."""
+    when ``checkpointed``; ``compiling``: traced by ``torch.compile`` (`_mode.Mode`; a custom
+    operator's kernel runs eagerly)."""
     from torch.utils.checkpoint import checkpoint
 
     n_q = q.shape[-2]
-    compiling = torch.compiler.is_compiling() if compiling is None else compiling
 
     def block(start: int) -> tuple[int, int, Tensor]:
         stop = min(n_q, start + rows)
@@ -299,8 +300,8 @@ class _RowsAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: RowsSpec, *extra: Tensor) -> Tensor:
         gqa = k.shape[1] != q.shape[1]
-        out = _attend_by_rows(q, k, v, spec.bias, spec.mask, spec.scale, gqa, block_rows(q.shape[1], q.shape[-2],
-                                                                                          k.shape[-2]))
+        rows = block_rows(q.shape[1], q.shape[-2], k.shape[-2])
+        out = _attend_by_rows(q, k, v, spec.bias, spec.mask, spec.scale, gqa, rows, compiling=Mode.of(q).compiling)
         ctx.save_for_backward(q, k, v, out)
         ctx.spec = spec
         return out
@@ -309,7 +310,7 @@ class _RowsAttention(torch.autograd.Function):
     def backward(ctx, d_out: Tensor):
         q, k, v, out = ctx.saved_tensors
         dq, dk, dv, g_extra = rows_backward(q, k, v, out, d_out, ctx.spec, ctx.needs_input_grad,
-                                            torch.compiler.is_compiling())
+                                            Mode.of(q).compiling)
         return (dq, dk, dv, None, *g_extra)
 
 
