@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.attention.backends._blocks import tile_rows
-from posenc_lightning.attention.backends._normalizers import ModulatedSoftmaxBlocks, Spec, StickBreakingBlocks
+from posenc_lightning.attention.backends._normalizers import ModulatedSoftmaxBlocks, StickBreakingBlocks, TilesSpec
 from posenc_lightning.attention.backends._tiles import Tiling
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
@@ -83,12 +83,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         if mask.causal:
             diag = min(diag, mask.q_offset)
         tiling = Tiling(mask, n_q, n_k, diag, rows, BLOCK_KEYS, descending=True)
-        spec = Spec(tiling, bias, extra, scale, None, *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)))
+        spec = TilesSpec(tiling, bias, extra, scale, None, *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)))
         return StickBreakingBlocks.apply(q, k, v, spec, *extra)
     if ctx is None:
         raise ValueError(f"{enc.name}: the distance-modulated softmax needs the positions (ctx)")
     tiling = Tiling(mask, n_q, n_k, mask.q_offset if mask.causal else None, rows, BLOCK_KEYS, descending=False)
-    spec = Spec(tiling, bias, extra, scale, enc.distance_modulation, ctx.q_pos, ctx.k_pos)
+    spec = TilesSpec(tiling, bias, extra, scale, enc.distance_modulation, ctx.q_pos, ctx.k_pos)
     return ModulatedSoftmaxBlocks.apply(q, k, v, spec, *extra)
 
 
