@@ -114,15 +114,6 @@ class ContextParallel(pl.Callback):
         engage(None)
 
 
-def find(trainer: pl.Trainer | None) -> ContextParallel | None:
-    """The trainer's `ContextParallel` callback with its groups built, or None."""
-    for cb in getattr(trainer, "callbacks", None) or ():
-        if isinstance(cb, ContextParallel) and cb.group is not None:
-            return cb
-    return None
-
-
-
 def _fused_hf_attention(model: nn.Module) -> Callable[[], None] | None:
     """Hugging Face models with an injected encoding run ``posenc_fused`` (whose attention shards,
     given a 2-D padding mask) instead of a wrapped ``sdpa`` / ``eager`` (whose mask transformers builds
