@@ -39,9 +39,10 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
     return skip
 
 
-def _imports(module: str) -> set[str]:
+def _imports(module: str, type_checking: bool = False) -> set[str]:
+    """The package modules ``module`` imports (with ``type_checking``: those under ``if TYPE_CHECKING`` too)."""
     tree = ast.parse(MODULES[module].read_text(), str(MODULES[module]))
-    skip, out = _type_checking_only(tree), set()
+    skip, out = (set() if type_checking else _type_checking_only(tree)), set()
     is_pkg = MODULES[module].name == "__init__.py"
     for node in ast.walk(tree):
         if id(node) in skip:
