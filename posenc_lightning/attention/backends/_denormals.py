@@ -1,10 +1,11 @@
-"""Flush-to-zero of denormals around biased attention on CPU, forward and backward (the sdpa
-backend's biased calls; `call_flushing_denormals` for a compiled region)."""
+"""Flush-to-zero of denormals around biased attention on CPU, forward and backward: the switches
+the sdpa backend's biased calls and the blockwise normalizers use. The public helpers, for a region
+of the user's own (a compiled model), are in `posenc_lightning.attention.denormals`."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -14,6 +15,15 @@ from torch import Tensor
 #: biased SDPA calls and their backward (CPU only). The setting is restored to PyTorch's
 #: default (off) afterwards.
 FLUSH_DENORMALS = True
+#: `flush_denormals()` regions open now: inside one, the switches here leave flush-to-zero on
+#: where they would turn it off
+_USER_REGIONS = 0
+
+
+def _restore() -> None:
+    """Flush-to-zero back to the caller's setting: on inside a `flush_denormals()` region, else off
+    (PyTorch's default)."""
+    torch.set_flush_denormal(_USER_REGIONS > 0)
 
 
 def _flush_in_backward(*xs: Tensor) -> bool:
@@ -35,7 +45,7 @@ class _DenormalsOnForBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         torch.set_flush_denormal(True)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: torch.set_flush_denormal(False))
+        torch.autograd.Variable._execution_engine.queue_callback(_restore)
         return grad
 
 
@@ -49,20 +59,8 @@ class _DenormalsOffAfterBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gq: Tensor, gk: Tensor, gv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        torch.set_flush_denormal(False)
+        _restore()
         return gq, gk, gv
-
-
-def call_flushing_denormals(fn: Callable[..., Tensor], *args: object) -> Tensor:
-    """``fn(*args)`` with flush-to-zero of denormals on CPU, forward and backward: for a compiled
-    region, inside which the setting cannot be changed (measured: a compiled FIRE TinyGPT step
-    267 -> 180 ms at N=512; biased softmax weights fall into the denormal range). Off again after
-    the call, and at the end of the backward pass (as for the eager biased paths)."""
-    with _flush_denormals(torch.device("cpu")):
-        out = fn(*args)
-    if FLUSH_DENORMALS and torch.is_grad_enabled() and out.requires_grad and out.device.type == "cpu":
-        out = _DenormalsOnForBackward.apply(out)
-    return out
 
 
 @contextlib.contextmanager
@@ -74,4 +72,18 @@ def _flush_denormals(device: torch.device):
     try:
         yield
     finally:
-        torch.set_flush_denormal(False)
+        _restore()
+
+
+@contextlib.contextmanager
+def _user_region() -> Iterator[bool]:
+    """Flush-to-zero on for the block and kept on by the switches above (regions nest); yields
+    whether the CPU supports it."""
+    global _USER_REGIONS
+    supported = torch.set_flush_denormal(True)
+    _USER_REGIONS += 1
+    try:
+        yield supported
+    finally:
+        _USER_REGIONS -= 1
+        _restore()

@@ -1,7 +1,7 @@
 """Compile every kernel configuration for real GPU targets without a GPU (``triton.compile`` with
 a `GPUTarget`), and report shared memory, registers and spills (ptxas ``-v``).
 
-Run as ``python -m posenc_lightning.kernels.compile [--check] [--json PATH]``; it needs
+Run as ``python -m posenc_lightning.kernels.resource_report [--check] [--json PATH]``; it needs
 ``TRITON_INTERPRET`` unset (under the interpreter ``@triton.jit`` makes no compilable function),
 so the tests start it in a subprocess. Compiled kernels land in Triton's cache
 (``TRITON_CACHE_DIR``, default ``~/.triton/cache``): a second run only reads them back.
