@@ -5,7 +5,10 @@ of the user's own (a compiled model), are in `posenc_lightning.attention.denorma
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import ctypes
+import functools
+import sys
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -20,10 +23,64 @@ FLUSH_DENORMALS = True
 _USER_REGIONS = 0
 
 
+def set_flush_denormal(on: bool) -> bool:
+    """``torch.set_flush_denormal(on)`` on the calling thread and on every thread of PyTorch's
+    intra-op pool.
+
+    The setting is a per-thread CPU register (MXCSR on x86), and ``torch.set_flush_denormal`` sets
+    the calling thread's only: with more than one intra-op thread, the pool's threads would still
+    compute on denormals, the slow case this flush exists to avoid. Where PyTorch's pool is GNU
+    OpenMP (``libgomp``, the Linux wheels), one empty parallel region of the pool's size sets it
+    on each of its threads; elsewhere only the calling thread's is set (the state before).
+
+    Args:
+        on: flush denormals to zero (True) or restore IEEE behaviour (False).
+
+    Returns:
+        Whether this CPU supports the setting (``torch.set_flush_denormal``'s answer).
+    """
+    ok = torch.set_flush_denormal(on)
+    if ok and torch.get_num_threads() > 1:
+        region = _openmp_region()
+        if region is not None:
+            region(on, torch.get_num_threads())
+    return ok
+
+
+@functools.cache
+def _openmp_region() -> Callable[[bool, int], None] | None:
+    """A function running ``torch.set_flush_denormal(on)`` on each thread of the calling thread's
+    OpenMP team, through the ``libgomp`` PyTorch loaded (None where there is none)."""
+    if not sys.platform.startswith("linux") or "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libgomp" in line), None)
+        if path is None:
+            return None
+        lib = ctypes.CDLL(path)
+        body_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+        lib.GOMP_parallel.argtypes = [body_type, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        lib.GOMP_parallel.restype = None
+    except (OSError, AttributeError):
+        return None
+    wanted = [False]
+
+    @body_type
+    def body(_: object) -> None:  # runs on every thread of the team, the caller included
+        torch.set_flush_denormal(wanted[0])
+
+    def region(on: bool, n_threads: int) -> None:
+        wanted[0] = on
+        lib.GOMP_parallel(body, None, n_threads, 0)
+
+    return region
+
+
 def _restore() -> None:
     """Flush-to-zero back to the caller's setting: on inside a `flush_denormals()` region, else off
     (PyTorch's default)."""
-    torch.set_flush_denormal(_USER_REGIONS > 0)
+    set_flush_denormal(_USER_REGIONS > 0)
 
 
 def _flush_in_backward(*xs: Tensor) -> bool:
@@ -44,7 +101,7 @@ class _DenormalsOnForBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
-        torch.set_flush_denormal(True)
+        set_flush_denormal(True)
         torch.autograd.Variable._execution_engine.queue_callback(_restore)
         return grad
 
@@ -66,7 +123,7 @@ class _DenormalsOffAfterBackward(torch.autograd.Function):
 @contextlib.contextmanager
 def _flush_denormals(device: torch.device):
     if torch.compiler.is_compiling() or not (FLUSH_DENORMALS and device.type == "cpu"
-                                               and torch.set_flush_denormal(True)):
+                                               and set_flush_denormal(True)):
         yield
         return
     try:
@@ -80,7 +137,7 @@ def _user_region() -> Iterator[bool]:
     """Flush-to-zero on for the block and kept on by the switches above (regions nest); yields
     whether the CPU supports it."""
     global _USER_REGIONS
-    supported = torch.set_flush_denormal(True)
+    supported = set_flush_denormal(True)
     _USER_REGIONS += 1
     try:
         yield supported
