@@ -34,7 +34,9 @@ def flush_denormals() -> Iterator[bool]:
             loss = compiled(x).square().mean()
             loss.backward()
 
-    Regions nest, and the backends' own switches leave the setting on inside one. On exit it is off
+    The setting reaches the calling thread and every thread of PyTorch's intra-op pool (where the
+    pool is GNU OpenMP; elsewhere the calling thread's). Regions nest, and the backends' own
+    switches leave the setting on inside one. On exit it is off
     again (PyTorch's default) unless an outer region is still open.
 
     Returns:
