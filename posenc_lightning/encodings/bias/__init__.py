@@ -22,7 +22,6 @@ A new kind implements `materialize` and `rows`; every other method has a default
 for any kind (dense score term and kernel argument, lazily scaled rows).
 """
 
-from posenc_lightning.encodings.bias.fire import FireBias
 from posenc_lightning.encodings.bias.kinds import (
     Bias,
     BiasSum,
@@ -30,12 +29,26 @@ from posenc_lightning.encodings.bias.kinds import (
     Index,
     KernelBias,
     KeyOnly,
+    OpaqueOperands,
     ScaledBias,
     ScoreTerm,
     cut,
     span,
 )
+from posenc_lightning.encodings.bias.opaque import rebuild_bias, register_opaque_kind
 from posenc_lightning.encodings.bias.structured import DecayBias, LinearBias, RelativeBias
 
 __all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "FireBias", "Index", "KernelBias", "KeyOnly", "LinearBias",
-           "RelativeBias", "ScaledBias", "ScoreTerm", "cut", "span"]
+           "OpaqueOperands", "RelativeBias", "ScaledBias", "ScoreTerm", "cut", "rebuild_bias", "register_opaque_kind",
+           "span"]
+
+
+def __getattr__(name: str) -> type:
+    """`FireBias`, FIRE's own kind (`posenc_lightning.encodings.fire`), re-exported here on first
+    use: importing it at the top would import the FIRE package while `encodings.base` is loading."""
+    if name == "FireBias":
+        from posenc_lightning.encodings.fire.bias import FireBias
+
+        globals()[name] = FireBias
+        return FireBias
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
