@@ -4,6 +4,9 @@ Transformers"), eq. 3: ``b(i, j) = f_theta( psi(i - j) / psi(max(L, i)) )`` with
 
 Dividing by ``psi(max(L, i))`` ("progressive interpolation") maps every causal distance into
 ``[0, 1]`` at any length, so the MLP ``f_theta`` only ever sees inputs from the training range.
+
+The formulas only; the autograd Functions that compute them without their ``N x N``
+intermediates are FIRE's own (`posenc_lightning.encodings.fire.functions`).
 """
 
 from __future__ import annotations
@@ -32,13 +35,14 @@ def fire_normalized_distance(q_pos: Tensor, k_pos: Tensor, c: Tensor | float, th
 
 
 def fire_mlp_reference(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
-    """`fire_mlp` as written: ``W2 relu(w1 x + b1) + b2`` with its ``[B, W, M]`` hidden tensor."""
+    """The MLP ``f_theta(x) = W2 relu(w1 x + b1) + b2`` for scalar inputs ``x`` ``[B, M]``, as written
+    (its ``[B, W, M]`` hidden tensor): ``[B, H, M]``."""
     hidden = torch.relu(w1[None, :, None] * x[:, None, :] + b1[None, :, None])  # [B, W, M]
     return torch.einsum("hw,bwm->bhm", w2, hidden) + b2[None, :, None]
 
 
 def fire_mlp_piecewise(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
-    """`fire_mlp` as the piecewise-linear function it is: the ``W`` breakpoints ``-b1/w1`` cut the
+    """`fire_mlp_reference` as the piecewise-linear function it is: the ``W`` breakpoints ``-b1/w1`` cut the
     line into ``W + 1`` segments on each of which the set of active units is fixed, so
     ``f(x) = A[:, s] x + B[:, s]`` with ``s`` the segment of ``x`` (``A = W2 (active * w1)``,
     ``B = b2 + W2 (active * b1)``, ``[H, W + 1]``, differentiable in every weight). Per element:

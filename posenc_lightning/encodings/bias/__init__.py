@@ -16,10 +16,13 @@ method               gives                                                  aske
 ``fold_into(args)``  its part of the Triton kernels' arguments              triton
 ``fused_in``         the fused forms that need no ``N x N`` ("kernel",       triton, flex
                      "score_mod"), read from `Encoding.bias_kinds`           (`supports`)
+``opaque_operands``  tensors and constants of a kind whose cheapest form      sdpa (compiled,
+& co.                depends on values (`distance_shift`, `distance_table`,  opaque operator)
+                     `compiled_rows_from`; rebuilt by name, `opaque.py`)
 ==================== ====================================================== ==============
 
 A new kind implements `materialize` and `rows`; every other method has a default that is exact
-for any kind (dense score term and kernel argument, lazily scaled rows).
+for any kind (dense score term and kernel argument, lazily scaled rows, no opaque operator).
 """
 
 from posenc_lightning.encodings.bias.kinds import (
