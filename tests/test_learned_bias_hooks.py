@@ -71,13 +71,13 @@ class LogMLPBias(Bias):
         return _log_mlp(self.q_pos[:, start:stop], self.k_pos[:, :k_stop], *views)
 
     def opaque_operands(self) -> OpaqueOperands:
-        starts = tuple(-1.0 if s is None else float(s) for s in (self.q_start, self.k_start))
+        starts = tuple(-1 if s is None else s for s in (self.q_start, self.k_start))
         return OpaqueOperands(self.opaque_kind, (self.q_pos, self.k_pos, *self.grad_inputs()), starts)
 
     @classmethod
-    def from_operands(cls, tensors: Sequence[Tensor], statics: Sequence[float]) -> LogMLPBias:
+    def from_operands(cls, tensors: Sequence[Tensor], ints: Sequence[int], floats: Sequence[float]) -> LogMLPBias:
         cls.calls["from_operands"] += 1
-        q_start, k_start = (None if s < 0 else int(s) for s in statics)
+        q_start, k_start = (None if s < 0 else s for s in ints)
         return cls(tensors[0], tensors[1], q_start, k_start, *tensors[2:])
 
     def distance_shift(self) -> int | None:

@@ -46,8 +46,8 @@ def opaque_attention(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attentio
         return None
     static = ctx.q_start is not None and ctx.k_start is not None and not ctx.q_pos.dtype.is_floating_point
     u = template(bias, ctx.q_start - ctx.k_start, mask, q.shape[1], q.device) if static else None
-    out, _, _ = torch.ops.posenc.opaque_sdpa(q, k, v, list(operands.tensors), u, operands.kind,
-                                             list(operands.statics), mask.causal, mask.q_offset, scale)
+    out, _, _ = torch.ops.posenc.opaque_sdpa(q, k, v, list(operands.tensors), u, operands.kind, list(operands.ints),
+                                             list(operands.floats), mask.causal, mask.q_offset, scale)
     return out
 
 

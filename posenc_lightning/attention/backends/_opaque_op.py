@@ -22,15 +22,15 @@ __all__ = ["opaque_sdpa", "opaque_sdpa_backward"]
 
 
 @torch.library.custom_op("posenc::opaque_sdpa", mutates_args=())
-def opaque_sdpa(q: Tensor, k: Tensor, v: Tensor, operands: list[Tensor], u: Tensor | None, kind: str,
-                statics: list[float], causal: bool, q_offset: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def opaque_sdpa(q: Tensor, k: Tensor, v: Tensor, operands: list[Tensor], u: Tensor | None, kind: str, ints: list[int],
+                floats: list[float], causal: bool, q_offset: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, u_used, toeplitz)``: the attention output ``[B, H, Nq, Dv]`` (laid out as SDPA's),
     the template the backward reads (zeros unless ``toeplitz``) and whether the Toeplitz form ran.
     ``u``: the template computed in the graph (static positions), or None: computed here."""
     n_q, n_k = q.shape[-2], k.shape[-2]
     mask = AttentionMask(causal, q_offset, n_q, n_k)
     gqa = k.shape[1] != q.shape[1]
-    bias = rebuild_bias(kind, operands, statics)
+    bias = rebuild_bias(kind, operands, ints, floats)
     with torch.no_grad():  # (blocks written straight into SDPA's layout)
         shift = bias.distance_shift()
         if shift is not None:
@@ -56,7 +56,7 @@ def _laid_out(t: Tensor, like: Tensor) -> Tensor:
 
 
 @opaque_sdpa.register_fake
-def _(q, k, v, operands, u, kind, statics, causal, q_offset, scale):
+def _(q, k, v, operands, u, kind, ints, floats, causal, q_offset, scale):
     n_q, n_k = q.shape[-2], k.shape[-2]
     return (_sdpa_layout(q, v), q.new_empty(q.shape[1], n_q + n_k - 1, dtype=torch.float32),
             q.new_empty((), dtype=torch.bool))
@@ -97,13 +97,13 @@ class _DifferentiatedRows(Bias):
 
 @torch.library.custom_op("posenc::opaque_sdpa_backward", mutates_args=())
 def opaque_sdpa_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, u: Tensor, toeplitz: Tensor,
-                         operands: list[Tensor], kind: str, statics: list[float], causal: bool, q_offset: int,
-                         scale: float, u_given: bool, need: list[bool]) -> list[Tensor]:
+                         operands: list[Tensor], kind: str, ints: list[int], floats: list[float], causal: bool,
+                         q_offset: int, scale: float, u_given: bool, need: list[bool]) -> list[Tensor]:
     """``[dq, dk, dv, *d_operands, du]`` (zeros where ``need`` is False or the form that ran has
     none): the eager backward of that form (`sdpa.toeplitz_backward`, then ``du`` to the given
     template or, computed here, through the template's vjp; or `sdpa.blockwise_backward`)."""
     mask = AttentionMask(causal, q_offset, q.shape[-2], k.shape[-2])
-    bias = rebuild_bias(kind, operands, statics)
+    bias = rebuild_bias(kind, operands, ints, floats)
     need_ops = need[3:-1]
     grads: list[Tensor | None] = [None] * (len(operands) + 1)
     if bool(toeplitz):
@@ -119,7 +119,7 @@ def opaque_sdpa_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                 ts = list(operands)
                 for i, t in zip(diff, p):
                     ts[i] = t
-                return template(rebuild_bias(kind, ts, statics), shift, mask, q.shape[1], q.device)
+                return template(rebuild_bias(kind, ts, ints, floats), shift, mask, q.shape[1], q.device)
 
             _, vjp = torch.func.vjp(of_operands, *[operands[i] for i in diff])
             for i, g in zip(diff, vjp(du.to(torch.float32))):
@@ -147,16 +147,16 @@ def opaque_sdpa_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
 
 
 @opaque_sdpa_backward.register_fake
-def _(d_out, q, k, v, out, u, toeplitz, operands, kind, statics, causal, q_offset, scale, u_given, need):
+def _(d_out, q, k, v, out, u, toeplitz, operands, kind, ints, floats, causal, q_offset, scale, u_given, need):
     return [torch.empty_like(t) for t in (q, k, v, *operands, u)]
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    q, k, v, operands, u_in, kind, statics, causal, q_offset, scale = inputs
+    q, k, v, operands, u_in, kind, ints, floats, causal, q_offset, scale = inputs
     out, u, toeplitz = output
     ctx.n_operands = len(operands)
     ctx.save_for_backward(q, k, v, out, u, toeplitz, *operands)
-    ctx.args = (kind, statics, causal, q_offset, scale, u_in is not None)
+    ctx.args = (kind, ints, floats, causal, q_offset, scale, u_in is not None)
 
 
 def _backward(ctx, d_out: Tensor, _du: Tensor, _dt: Tensor) -> tuple:
@@ -168,8 +168,10 @@ def _backward(ctx, d_out: Tensor, _du: Tensor, _dt: Tensor) -> tuple:
     need = [*needs[:3], *need_ops, ctx.args[-1] and needs[4]]
     g = torch.ops.posenc.opaque_sdpa_backward(d_out, q, k, v, out, u, toeplitz, operands, *ctx.args, need)
     kept = [gi if n else None for gi, n in zip(g, need)]
-    n_ops = ctx.n_operands
-    return (*kept[:3], kept[3:3 + n_ops], kept[3 + n_ops], None, None, None, None, None)
+    n_ops, ints, floats = ctx.n_operands, ctx.args[1], ctx.args[2]
+    # no gradient for the constants: None, or an empty list for an empty one (autograd's structure)
+    return (*kept[:3], kept[3:3 + n_ops], kept[3 + n_ops], None, None if ints else [], None if floats else [],
+            None, None, None)
 
 
 opaque_sdpa.register_autograd(_backward, setup_context=_setup_context)

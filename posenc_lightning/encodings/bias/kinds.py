@@ -74,12 +74,14 @@ class OpaqueOperands:
             the bias with that kind's `Bias.from_operands`, never importing its class.
         tensors: every tensor the bias is computed from (positions, parameters); those that
             require a gradient get one.
-        statics: its constants (ints as floats; baked into the compiled graph).
+        ints: its integer constants (e.g. known position starts).
+        floats: its float constants (e.g. an epsilon).
     """
 
     kind: str
     tensors: tuple[Tensor, ...]
-    statics: tuple[float, ...]
+    ints: tuple[int, ...] = ()
+    floats: tuple[float, ...] = ()
 
 
 @dataclass(eq=False)
@@ -277,13 +279,14 @@ class Bias(ABC):
         return None
 
     @classmethod
-    def from_operands(cls, tensors: Sequence[Tensor], statics: Sequence[float]) -> Bias:
+    def from_operands(cls, tensors: Sequence[Tensor], ints: Sequence[int], floats: Sequence[float]) -> Bias:
         """The bias again from its `opaque_operands` (inside the operator, or from stand-ins for
         its tensors to differentiate `distance_table`).
 
         Args:
             tensors: `OpaqueOperands.tensors`, or stand-ins for them.
-            statics: `OpaqueOperands.statics`.
+            ints: `OpaqueOperands.ints`.
+            floats: `OpaqueOperands.floats`.
 
         Returns:
             The bias.

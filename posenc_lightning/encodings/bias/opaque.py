@@ -42,13 +42,14 @@ def register_opaque_kind(name: str) -> Callable[[B], B]:
     return deco
 
 
-def rebuild_bias(kind: str, tensors: Sequence[Tensor], statics: Sequence[float]) -> Bias:
+def rebuild_bias(kind: str, tensors: Sequence[Tensor], ints: Sequence[int], floats: Sequence[float]) -> Bias:
     """The bias of kind ``kind`` from its operands (`Bias.from_operands`).
 
     Args:
         kind: a registered name.
         tensors: `OpaqueOperands.tensors`, or stand-ins for them.
-        statics: `OpaqueOperands.statics`.
+        ints: `OpaqueOperands.ints`.
+        floats: `OpaqueOperands.floats`.
 
     Returns:
         The bias.
@@ -58,4 +59,4 @@ def rebuild_bias(kind: str, tensors: Sequence[Tensor], statics: Sequence[float])
     """
     if kind not in _KINDS:
         raise KeyError(f"no opaque bias kind {kind!r}; registered: {sorted(_KINDS)}")
-    return _KINDS[kind].from_operands(tensors, statics)
+    return _KINDS[kind].from_operands(tensors, ints, floats)

@@ -94,16 +94,15 @@ class FireBias(Bias):
         """Positions, ``init_L`` and the parameters; None once scaled (the traced rows then)."""
         if self.weight is not None:
             return None
-        starts = tuple(-1.0 if s is None else float(s) for s in (self.q_start, self.k_start))
+        starts = tuple(-1 if s is None else s for s in (self.q_start, self.k_start))
         return OpaqueOperands(self.opaque_kind, (self.q_pos, self.k_pos, self.init_L, *self.grad_inputs()),
-                              (self.eps, *starts))
+                              starts, (self.eps,))
 
     @classmethod
-    def from_operands(cls, tensors: Sequence[Tensor], statics: Sequence[float]) -> FireBias:
+    def from_operands(cls, tensors: Sequence[Tensor], ints: Sequence[int], floats: Sequence[float]) -> FireBias:
         q_pos, k_pos, init_L, c, l_mult, w1, b1, w2, b2 = tensors
-        eps, q_start, k_start = statics
-        return cls(q_pos, k_pos, c, l_mult, init_L, w1, b1, w2, b2, eps=eps,
-                   q_start=None if q_start < 0 else int(q_start), k_start=None if k_start < 0 else int(k_start))
+        q_start, k_start = (None if s < 0 else s for s in ints)
+        return cls(q_pos, k_pos, c, l_mult, init_L, w1, b1, w2, b2, eps=floats[0], q_start=q_start, k_start=k_start)
 
     def distance_shift(self) -> int | None:
         """Every query below ``L`` (`template.below_threshold`) at integer ``start + arange`` positions."""
