@@ -16,7 +16,7 @@ from torch import Tensor
 from posenc_lightning.attention.backends import sdpa
 from posenc_lightning.attention.backends._opaque_form import template
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.bias import Bias, rebuild_bias
+from posenc_lightning.encodings.bias import Bias, Index, rebuild_bias
 
 __all__ = ["opaque_sdpa", "opaque_sdpa_backward"]
 
@@ -78,7 +78,7 @@ class _DifferentiatedRows(Bias):
     def grad_inputs(self) -> tuple[Tensor, ...] | None:
         return self.inner.grad_inputs()
 
-    def input_windows(self, start: int, stop: int, k_stop: int) -> tuple:
+    def input_windows(self, start: int, stop: int, k_stop: int) -> tuple[Index, ...]:
         return self.inner.input_windows(start, stop, k_stop)
 
     @property
