@@ -18,6 +18,7 @@ from posenc_lightning.attention.backends._denormals import (
     _flush_in_backward,
 )
 from posenc_lightning.attention.backends._key_bias import _attend_key_bias, _attend_key_channel, _key_mask_works
+from posenc_lightning.attention.backends._opaque_form import opaque_attention
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
 from posenc_lightning.functional.positions import arange_offset
@@ -73,12 +74,12 @@ def _attend_biased(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionM
     arange positions; a learned table gets its own backward), blocks of query rows. Under
     ``torch.compile`` on CPU, a small attention is one traced block (`COMPILED_ONE_BLOCK_BYTES`),
     and a kind whose cheapest form depends on values runs as one opaque operator
-    (`COMPILED_FORMS`), eager inside."""
+    (`Bias.opaque_operands`, `_opaque_form`), eager inside."""
     key_only = bias.key_only(q.dtype, mask.is_plain_causal, ctx is not None and ctx.ascending)
     if key_only is None and _compiled_one_block(q, k):
         return _attend_rows(q, k, v, bias, mask, scale, gqa, 0, q.shape[-2])
-    if torch.compiler.is_compiling() and ctx is not None and type(bias) in COMPILED_FORMS:
-        out = COMPILED_FORMS[type(bias)](q, k, v, bias, mask, scale, ctx)
+    if torch.compiler.is_compiling() and ctx is not None:
+        out = opaque_attention(q, k, v, bias, mask, scale, ctx)
         if out is not None:
             return out
     if key_only is not None:
@@ -97,7 +98,7 @@ def _attend_biased(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionM
 #: under compile on CPU, an attention whose weights ``[B, H, Nq, Nk]`` fit in this many bytes
 #: (float32) runs as one traced block: the bias rows, SDPA's math form and its backward through
 #: autograd, all fused by inductor (at most this much saved for backward). Below it, the fixed
-#: cost of a loop over blocks (the own backward, `COMPILED_FORMS`' operators) outweighs the work.
+#: cost of a loop over blocks (the own backward, the opaque operator) outweighs the work.
 #: Measured (compiled / eager TinyGPT FIRE step, `benchmarks/compile_step.py`, one thread):
 #: B 16, H 2, N 64 (0.5 MiB) 1.19x one block, 1.03x operator; N 128 (2 MiB) 1.10x, 0.96x;
 #: B 4, H 4, N 256 (4 MiB) 1.03x, 1.08x; N 512 (16 MiB) 0.75x, 1.0x.
@@ -107,13 +108,6 @@ COMPILED_ONE_BLOCK_BYTES = 2 * 2**20
 def _compiled_one_block(q: Tensor, k: Tensor) -> bool:
     return (torch.compiler.is_compiling() and q.device.type == "cpu"
             and 4 * q.shape[0] * q.shape[1] * q.shape[-2] * k.shape[-2] <= COMPILED_ONE_BLOCK_BYTES)
-
-
-#: bias kinds whose compiled attention is an opaque operator running the eager choice of form,
-#: registered by the operator's module (`_fire_op`: FIRE's O(N) table below its learned
-#: threshold L, rows past it; CPU only, where the read that decides costs no sync). Each
-#: returns None where it does not apply.
-COMPILED_FORMS: dict[type, Callable[..., Tensor | None]] = {}
 
 
 def _toeplitz_template(bias: Bias, mask: AttentionMask, n_q: int, n_k: int,
