@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -16,10 +16,7 @@ from torch import Tensor
 from posenc_lightning.encodings.bias._distance_table import DistanceTable, accumulate
 from posenc_lightning.functional.positions import arange_offset, host_reads_ok
 
-if TYPE_CHECKING:
-    from posenc_lightning.encodings.bias.fire import FireBias
-
-__all__ = ["Bias", "BiasSum", "DenseBias", "KernelBias", "KeyOnly", "ScaledBias", "cut", "span"]
+__all__ = ["Bias", "BiasSum", "DenseBias", "KernelBias", "KeyOnly", "ScaledBias", "TileBias", "cut", "span"]
 
 #: a part of a tensor (``t[index]``); None = the whole tensor
 Index = Any
@@ -65,19 +62,56 @@ class KeyOnly:
         return self.k_ch if self.q_ch is None else self.q_ch[None, :, None] * self.k_ch
 
 
+@dataclass(frozen=True, eq=False)
+class TileBias:
+    """A parametric per-pair bias the Triton kernels evaluate tile by tile from the positions, with
+    the gradient of its parameters reduced per program (`KernelBias.tile`): the kernels call
+    ``value`` and ``grads``, two ``@triton.jit`` functions they receive as compile-time constants,
+    and know nothing else about the bias (docs/architecture.md, "The Triton kernels").
+
+    ``value(h, qp, kp, P, W, H, eps, BM, BN, ACC)`` returns the bias ``[BM, BN]`` of head ``h``
+    at query / key positions ``qp [BM]``, ``kp [BN]`` (float, ``ACC``) from the packed
+    parameters ``P``; ``grads(ds, h, qp, kp, ok, P, W, H, eps, GB, ACC)`` returns this tile's
+    packed parameter gradient ``[GB]`` from ``ds = dL/dbias [BM, BN]`` (``ok``: the visible
+    pairs). The kernels sum the ``[GB]`` rows per head and ``unpack`` turns ``[H, GB]`` into the
+    gradient of ``params``.
+
+    Attributes:
+        name: what the bias is called in the compile report (``<kernel>_<name>`` rows).
+        params: the packed parameters ``[P]`` (differentiable: their gradient is ``unpack``'s).
+        heads: the number of heads ``params`` hold.
+        width: the tile's static int (a runtime loop bound, e.g. a hidden width).
+        eps: the tile's static float.
+        grad_block: ``GB``, the length of a packed gradient row (a power of two).
+        value: the ``@triton.jit`` bias of a tile.
+        grads: the ``@triton.jit`` parameter gradient of a tile.
+        unpack: ``[H, GB]`` per-head gradient rows -> the gradient of ``params``.
+    """
+
+    name: str
+    params: Tensor
+    heads: int
+    width: int
+    eps: float
+    grad_block: int
+    value: Any
+    grads: Any
+    unpack: Callable[[Tensor], Tensor]
+
+
 @dataclass(eq=False)
 class KernelBias:
     """The bias arguments of the fused Triton kernels, filled term by term (`Bias.fold_into`):
     summed ALiBi ``slopes [H]`` and relative tables (one ``table [H, 2R+1]`` over the widest
-    range), both at ``q_pos``/``k_pos``, summed cumulative decays ``c_q``/``c_k``, one FIRE MLP
-    ``fire`` (evaluated per tile), and a ``dense`` rest."""
+    range), both at ``q_pos``/``k_pos``, summed cumulative decays ``c_q``/``c_k``, one parametric
+    bias ``tile`` (evaluated per tile, `TileBias`), and a ``dense`` rest."""
 
     slopes: Tensor | None = None
     table: Tensor | None = None
     c_q: Tensor | None = None
     c_k: Tensor | None = None
     dense: Tensor | None = None
-    fire: FireBias | None = None
+    tile: TileBias | None = None
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
 
