@@ -129,9 +129,15 @@ class FireBias(Bias):
         args.tile = self.kernel_tile()
 
     def kernel_tile(self, dtype: torch.dtype | None = None) -> TileBias:
-        """FIRE's tile for the Triton kernels (`fire_tile`), with `kernel_params` in ``dtype``
-        (default: float32, float64 for float64 parameters; the kernels cast them to their
-        accumulation dtype)."""
+        """FIRE's tile for the Triton kernels (`fire_tile`): the MLP evaluated per tile.
+
+        Args:
+            dtype: the dtype of the packed parameters (default: float32, float64 for float64
+                parameters; the kernels cast them to their accumulation dtype).
+
+        Returns:
+            The tile, its ``params`` `kernel_params` (differentiable).
+        """
         from posenc_lightning.encodings.bias.fire_tile import kernel_tile
 
         if dtype is None:
@@ -141,7 +147,14 @@ class FireBias(Bias):
     @classmethod
     def example_tile(cls, n_heads: int) -> TileBias:
         """A tile with zero parameters of the paper's width, to compile the kernels with
-        (`posenc_lightning.kernels.compile`)."""
+        (`posenc_lightning.kernels.resource_report`).
+
+        Args:
+            n_heads: H.
+
+        Returns:
+            The tile.
+        """
         from posenc_lightning.encodings.bias.fire_tile import example_tile
 
         return example_tile(n_heads)

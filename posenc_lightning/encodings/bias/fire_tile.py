@@ -140,7 +140,7 @@ def kernel_tile(params: Tensor, width: int, eps: float) -> TileBias:
 
 def example_tile(n_heads: int) -> TileBias:
     """A tile of width `EXAMPLE_WIDTH` with zero parameters, for compiling the kernels
-    (`posenc_lightning.kernels.compile`).
+    (`posenc_lightning.kernels.resource_report`).
 
     Args:
         n_heads: H.
