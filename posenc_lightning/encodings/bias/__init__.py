@@ -33,11 +33,11 @@ from posenc_lightning.encodings.bias.kinds import (
     KeyOnly,
     ScaledBias,
     ScoreTerm,
-    TileBias,
     cut,
     span,
 )
 from posenc_lightning.encodings.bias.structured import DecayBias, LinearBias, RelativeBias
+from posenc_lightning.encodings.bias.tile import TileBias
 
 __all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "FireBias", "Index", "KernelBias", "KeyOnly", "LinearBias",
            "RelativeBias", "ScaledBias", "ScoreTerm", "TileBias", "cut", "span"]

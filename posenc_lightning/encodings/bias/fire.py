@@ -13,7 +13,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from posenc_lightning.encodings.bias.kinds import Bias, KernelBias, ScoreTerm, TileBias
+from posenc_lightning.encodings.bias.kinds import Bias, KernelBias, ScoreTerm
+from posenc_lightning.encodings.bias.tile import TileBias
 from posenc_lightning.functional.fire import fire_mlp, fire_normalized_distance, fire_rows
 
 __all__ = ["FireBias"]

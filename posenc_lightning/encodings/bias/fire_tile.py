@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from posenc_lightning.encodings.bias.kinds import TileBias
+from posenc_lightning.encodings.bias.tile import TileBias
 
 #: the MLP width of `example_tile` (the paper's 32)
 EXAMPLE_WIDTH = 32

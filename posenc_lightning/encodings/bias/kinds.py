@@ -14,9 +14,10 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.encodings.bias._distance_table import DistanceTable, accumulate
+from posenc_lightning.encodings.bias.tile import TileBias
 from posenc_lightning.functional.positions import arange_offset, host_reads_ok
 
-__all__ = ["Bias", "BiasSum", "DenseBias", "KernelBias", "KeyOnly", "ScaledBias", "TileBias", "cut", "span"]
+__all__ = ["Bias", "BiasSum", "DenseBias", "KernelBias", "KeyOnly", "ScaledBias", "cut", "span"]
 
 #: a part of a tensor (``t[index]``); None = the whole tensor
 Index = Any
@@ -60,43 +61,6 @@ class KeyOnly:
     def key_bias(self) -> Tensor:
         """``[B|1, H, Nk]``: the bias of key j, as every query sees it up to its own constant."""
         return self.k_ch if self.q_ch is None else self.q_ch[None, :, None] * self.k_ch
-
-
-@dataclass(frozen=True, eq=False)
-class TileBias:
-    """A parametric per-pair bias the Triton kernels evaluate tile by tile from the positions, with
-    the gradient of its parameters reduced per program (`KernelBias.tile`): the kernels call
-    ``value`` and ``grads``, two ``@triton.jit`` functions they receive as compile-time constants,
-    and know nothing else about the bias (docs/architecture.md, "The Triton kernels").
-
-    ``value(h, qp, kp, P, W, H, eps, BM, BN, ACC)`` returns the bias ``[BM, BN]`` of head ``h``
-    at query / key positions ``qp [BM]``, ``kp [BN]`` (float, ``ACC``) from the packed
-    parameters ``P``; ``grads(ds, h, qp, kp, ok, P, W, H, eps, GB, ACC)`` returns this tile's
-    packed parameter gradient ``[GB]`` from ``ds = dL/dbias [BM, BN]`` (``ok``: the visible
-    pairs). The kernels sum the ``[GB]`` rows per head and ``unpack`` turns ``[H, GB]`` into the
-    gradient of ``params``.
-
-    Attributes:
-        name: what the bias is called in the compile report (``<kernel>_<name>`` rows).
-        params: the packed parameters ``[P]`` (differentiable: their gradient is ``unpack``'s).
-        heads: the number of heads ``params`` hold.
-        width: the tile's static int (a runtime loop bound, e.g. a hidden width).
-        eps: the tile's static float.
-        grad_block: ``GB``, the length of a packed gradient row (a power of two).
-        value: the ``@triton.jit`` bias of a tile.
-        grads: the ``@triton.jit`` parameter gradient of a tile.
-        unpack: ``[H, GB]`` per-head gradient rows -> the gradient of ``params``.
-    """
-
-    name: str
-    params: Tensor
-    heads: int
-    width: int
-    eps: float
-    grad_block: int
-    value: Any
-    grads: Any
-    unpack: Callable[[Tensor], Tensor]
 
 
 @dataclass(eq=False)
