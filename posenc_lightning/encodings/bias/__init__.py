@@ -13,7 +13,8 @@ method               gives                                                  aske
 ``key_only(...)``    ``q_ch[h] * k_ch[b, h, j]`` + a per-row term           sdpa (1 channel)
 ``scaled(w)``        ``w * bias``, the same kind where it can be             mixture
 ``score_term(B, H)`` ``f(b, h, q_idx, kv_idx)`` for a flex ``score_mod``     flex
-``fold_into(args)``  its part of the Triton kernels' arguments              triton
+``fold_into(args)``  its part of the Triton kernels' arguments (a kind the    triton
+                     kernels evaluate per tile fills ``args.tile``, `TileBias`)
 ``fused_in``         the fused forms that need no ``N x N`` ("kernel",       triton, flex
                      "score_mod"), read from `Encoding.bias_kinds`           (`supports`)
 ``opaque_operands``  tensors and constants of a kind whose cheapest form      sdpa (compiled,
@@ -40,9 +41,10 @@ from posenc_lightning.encodings.bias.kinds import (
 )
 from posenc_lightning.encodings.bias.opaque import rebuild_bias, register_opaque_kind
 from posenc_lightning.encodings.bias.structured import DecayBias, LinearBias, RelativeBias
+from posenc_lightning.encodings.bias.tile import TileBias
 
 __all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "FireBias", "Index", "KernelBias", "KeyOnly", "LinearBias",
-           "OpaqueOperands", "RelativeBias", "ScaledBias", "ScoreTerm", "cut", "rebuild_bias", "register_opaque_kind",
+           "OpaqueOperands", "RelativeBias", "ScaledBias", "ScoreTerm", "TileBias", "cut", "rebuild_bias", "register_opaque_kind",
            "span"]
 
 

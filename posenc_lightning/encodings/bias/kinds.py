@@ -8,16 +8,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from posenc_lightning.encodings.bias._distance_table import DistanceTable, accumulate
+from posenc_lightning.encodings.bias.tile import TileBias
 from posenc_lightning.functional.positions import arange_offset, host_reads_ok
-
-if TYPE_CHECKING:
-    from posenc_lightning.encodings.fire.bias import FireBias
 
 __all__ = ["Bias", "BiasSum", "DenseBias", "KernelBias", "KeyOnly", "OpaqueOperands", "ScaledBias", "cut", "span"]
 
@@ -88,15 +86,15 @@ class OpaqueOperands:
 class KernelBias:
     """The bias arguments of the fused Triton kernels, filled term by term (`Bias.fold_into`):
     summed ALiBi ``slopes [H]`` and relative tables (one ``table [H, 2R+1]`` over the widest
-    range), both at ``q_pos``/``k_pos``, summed cumulative decays ``c_q``/``c_k``, one FIRE MLP
-    ``fire`` (evaluated per tile), and a ``dense`` rest."""
+    range), both at ``q_pos``/``k_pos``, summed cumulative decays ``c_q``/``c_k``, one parametric
+    bias ``tile`` (evaluated per tile, `TileBias`), and a ``dense`` rest."""
 
     slopes: Tensor | None = None
     table: Tensor | None = None
     c_q: Tensor | None = None
     c_k: Tensor | None = None
     dense: Tensor | None = None
-    fire: FireBias | None = None
+    tile: TileBias | None = None
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
 

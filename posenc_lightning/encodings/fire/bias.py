@@ -17,6 +17,7 @@ from posenc_lightning.encodings.bias.opaque import register_opaque_kind
 from posenc_lightning.encodings.fire import compiled, template
 from posenc_lightning.encodings.fire.functions import fire_rows
 from posenc_lightning.functional.positions import arange_offset
+from posenc_lightning.encodings.bias.tile import TileBias
 
 __all__ = ["FireBias"]
 
@@ -164,9 +165,40 @@ class FireBias(Bias):
         return term
 
     def fold_into(self, args: KernelBias) -> None:
-        if args.fire is not None or not args.claim_positions(self.q_pos, self.k_pos):
-            return super().fold_into(args)  # the kernels evaluate one FIRE MLP
-        args.fire = self
+        if args.tile is not None or not args.claim_positions(self.q_pos, self.k_pos):
+            return super().fold_into(args)  # the kernels evaluate one tile bias
+        args.tile = self.kernel_tile()
+
+    def kernel_tile(self, dtype: torch.dtype | None = None) -> TileBias:
+        """FIRE's tile for the Triton kernels (`encodings.fire.tile`): the MLP evaluated per tile.
+
+        Args:
+            dtype: the dtype of the packed parameters (default: float32, float64 for float64
+                parameters; the kernels cast them to their accumulation dtype).
+
+        Returns:
+            The tile, its ``params`` `kernel_params` (differentiable).
+        """
+        from posenc_lightning.encodings.fire.tile import kernel_tile
+
+        if dtype is None:
+            dtype = functools.reduce(torch.promote_types, (t.dtype for t in self.grad_inputs()), torch.float32)
+        return kernel_tile(self.kernel_params(dtype), self.width, self.eps)
+
+    @classmethod
+    def example_tile(cls, n_heads: int) -> TileBias:
+        """A tile with zero parameters of the paper's width, to compile the kernels with
+        (`posenc_lightning.kernels.resource_report`).
+
+        Args:
+            n_heads: H.
+
+        Returns:
+            The tile.
+        """
+        from posenc_lightning.encodings.fire.tile import example_tile
+
+        return example_tile(n_heads)
 
     def kernel_params(self, dtype: torch.dtype) -> Tensor:
         """The kernels' packed parameters ``[c, L, w1 (W), b1 (W), b2 (H), w2 (H x W)]`` in ``dtype``
