@@ -13,25 +13,20 @@ import pytest
 
 import posenc_lightning
 from posenc_lightning.encodings import Bias, available_encodings
-from posenc_lightning.encodings.bias import KernelBias
 from posenc_lightning.encodings.registry import _REGISTRY
 
 ROOT = Path(posenc_lightning.__file__).parent
 #: registered names that are also ordinary words of the generic code ("a learned table"): only
 #: their class names are matched, as spelled (``Learned``)
 ORDINARY_WORDS = {"learned"}
-GENERIC_KERNELS = ("_common.py", "fused.py", "softmax.py", "stick_breaking.py", "compile.py")
+GENERIC_KERNELS = ("_common.py", "fused.py", "softmax.py", "stick_breaking.py", "resource_report.py")
 FILES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "attention" / "backends").glob("*.py")) + [
     f"kernels/{f}" for f in GENERIC_KERNELS]
 
 #: parts other engineers of issue 29 are rewriting in parallel (their branches remove these names);
 #: each entry comes off when its branch is merged
-_TILE_MOVE = "the Triton kernels' FIRE slot moves to FIRE's own tile (issue 29, 29d)"
 _ENGINE = "sdpa's plan and the unified blockwise engine drop their encoding examples (issue 29, 29c)"
-_KNOBS = "the flush-to-zero knob and its measurement move out (issue 29, 29b)"
-PENDING = {"attention/backends/triton.py": _TILE_MOVE, **{f"kernels/{f}": _TILE_MOVE for f in GENERIC_KERNELS},
-           **{f"attention/backends/{f}.py": _ENGINE for f in ("sdpa", "blockwise", "_tiles", "_key_bias", "_normalizers")},
-           "attention/backends/_denormals.py": _KNOBS}
+PENDING = {f"attention/backends/{f}.py": _ENGINE for f in ("sdpa", "blockwise", "_tiles", "_key_bias", "_normalizers")}
 
 
 def _subclasses(cls: type) -> set[type]:
@@ -76,10 +71,8 @@ def test_no_encoding_named_in_generic_code(path):
     assert _hits((ROOT / path).read_text(), encoding_names()) == []
 
 
-@pytest.mark.xfail(condition="fire" in KernelBias.__dataclass_fields__, strict=False, reason=_TILE_MOVE)
 def test_pending_parts_are_only_the_parallel_rewrites():
-    """Every file outside `PENDING` is already clean (the parametrized test above), and once the
-    Triton tile has moved the kernels and the Triton backend are too."""
+    """Every file outside `PENDING` is clean (the parametrized test above)."""
     names = encoding_names()
     dirty = {f for f in FILES if _hits((ROOT / f).read_text(), names)}
-    assert dirty <= {f for f, why in PENDING.items() if why != _TILE_MOVE}
+    assert dirty <= set(PENDING)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 import posenc_lightning
 
 ROOT = Path(posenc_lightning.__file__).parent
@@ -129,15 +127,6 @@ def test_type_checking_imports_are_read():
     assert all(GRAPH[m] <= TYPED_GRAPH[m] for m in MODULES)
 
 
-def _kernel_bias_types_its_fire_slot() -> bool:
-    from posenc_lightning.encodings.bias import KernelBias
-
-    return "fire" in KernelBias.__dataclass_fields__
-
-
-@pytest.mark.xfail(condition=_kernel_bias_types_its_fire_slot(), strict=True,
-                   reason="KernelBias types its FIRE slot through a TYPE_CHECKING import of FireBias, "
-                          "which imports kinds: the slot goes with the Triton tile's move (issue 29, 29d)")
 def test_no_import_cycles_type_checking_included():
     assert _cycles(TYPED_GRAPH) == []
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 #: biased softmax weights decay into the denormal range (exp(-90)), where x86 CPU arithmetic
-#: is many times slower (3x for a causal ALiBi backward at N=2048); flush them to zero inside the
+#: is many times slower; flush them to zero inside the
 #: biased SDPA calls and their backward (CPU only). The setting is restored to PyTorch's
 #: default (off) afterwards.
 FLUSH_DENORMALS = True
