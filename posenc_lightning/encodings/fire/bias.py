@@ -14,10 +14,10 @@ from torch import Tensor
 
 from posenc_lightning.encodings.bias.kinds import Bias, KernelBias, OpaqueOperands, ScoreTerm
 from posenc_lightning.encodings.bias.opaque import register_opaque_kind
+from posenc_lightning.encodings.bias.tile import TileBias
 from posenc_lightning.encodings.fire import compiled, template
 from posenc_lightning.encodings.fire.functions import fire_rows
 from posenc_lightning.functional.positions import arange_offset
-from posenc_lightning.encodings.bias.tile import TileBias
 
 __all__ = ["FireBias"]
 
