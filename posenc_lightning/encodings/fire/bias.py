@@ -5,6 +5,7 @@ the Triton kernels, which also reduce its parameter gradients per tile."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
