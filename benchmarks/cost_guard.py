@@ -28,7 +28,7 @@ FWD_BOUND = {"rope": 1.8, "alibi": 1.8, "relative_bias": 2.5, "sinusoidal": 1.5,
 #: replaced was 10.6x / 1.6x)
 SLOW_BOUND = {"liere": 3.0, "comrope": 3.0}
 #: content-dependent biases computed by blocks of rows (FIRE past its threshold: the MLP per pair,
-#: `functional.fire.fire_rows`; CoPE's gates; the mixture's table + FIRE), forward and
+#: `encodings.fire.functions.fire_rows`; CoPE's gates; the mixture's table + FIRE), forward and
 #: forward+backward, measured here 1.06 / 1.53 (fire, a table below L at N=512), 2.37 / 2.84
 #: (fire past L; 2.87 / 5.15 before its rows Function), 6.1 / 5.0 (cope: at N=512 its clamped-key
 #: skip saves little; 1.83x at N=4096), 1.12 / 1.65 (mixture); with a dense bias they were 8-14x

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from posenc_lightning.kernels.compile import main
+from posenc_lightning.kernels.resource_report import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

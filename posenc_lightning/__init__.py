@@ -1,6 +1,13 @@
 """posenc-lightning: inject any transformer positional encoding into a LightningModule."""
 
-from posenc_lightning.attention import KVCache, LayerKVCache, PosEncAttentionMixin, PosEncEmbeddingMixin
+from posenc_lightning.attention import (
+    KVCache,
+    LayerKVCache,
+    PosEncAttentionMixin,
+    PosEncEmbeddingMixin,
+    call_flushing_denormals,
+    flush_denormals,
+)
 from posenc_lightning.encodings import (
     Bias,
     BiasSum,
@@ -50,6 +57,8 @@ __all__ = [
     "TaskEvalCallback",
     "available_encodings",
     "build_encoding",
+    "call_flushing_denormals",
+    "flush_denormals",
     "inject",
     "injected_spec",
     "restore_from_checkpoint",

@@ -1,4 +1,13 @@
-"""The ``posenc`` command: ``posenc list``, ``posenc train``."""
+"""The ``posenc`` command.
+
+- ``posenc list``: the registered encodings (name, family, description).
+- ``posenc train``: train TinyGPT on the bundled corpus with an encoding (LightningCLI,
+  `posenc_lightning.cli_train`; ``posenc train --help``).
+- ``posenc run RECIPE``: run ``recipes/RECIPE.py`` with ``configs/RECIPE.yaml`` and overrides
+  (``--devices N``, ``--context-parallel K``).
+- ``posenc report RUN_DIR``: summarize a run directory (report.md, report.json, a perplexity-by-length
+  plot).
+"""
 
 from __future__ import annotations
 

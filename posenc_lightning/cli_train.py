@@ -13,7 +13,7 @@ import sys
 import warnings
 from typing import Any
 
-from posenc_lightning.curriculum.extend import RecipeCLI
+from posenc_lightning.recipes import RecipeCLI
 
 #: the main job's defaults (a minute of CPU on 2 cores); every one can be overridden
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -58,9 +58,9 @@ def main(args: list[str] | None = None) -> int:
     """Train and print ``encoding=... steps=... val_loss=... val_ppl=... logs=...``."""
     import torch
 
-    from posenc_lightning.curriculum.extend import RunDirSaveConfig
     from posenc_lightning.data import CorpusDataModule
     from posenc_lightning.models import TinyGPT
+    from posenc_lightning.recipes import RunDirSaveConfig
 
     if args is None:
         args = sys.argv[1:]

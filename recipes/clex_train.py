@@ -13,8 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from posenc_lightning.callbacks.curriculum import ContextCurriculum, encodings_of
-from posenc_lightning.curriculum.extend import SweepOptions, train_and_sweep
+from posenc_lightning.curriculum.context import ContextCurriculum, encodings_of
+from posenc_lightning.recipes import SweepOptions, train_and_sweep
 
 
 def set_eval_scale(cli, n: int) -> None:

@@ -21,12 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import lightning.pytorch as pl
 
 from posenc_lightning.callbacks import LengthEvalCallback, LMEvalCallback, PosEncCallback, PosEncVisualizer
-from posenc_lightning.curriculum.extend import RecipeCLI, RunDirSaveConfig, recipe_parser_kwargs
 from posenc_lightning.data import CorpusDataModule
 from posenc_lightning.encodings import available_encodings
 from posenc_lightning.eval.compare import flatness, render
 from posenc_lightning.inject import inject
 from posenc_lightning.models import TinyGPT
+from posenc_lightning.recipes import RecipeCLI, RunDirSaveConfig, recipe_parser_kwargs
 
 
 @dataclass
@@ -94,7 +94,7 @@ def main(args: list[str] | None = None) -> dict[str, dict[int, float]]:
     barebones = bool(cli.config["trainer"].get("barebones"))
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from posenc_lightning.curriculum.extend import stop_reason
+    from posenc_lightning.recipes import stop_reason
 
     for name in names:
         t0 = time.perf_counter()

@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import lightning.pytorch as pl
 
 from posenc_lightning.callbacks import PosEncCallback, TaskEvalCallback
-from posenc_lightning.curriculum.extend import RecipeCLI, RunDirSaveConfig, recipe_parser_kwargs, stop_reason
 from posenc_lightning.data.tasks import TASKS, TaskDataModule
 from posenc_lightning.encodings import available_encodings
 from posenc_lightning.eval.task_report import jsonable, render_tasks
 from posenc_lightning.inject import inject
 from posenc_lightning.models import TinyGPT
+from posenc_lightning.recipes import RecipeCLI, RunDirSaveConfig, recipe_parser_kwargs, stop_reason
 
 DEFAULT_TASKS = ["copy", "flip_flop", "selective_copy", "mqar", "counting"]
 DEFAULT_ENCODINGS = ["nope", "rope", "alibi", "fire", "cope", "fox", "sba", "yarn"]

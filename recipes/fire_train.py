@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from posenc_lightning.curriculum.extend import SweepOptions, train_and_sweep
+from posenc_lightning.recipes import SweepOptions, train_and_sweep
 
 
 def main(args: list[str] | None = None) -> dict:

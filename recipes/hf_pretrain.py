@@ -15,9 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from posenc_lightning.curriculum.extend import RecipeCLI, RunDirSaveConfig, recipe_parser_kwargs
 from posenc_lightning.data import CorpusDataModule
 from posenc_lightning.models.hf import HFCausalLM
+from posenc_lightning.recipes import RecipeCLI, RunDirSaveConfig, recipe_parser_kwargs
 
 
 @dataclass

@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from posenc_lightning.curriculum import N_HAT_CANDIDATES, LongRoPECurriculum
-from posenc_lightning.curriculum.extend import (
+from posenc_lightning.curriculum.longrope import set_factors
+from posenc_lightning.inject import inject, restore_from_checkpoint
+from posenc_lightning.recipes import (
     finetune_trainer,
     make_cli,
     perplexity,
@@ -32,8 +34,6 @@ from posenc_lightning.curriculum.extend import (
     stop_reason,
     write_results,
 )
-from posenc_lightning.curriculum.longrope import set_factors
-from posenc_lightning.inject import inject, restore_from_checkpoint
 
 
 @dataclass

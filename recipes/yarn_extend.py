@@ -18,7 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from posenc_lightning.callbacks.lm_eval import LMEvalCallback
-from posenc_lightning.curriculum.extend import (
+from posenc_lightning.inject import inject
+from posenc_lightning.recipes import (
     bigram_perplexity,
     extension_verdict,
     finetune_trainer,
@@ -30,7 +31,6 @@ from posenc_lightning.curriculum.extend import (
     stop_reason,
     write_results,
 )
-from posenc_lightning.inject import inject
 
 
 @dataclass

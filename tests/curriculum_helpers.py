@@ -22,7 +22,7 @@ class Recorder(pl.Callback):
         self.out_dir = out_dir
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        from posenc_lightning.callbacks.curriculum import encodings_of
+        from posenc_lightning.curriculum.context import encodings_of
 
         enc = encodings_of(pl_module)
         self.rows.append({"step": trainer.global_step - 1, "loss": float(outputs["loss"]),

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 
 from posenc_lightning import PosEncCallback
-from posenc_lightning.callbacks.curriculum import ContextCurriculum, Stage
+from posenc_lightning.curriculum.context import ContextCurriculum, Stage
 from posenc_lightning.models import TinyGPT
 from tests.curriculum_helpers import tiny_data, trainer
 

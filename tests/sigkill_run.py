@@ -30,7 +30,7 @@ EVAL_EVERY = 2
 
 
 def curriculum():
-    from posenc_lightning.callbacks.curriculum import ContextCurriculum, Stage
+    from posenc_lightning.curriculum.context import ContextCurriculum, Stage
 
     return ContextCurriculum([Stage(s, n, b, sc, w) for s, n, b, sc, w in STAGES], seed=3)
 CLEX = {"max_scale": 4.0, "original_max_position_embeddings": 16}
@@ -41,7 +41,7 @@ class StepLog(pl.Callback):
         self.out = out
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        from posenc_lightning.callbacks.curriculum import encodings_of
+        from posenc_lightning.curriculum.context import encodings_of
 
         enc = encodings_of(pl_module)[0]
         torch.save({k: v.detach().clone() for k, v in enc.state_dict().items()},
@@ -51,7 +51,7 @@ class StepLog(pl.Callback):
         self.lr = optimizer.param_groups[0]["lr"]  # what this step applies (warm restart included)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        from posenc_lightning.callbacks.curriculum import encodings_of
+        from posenc_lightning.curriculum.context import encodings_of
 
         row = {"step": trainer.global_step - 1, "loss": float(outputs["loss"]), "seq_len": int(batch[0].shape[-1]),
                "batch": int(batch[0].shape[0]), "scale": encodings_of(pl_module)[0].factor,

@@ -1,8 +1,8 @@
 """`_block_grad`: the blockwise attention gradient's pieces, where their eager shortcuts must hold.
 
 A block's bias rows are differentiated through autograd (`block_vjp`), also inside a custom
-operator's kernel, where the dispatcher runs with the autograd keys excluded (`_fire_op`'s
-backward past FIRE's threshold); ``torch.func.vjp`` there cost about 1 ms per block.
+operator's kernel, where the dispatcher runs with the autograd keys excluded (`_opaque_op`'s
+backward of rows); ``torch.func.vjp`` there cost about 1 ms per block.
 """
 
 from __future__ import annotations

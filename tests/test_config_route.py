@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from posenc_lightning import PosEncCallback
-from posenc_lightning.curriculum.extend import make_cli
+from posenc_lightning.recipes import make_cli
 from tests.helpers import run_posenc as _posenc
 
 ROOT = Path(__file__).resolve().parents[1]

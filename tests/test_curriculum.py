@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from posenc_lightning.callbacks.curriculum import ContextCurriculum, Stage
+from posenc_lightning.curriculum.context import ContextCurriculum, Stage
 from tests.curriculum_helpers import Recorder, losses, tiny_data, tiny_model, trainer
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from posenc_lightning.callbacks.curriculum import encodings_of
 from posenc_lightning.curriculum import (
     N_HAT_CANDIDATES,
     CLEXCurriculum,
@@ -19,6 +18,7 @@ from posenc_lightning.curriculum import (
     law_factors,
     windows_nll,
 )
+from posenc_lightning.curriculum.context import encodings_of
 from posenc_lightning.functional.rope_scaling import yarn_find_correction_range
 from tests.curriculum_helpers import Recorder, tiny_data, tiny_model, trainer
 

@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from posenc_lightning.callbacks.curriculum import ContextCurriculum, Stage
+from posenc_lightning.curriculum.context import ContextCurriculum, Stage
 from tests.curriculum_helpers import Recorder, losses, tiny_data, tiny_model, trainer
 
 PI = {"factor": 1.0, "original_max_position_embeddings": 16}

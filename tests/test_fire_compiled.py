@@ -1,5 +1,5 @@
 """Compiled FIRE on CPU past `sdpa.COMPILED_ONE_BLOCK_BYTES` runs the eager choice of form as one
-opaque operator (``posenc::fire_sdpa``, `attention/backends/_fire_op.py`): below the learned
+opaque operator (``posenc::opaque_sdpa``, `attention/backends/_opaque_form.py`): below the learned
 threshold ``L`` its O(N) table through the Toeplitz mask, past it the MLP rows by blocks; within
 it, one traced block. Forward and every gradient equal eager's in every form, at positions given
 or made, offsets, GQA, cached decoding, frozen parameters."""
@@ -76,7 +76,7 @@ def _compare(m: TinyGPT, x: torch.Tensor, positions: torch.Tensor | None = None,
 
     out = torch.compile(m, fullgraph=True, backend=backend)(x, positions)
     out.square().mean().backward()
-    assert any("posenc.fire_sdpa" in g for g in graphs) == operator  # the operator, or traced
+    assert any("posenc.opaque_sdpa" in g for g in graphs) == operator  # the operator, or traced
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     g = _grads(m)
     assert set(g) == set(g_ref)
@@ -87,17 +87,17 @@ def _compare(m: TinyGPT, x: torch.Tensor, positions: torch.Tensor | None = None,
 
 @pytest.mark.parametrize("init_L, toeplitz", [(512.0, True), (7.0, False)])
 def test_compiled_equals_eager_in_both_forms(monkeypatch, init_L, toeplitz):
-    from posenc_lightning.encodings.bias import fire as fire_bias
+    from posenc_lightning.encodings.fire import compiled as fire_compiled
 
     forms = _forms(monkeypatch)
     compiled_rows: list[bool] = []
-    real = fire_bias._compiled_rows
+    real = fire_compiled.compiled_rows
 
     def counted():
         compiled_rows.append(True)
         return real()
 
-    monkeypatch.setattr(fire_bias, "_compiled_rows", counted)
+    monkeypatch.setattr(fire_compiled, "compiled_rows", counted)
     x = torch.randint(0, 256, (2, N), generator=torch.Generator().manual_seed(1))
     _compare(_model(init_L), x, forms=forms)
     # queries below L: the table in every layer; past it: the rows

@@ -13,7 +13,7 @@ import torch
 from posenc_lightning import build_encoding
 from posenc_lightning.encodings.base import AttentionContext
 from posenc_lightning.encodings.bias import FireBias
-from posenc_lightning.functional import fire as ffire
+from posenc_lightning.encodings.fire import functions as ffire
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 BLOCKS = [(0, 53, 53), (10, 83, 150), (83, 150, 160), (150, 151, 7)]  # ragged, past the queries, k_stop < rows

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.hf_matrix import build
 from posenc_lightning import PosEncCallback
-from posenc_lightning.callbacks.curriculum import ContextCurriculum, Stage
+from posenc_lightning.curriculum.context import ContextCurriculum, Stage
 from tests.curriculum_helpers import tiny_data
 
 

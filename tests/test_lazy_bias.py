@@ -11,8 +11,8 @@ from posenc_lightning import inject
 from posenc_lightning.attention.backends import _blocks
 from posenc_lightning.encodings.base import AttentionContext, DenseBias, RelativeBias
 from posenc_lightning.encodings.bias import FireBias
-from posenc_lightning.functional import fire as ffire
-from posenc_lightning.functional.fire import fire_mlp
+from posenc_lightning.encodings.fire import functions as ffire
+from posenc_lightning.encodings.fire.functions import fire_mlp
 from tests.helpers import Attn
 
 

@@ -58,7 +58,7 @@ def test_run_label_by_budget():
 
 
 def test_recipes_show_a_progress_bar_by_default(tmp_path):
-    from posenc_lightning.curriculum.extend import SweepOptions, make_cli
+    from posenc_lightning.recipes import SweepOptions, make_cli
 
     args = ["--config", str(ROOT / "configs" / "fire_train.yaml"), "--trainer.logger=false",
             f"--extend.results_dir={tmp_path}"]

@@ -11,9 +11,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 
-from posenc_lightning.curriculum.extend import bigram_perplexity, extension_verdict, stop_reason
 from posenc_lightning.data import CorpusDataModule
 from posenc_lightning.models import TinyGPT
+from posenc_lightning.recipes import bigram_perplexity, extension_verdict, stop_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",

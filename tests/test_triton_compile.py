@@ -1,6 +1,6 @@
 """Every kernel configuration, FIRE's per-tile MLP included, compiles for real GPU targets (sm80,
 sm90) on this CPU-only machine and fits the target's shared memory
-(``posenc_lightning.kernels.compile``, run in a subprocess because the interpreter, on for the
+(``posenc_lightning.kernels.resource_report``, run in a subprocess because the interpreter, on for the
 other tests, cannot compile). Triton caches the compiled kernels (``TRITON_CACHE_DIR``, default
 ``~/.triton/cache``), so a rerun only reads them back."""
 
@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 def test_every_kernel_config_compiles_for_sm80_and_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "posenc_lightning.kernels.compile", "--check", "--worst-only", "--no-ptxas",
+    cmd = [sys.executable, "-m", "posenc_lightning.kernels.resource_report", "--check", "--worst-only", "--no-ptxas",
            "--jobs", "2"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500, check=False)
     out = r.stdout + r.stderr

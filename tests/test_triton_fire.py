@@ -16,6 +16,7 @@ from posenc_lightning.attention.backends import triton as triton_backend
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, DenseBias
 from posenc_lightning.encodings.bias import FireBias
+from posenc_lightning.encodings.fire.tile import fire_tile
 from posenc_lightning.encodings.registry import build_encoding
 from posenc_lightning.inject import inject
 from posenc_lightning.kernels import fused
@@ -145,8 +146,7 @@ def test_kernel_cases(case):
     fb, dense = _bias_and_reference(enc, qp, kp)
     sb = case == "stick_breaking"
     out = fused_attention(q, k, v, causal=True, q_offset=nk - nq, bias_q_pos=qp, bias_k_pos=kp,
-                          fire=fb.kernel_params(torch.float32), fire_width=fb.width, fire_eps=fb.eps,
-                          stick_breaking=sb)
+                          tile=fb.kernel_tile(torch.float32), stick_breaking=sb)
     mask = AttentionMask(True, nk - nq, nq, nk)
     if sb:
         ref_enc = build_encoding("sba")
@@ -172,8 +172,8 @@ def test_gradcheck_float64():
 
     def f(q, k, v, c, l_mult, w1, b1, w2, b2):
         fb = FireBias(pos, pos, c, l_mult, enc.init_L, w1, b1, w2, b2, enc.eps)
-        return fused_attention(q, k, v, bias_q_pos=pos, bias_k_pos=pos, fire=fb.kernel_params(torch.float64),
-                               fire_width=fb.width, fire_eps=fb.eps, causal=False)
+        return fused_attention(q, k, v, bias_q_pos=pos, bias_k_pos=pos, tile=fb.kernel_tile(torch.float64),
+                               causal=False)
 
     assert torch.autograd.gradcheck(f, (q, k, v, c, l_mult, w1, b1, w2, b2), atol=1e-6, fast_mode=True)
 
@@ -183,11 +183,12 @@ def test_fire_folds_into_the_kernel_arguments_not_a_dense_tensor():
     pos = torch.arange(40)[None]
     bias = enc.bias(None, None, AttentionContext(pos, pos))
     args = triton_backend.split_bias(bias, H)
-    assert args.dense is None and args.fire is bias and args.q_pos is pos
+    assert args.dense is None and args.tile.value is fire_tile and args.q_pos is pos
+    assert torch.equal(args.tile.params, bias.kernel_params(torch.float32))
     mixed = build_encoding("mixture", members=("alibi", "fire"), member_cfgs={"fire": CFG}).bind(n_heads=H)
     q = torch.zeros(1, H, 40, D)
     args = triton_backend.split_bias(mixed.bias(q, q, AttentionContext(pos, pos)), H)
-    assert args.dense is None and args.fire is not None and args.slopes is not None  # scaled: still FIRE
+    assert args.dense is None and args.tile.value is fire_tile and args.slopes is not None  # scaled: still FIRE
 
 
 def test_the_fused_path_never_allocates_n_by_n(monkeypatch):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -313,5 +314,44 @@ def adapt(hf: nn.Module, proto: Encoding, backend: str, share_across_layers: boo
     return [proto, *encs]
 
 
+def switch_to_fused_attention(model: nn.Module) -> Callable[[], None] | None:
+    """Make the Hugging Face models in ``model`` that carry an injected encoding run ``posenc_fused``
+    (whose attention shards, given a 2-D padding mask) instead of a wrapped ``sdpa`` / ``eager`` (whose
+    mask transformers builds for the shard alone): what context parallelism needs.
+
+    Args:
+        model: a module holding Hugging Face models (or one itself).
+
+    Returns:
+        A function undoing the switch, or None when no model was switched.
+    """
+    from posenc_lightning.attention.mixin import NO_ENCODING
+
+    switched, plain = [], []
+    for hf in find_hf_models(model):
+        impl = hf.config._attn_implementation
+        layers = attention_modules(hf)
+        if impl == attn.FUSED or not any(getattr(m, "posenc", None) is not None for m in layers) and not any(
+                getattr(m, "posenc", None) is not None for m in hf.modules()):
+            continue
+        for m in layers:  # rotation by the model's own rotary module (q, k arrive rotated): plain attention
+            if getattr(m, "posenc", None) is None:
+                object.__setattr__(m, "posenc", NO_ENCODING)  # an attribute, not a registered submodule
+                plain.append((m, m.register_forward_pre_hook(attn.record_call, with_kwargs=True)))
+        hf.set_attn_implementation(attn.register(attn.FUSED))
+        switched.append((hf, impl))
+    if not switched:
+        return None
+
+    def undo() -> None:
+        for hf, impl in switched:
+            hf.set_attn_implementation(impl)
+        for m, hook in plain:
+            m.__dict__.pop("posenc", None)
+            hook.remove()
+
+    return undo
+
+
 __all__ = ["ArchInfo", "ArchitectureRefused", "EmbeddingPositions", "NoRotation", "RotaryTable", "adapt",
-           "attention_modules", "describe", "find_hf_models", "restore"]
+           "attention_modules", "describe", "find_hf_models", "restore", "switch_to_fused_attention"]

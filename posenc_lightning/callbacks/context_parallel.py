@@ -114,48 +114,13 @@ class ContextParallel(pl.Callback):
         engage(None)
 
 
-def find(trainer: pl.Trainer | None) -> ContextParallel | None:
-    """The trainer's `ContextParallel` callback with its groups built, or None."""
-    for cb in getattr(trainer, "callbacks", None) or ():
-        if isinstance(cb, ContextParallel) and cb.group is not None:
-            return cb
-    return None
-
-
-
 def _fused_hf_attention(model: nn.Module) -> Callable[[], None] | None:
-    """Hugging Face models with an injected encoding run ``posenc_fused`` (whose attention shards,
-    given a 2-D padding mask) instead of a wrapped ``sdpa`` / ``eager`` (whose mask transformers builds
-    for the shard alone). Returns the undo, or None when there is no such model."""
+    """`switch_to_fused_attention` for the Hugging Face models in ``model``; returns its undo, or None
+    when there is none (without transformers imported there can be none: it is not imported here)."""
     import sys
 
     if "transformers" not in sys.modules:
         return None
-    from posenc_lightning.adapters import _hf_attention as hf_attn
-    from posenc_lightning.adapters.hf import attention_modules, find_hf_models
-    from posenc_lightning.attention.mixin import NO_ENCODING
+    from posenc_lightning.adapters.hf import switch_to_fused_attention
 
-    switched, plain = [], []
-    for hf in find_hf_models(model):
-        impl = hf.config._attn_implementation
-        layers = attention_modules(hf)
-        if impl == hf_attn.FUSED or not any(getattr(m, "posenc", None) is not None for m in layers) and not any(
-                getattr(m, "posenc", None) is not None for m in hf.modules()):
-            continue
-        for m in layers:  # rotation by the model's own rotary module (q, k arrive rotated): plain attention
-            if getattr(m, "posenc", None) is None:
-                object.__setattr__(m, "posenc", NO_ENCODING)  # an attribute, not a registered submodule
-                plain.append((m, m.register_forward_pre_hook(hf_attn.record_call, with_kwargs=True)))
-        hf.set_attn_implementation(hf_attn.register(hf_attn.FUSED))
-        switched.append((hf, impl))
-    if not switched:
-        return None
-
-    def undo() -> None:
-        for hf, impl in switched:
-            hf.set_attn_implementation(impl)
-        for m, hook in plain:
-            m.__dict__.pop("posenc", None)
-            hook.remove()
-
-    return undo
+    return switch_to_fused_attention(model)

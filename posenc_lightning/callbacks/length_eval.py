@@ -186,10 +186,9 @@ class LengthEvalCallback(pl.Callback):
 
 def _context_parallel_group(trainer: pl.Trainer | None) -> Any:
     """The groups of the trainer's `ContextParallel` callback (None without one)."""
-    from posenc_lightning.callbacks.context_parallel import find
+    from posenc_lightning.parallel.group import trainer_group
 
-    cb = find(trainer)
-    return cb.group if cb is not None else None
+    return trainer_group(trainer)
 
 
 def _scalable_encodings(module: torch.nn.Module) -> list[Any]:

@@ -1,7 +1,8 @@
-"""Curriculum presets and LongRoPE's factor search (the core is `posenc_lightning.callbacks.curriculum`)."""
+"""Context-length curricula: `ContextCurriculum` (`curriculum.context`), the CLEX and LongRoPE presets,
+and LongRoPE's factor search."""
 
-from posenc_lightning.callbacks.curriculum import ContextCurriculum, Stage
 from posenc_lightning.curriculum.clex import CLEXCurriculum
+from posenc_lightning.curriculum.context import ContextCurriculum, Stage
 from posenc_lightning.curriculum.longrope import N_HAT_CANDIDATES, LongRoPECurriculum
 from posenc_lightning.curriculum.search import EvolutionarySearch, SearchResult, law_factors, windows_nll
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from posenc_lightning.callbacks.curriculum import ContextCurriculum, Stage, round_to
+from posenc_lightning.curriculum.context import ContextCurriculum, Stage, round_to
 
 
 class CLEXCurriculum(ContextCurriculum):

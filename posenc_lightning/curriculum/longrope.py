@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from posenc_lightning.callbacks.curriculum import ContextCurriculum, Stage, encodings_of
+from posenc_lightning.curriculum.context import ContextCurriculum, Stage, encodings_of
 from posenc_lightning.curriculum.search import EvolutionarySearch, SearchResult, law_factors, windows_nll
 from posenc_lightning.inject import injected_spec
 

@@ -5,8 +5,9 @@
   arbitrary per-token indices; ``SIGN=-1`` applies the transpose (used to rotate gradients back).
 * `visible`: which (query, key) pairs may attend (causal by index, packed documents, padding).
 * `bias_tile` / `bias_grads`: the structured biases of ``encodings/bias`` read in-kernel
-  (``LinearBias``, ``RelativeBias``, ``DecayBias``, ``FireBias`` (`_fire`), ``DenseBias``) and
-  their gradients.
+  (``LinearBias``, ``RelativeBias``, ``DecayBias``, ``DenseBias``, and one `TileBias`: a
+  parametric bias whose ``@triton.jit`` tile and gradient functions come in as compile-time
+  constants ``TILE_VALUE`` / ``TILE_GRADS``) and their gradients.
 
 Everything is loaded and accumulated in float32 (the interpreter mishandles bf16); q, k and the
 probabilities are cast to the input dtype (``DOT_T``) only for the matrix products, which
@@ -18,8 +19,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from posenc_lightning.kernels._fire import fire_grads, fire_tile
 
 
 @triton.jit
@@ -76,26 +75,27 @@ def visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG, KSEG, KVALID,
 
 @triton.jit
 def bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP, KP, SLOPES, TABLE, RMAX, stride_th,
-              CQ, CK, DENSE, stride_dm, FIRE, FW, H, feps,
+              CQ, CK, DENSE, stride_dm, TILE, TILE_W, H, tile_eps,
               HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr,
-              HAS_DENSE: tl.constexpr, HAS_FIRE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              ACC: tl.constexpr):
+              HAS_DENSE: tl.constexpr, HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, ACC: tl.constexpr):
     """The additive bias ``[BM, BN]`` in float32. ``QP``/``KP`` (float32 positions), ``CQ``/``CK``
-    and ``DENSE`` already point at this (batch, head); ``FIRE``: FIRE's packed parameters."""
+    and ``DENSE`` already point at this (batch, head); ``TILE``: the tile bias's packed
+    parameters, read by ``TILE_VALUE`` (`TileBias.value`)."""
     bias = tl.zeros((BM, BN), dtype=ACC)
-    if HAS_LIN or HAS_REL or HAS_FIRE:
+    if HAS_LIN or HAS_REL or HAS_TILE:
         qp = tl.load(QP + offs_m, mask=m_mask, other=0.0)
         kp = tl.load(KP + offs_n, mask=n_mask, other=0.0)
         dist = qp[:, None] - kp[None, :]
-        if HAS_LIN:  # ALiBi, Press et al. 2022 eq. 1
+        if HAS_LIN:  # -slope |i - j|, Press et al. 2022 eq. 1
             bias += -tl.load(SLOPES + h).to(ACC) * tl.abs(dist)
         if HAS_REL:  # table[h, clamp(i - j, -R, R) + R]
             idx = tl.minimum(tl.maximum(dist.to(tl.int32), -RMAX), RMAX) + RMAX
             ok = m_mask[:, None] & n_mask[None, :]
             bias += tl.load(TABLE + h * stride_th + idx, mask=ok, other=0.0).to(ACC)
-        if HAS_FIRE:  # FIRE, Li et al. 2024 eq. 3
-            bias += fire_tile(h, qp.to(ACC), kp.to(ACC), FIRE, FW, H, feps, BM, BN, ACC)
-    if HAS_DEC:  # FoX: c_i - c_j
+        if HAS_TILE:
+            bias += TILE_VALUE(h, qp.to(ACC), kp.to(ACC), TILE, TILE_W, H, tile_eps, BM, BN, ACC)
+    if HAS_DEC:  # cumulative decays: c_i - c_j
         cq = tl.load(CQ + offs_m, mask=m_mask, other=0.0).to(ACC)
         ck = tl.load(CK + offs_n, mask=n_mask, other=0.0).to(ACC)
         bias += cq[:, None] - ck[None, :]
@@ -107,16 +107,17 @@ def bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP, KP, SLOPES, TABLE, RMAX, st
 
 @triton.jit
 def bias_grads(ds, h, offs_m, offs_n, m_mask, n_mask, QP, KP, DTABLE, RMAX, stride_th,
-               DDENSE, stride_ddm, FIRE, FW, H, feps,
+               DDENSE, stride_ddm, TILE, TILE_W, H, tile_eps,
                HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DENSE: tl.constexpr,
-               ATOMIC_DENSE: tl.constexpr, HAS_FIRE: tl.constexpr, FB: tl.constexpr, ACC: tl.constexpr):
+               ATOMIC_DENSE: tl.constexpr, HAS_TILE: tl.constexpr, TILE_GRADS: tl.constexpr,
+               TILE_GB: tl.constexpr, ACC: tl.constexpr):
     """Scatter ``dL/dlogits`` (zero where masked) into the table / dense-bias gradients and
-    return this tile's contributions to ``dL/dslope[h]`` (``sum ds * -|i - j|``) and to FIRE's
-    parameters (packed ``[FB]``, `_fire.fire_grads`)."""
+    return this tile's contributions to ``dL/dslope[h]`` (``sum ds * -|i - j|``) and to the tile
+    bias's parameters (packed ``[TILE_GB]``, ``TILE_GRADS``: `TileBias.grads`)."""
     dslope = 0.0
-    dfire = tl.zeros((FB,), ACC)
+    dtile = tl.zeros((TILE_GB,), ACC)
     ok = m_mask[:, None] & n_mask[None, :]
-    if HAS_LIN or HAS_REL or HAS_FIRE:
+    if HAS_LIN or HAS_REL or HAS_TILE:
         qp = tl.load(QP + offs_m, mask=m_mask, other=0.0)
         kp = tl.load(KP + offs_n, mask=n_mask, other=0.0)
         dist = qp[:, None] - kp[None, :]
@@ -125,15 +126,15 @@ def bias_grads(ds, h, offs_m, offs_n, m_mask, n_mask, QP, KP, DTABLE, RMAX, stri
         if HAS_REL:
             idx = tl.minimum(tl.maximum(dist.to(tl.int32), -RMAX), RMAX) + RMAX
             tl.atomic_add(DTABLE + h * stride_th + idx, ds, mask=ok)
-        if HAS_FIRE:
-            dfire = fire_grads(ds.to(ACC), h, qp.to(ACC), kp.to(ACC), ok, FIRE, FW, H, feps, FB, ACC)
+        if HAS_TILE:
+            dtile = TILE_GRADS(ds.to(ACC), h, qp.to(ACC), kp.to(ACC), ok, TILE, TILE_W, H, tile_eps, TILE_GB, ACC)
     if HAS_DENSE:
         ptrs = DDENSE + offs_m[:, None] * stride_ddm + offs_n[None, :]
         if ATOMIC_DENSE:
             tl.atomic_add(ptrs, ds, mask=ok)
         else:
             tl.store(ptrs, ds, mask=ok)
-    return dslope, dfire
+    return dslope, dtile
 
 
 @triton.jit

@@ -4,24 +4,29 @@ the tests and `benchmarks/triton_compile_report.py` compile for real GPU targets
 Inputs: q ``[B, H, Nq, D]``; k, v ``[B, Hkv, Nk, D]`` (grouped-query allowed); fp16/bf16/fp32,
 accumulated in float32. Rotary (`RotaryTables`): cos/sin tables ``[L, R/2]`` (or per batch/head
 ``[Bt, Ht, L, R/2]``) gathered in-kernel at per-token rows, so any positions work (offsets,
-packed documents, non-monotone). Biases read in-kernel: ALiBi slopes ``[H]``, a relative table
-``[H, 2R+1]``, FoX decay ``c_q [B, H, Nq]``, ``c_k [B, H, Nk]``, FIRE's MLP (packed parameters,
-evaluated per tile from the positions; `_fire`), a dense ``[B|1, H, Nq, Nk]``.
+packed documents, non-monotone). Biases read in-kernel: linear-bias slopes ``[H]``, a relative
+table ``[H, 2R+1]``, cumulative decays ``c_q [B, H, Nq]``, ``c_k [B, H, Nk]``, one parametric
+bias evaluated per tile from the positions by its own ``@triton.jit`` functions (`TileBias`), a
+dense ``[B|1, H, Nq, Nk]``.
 Every tensor the kernels allocate is O(N) or O(N D): never N x N (except the gradient of a
-dense bias, which is N x N itself); FIRE's parameter gradients are per-program partial sums
-``[B, H, N / BLOCK, 4 W]``, reduced after the launch.
+dense bias, which is N x N itself); the tile bias's parameter gradients are per-program partial
+sums ``[B, H, N / BLOCK, GB]``, reduced after the launch (`TileBias.unpack`).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 from torch import Tensor
 
 from posenc_lightning.kernels import _common, softmax, stick_breaking
+
+if TYPE_CHECKING:
+    from posenc_lightning.encodings.bias import TileBias
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -93,14 +98,13 @@ class Plan:
     bias_q_pos: Tensor | None = None
     bias_k_pos: Tensor | None = None
     stick_breaking: bool = False
-    fire_width: int = 0  # W of FIRE's MLP (0: no FIRE term)
-    fire_eps: float = 0.0
+    tile: TileBias | None = None  # its functions and sizes; the parameters go through autograd
     extra: dict = field(default_factory=dict)
 
     @property
-    def fire_block(self) -> int:
-        """``FB``: the length of a packed FIRE gradient row (`_fire`), 4 x W rounded up to a power of 2."""
-        return 4 * triton.next_power_of_2(max(self.fire_width, 4))
+    def tile_block(self) -> int:
+        """``TILE_GB``: the length of a packed tile-gradient row (16 without a tile: unused)."""
+        return self.tile.grad_block if self.tile is not None else 16
 
 
 def _table4(t: Tensor) -> tuple[Tensor, int, int, int]:
@@ -117,7 +121,8 @@ def _table4(t: Tensor) -> tuple[Tensor, int, int, int]:
     return t, sb, sh, t.stride(2)
 
 
-def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense, fire=None) -> tuple[dict, dict]:
+def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense,
+                tile_params=None) -> tuple[dict, dict]:
     """The keyword arguments shared by every attention kernel, and their constexpr flags."""
     _, h, nq, d = q.shape
     nk = k.shape[2]
@@ -143,7 +148,8 @@ def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense
     a["KSEG"] = (plan.k_segments if plan.k_segments is not None else plan.q_segments).to(torch.int32).contiguous() \
         if seg else idummy
     a["KVALID"] = plan.k_valid.to(torch.int32).contiguous() if plan.k_valid is not None else idummy
-    has_pos = slopes is not None or table is not None or fire is not None
+    tile = plan.tile if tile_params is not None else None
+    has_pos = slopes is not None or table is not None or tile is not None
     a["QP"] = plan.bias_q_pos.float().contiguous() if has_pos else dummy
     a["KP"] = plan.bias_k_pos.float().contiguous() if has_pos else dummy
     a["SLOPES"] = slopes if slopes is not None else dummy
@@ -157,8 +163,8 @@ def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense
     a["DENSE"] = dense if dense is not None else dummy
     a["s_db"] = (0 if dense.shape[0] == 1 else dense.stride(0)) if dense is not None else 0
     a["s_dh"], a["s_dm"] = (dense.stride(1), dense.stride(2)) if dense is not None else (0, 0)
-    a["FIRE"] = fire if fire is not None else dummy
-    a["FW"], a["feps"] = (plan.fire_width, float(plan.fire_eps)) if fire is not None else (0, 0.0)
+    a["TILE"] = tile_params if tile is not None else dummy
+    a["TILE_W"], a["tile_eps"] = (tile.width, float(tile.eps)) if tile is not None else (0, 0.0)
     import triton.language as tl
 
     dot_t = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
@@ -168,7 +174,10 @@ def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense
     flags = {"ROT": 0 if rot is None else (1 if rot.layout == "half" else 2), "CAUSAL": plan.causal,
              "HAS_SEG": seg, "HAS_KVALID": plan.k_valid is not None, "HAS_LIN": slopes is not None,
              "HAS_REL": table is not None, "HAS_DEC": c_q is not None, "HAS_DENSE": dense is not None,
-             "HAS_FIRE": fire is not None, "FB": plan.fire_block,
+             "HAS_TILE": tile is not None, "TILE_GB": plan.tile_block,
+             # the tile's own @triton.jit functions, compile-time constants of the kernels
+             "TILE_VALUE": tile.value if tile is not None else None,
+             "TILE_GRADS": tile.grads if tile is not None else None,
              "DOT_T": dot_t, "PREC": "ieee",
              # dS (gradient of the logits) stays float32 in dQ, dK: 3xTF32 keeps fp32 accuracy on tensor cores
              "PREC_G": "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32x3", "BD": head_block(d), "ACC": acc_tl(q.dtype)}
@@ -207,12 +216,12 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, idx: Tensor, layout: str, invers
 
 class _FusedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, slopes, table, c_q, c_k, dense, fire, plan: Plan):
+    def forward(ctx, q, k, v, slopes, table, c_q, c_k, dense, tile_params, plan: Plan):
         q, k, v = _contig_last(q), _contig_last(k), _contig_last(v)
         b, h, nq, d = q.shape
         out = torch.empty(b, h, nq, d, dtype=acc_dtype(q.dtype), device=q.device)
         lse = torch.empty(b, h, nq, dtype=acc_dtype(q.dtype), device=q.device)
-        args, flags = common_args(q, k, plan, slopes, table, c_q, c_k, dense, fire)
+        args, flags = common_args(q, k, plan, slopes, table, c_q, c_k, dense, tile_params)
         kind = "sb_fwd" if plan.stick_breaking else "fwd"
         cfg = block_config(kind, d, q.dtype)
         grid = (triton.cdiv(nq, cfg["BM"]), b * h)
@@ -222,19 +231,19 @@ class _FusedAttention(torch.autograd.Function):
             _launch(stick_breaking._sb_fwd_kernel, grid, {**head, **args}, flags, cfg)
         else:
             _launch(softmax._fwd_kernel, grid, {**head, "LSE": lse, **args}, flags, cfg)
-        ctx.save_for_backward(q, k, v, out, lse, slopes, table, c_q, c_k, dense, fire)
+        ctx.save_for_backward(q, k, v, out, lse, slopes, table, c_q, c_k, dense, tile_params)
         ctx.plan = plan
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, slopes, table, c_q, c_k, dense, fire = ctx.saved_tensors
+        q, k, v, out, lse, slopes, table, c_q, c_k, dense, tile_params = ctx.saved_tensors
         plan: Plan = ctx.plan
         b, h, nq, d = q.shape
         hkv, nk = k.shape[1], k.shape[2]
         dout = dout.contiguous()
         delta = (dout.to(out.dtype) * out).sum(-1).contiguous()
-        args, flags = common_args(q, k, plan, slopes, table, c_q, c_k, dense, fire)
+        args, flags = common_args(q, k, plan, slopes, table, c_q, c_k, dense, tile_params)
         f32 = {"dtype": acc_dtype(q.dtype), "device": q.device}
         dq = torch.empty(b, h, nq, d, **f32)
         dk = torch.zeros(b, hkv, nk, d, **f32)
@@ -250,19 +259,19 @@ class _FusedAttention(torch.autograd.Function):
             cfg = block_config("sb_bwd", d, q.dtype)
             nqb = triton.cdiv(nq, cfg["BM"])
             dslope = torch.zeros(b, h, nqb, **f32)
-            dfire = torch.zeros(b, h, nqb, plan.fire_block, **f32) if fire is not None else dq.new_zeros(1)
+            dtile = torch.zeros(b, h, nqb, plan.tile_block, **f32) if tile_params is not None else dq.new_zeros(1)
             _launch(stick_breaking._sb_bwd_kernel, (nqb, b * h),
                     {**head, "DELTA": delta, "DQ": dq, "DK": dk, "DV": dv, "DCQ": dcq, "DCK": dck, "DTABLE": dtable,
-                     "DSLOPE": dslope, "DDENSE": ddense, "DFIRE": dfire, "n_qblocks": nqb, **args},
+                     "DSLOPE": dslope, "DDENSE": ddense, "DTILE": dtile, "n_qblocks": nqb, **args},
                     {**flags, "ATOMIC_DENSE": True}, cfg)
         else:
             cfg = block_config("bwd_dkdv", d, q.dtype)
             nkb = triton.cdiv(nk, cfg["BN"])
             dslope = torch.zeros(b, h, nkb, **f32)
-            dfire = torch.zeros(b, h, nkb, plan.fire_block, **f32) if fire is not None else dq.new_zeros(1)
+            dtile = torch.zeros(b, h, nkb, plan.tile_block, **f32) if tile_params is not None else dq.new_zeros(1)
             _launch(softmax._bwd_dkdv_kernel, (nkb, b * hkv),
                     {**head, "LSE": lse, "DELTA": delta, "DK": dk, "DV": dv, "DCK": dck, "DTABLE": dtable,
-                     "DSLOPE": dslope, "DDENSE": ddense, "DFIRE": dfire, "n_kblocks": nkb, **args},
+                     "DSLOPE": dslope, "DDENSE": ddense, "DTILE": dtile, "n_kblocks": nkb, **args},
                     {**flags, "ATOMIC_DENSE": atomic_dense}, cfg)
             cfg = block_config("bwd_dq", d, q.dtype)
             _launch(softmax._bwd_dq_kernel, (triton.cdiv(nq, cfg["BM"]), b * h),
@@ -277,17 +286,9 @@ class _FusedAttention(torch.autograd.Function):
                  dcq.to(c_q.dtype) if c_q is not None else None,
                  dck.to(c_k.dtype) if c_k is not None else None,
                  ddense.to(dense.dtype) if dense is not None else None,
-                 _unpack_fire(dfire, plan).to(fire.dtype) if fire is not None else None, None]
+                 plan.tile.unpack(dtile.sum((0, 2))).to(tile_params.dtype) if tile_params is not None else None,
+                 None]
         return tuple(grads)
-
-
-def _unpack_fire(partials: Tensor, plan: Plan) -> Tensor:
-    """FIRE's parameter gradient in the packed layout ``[c, L, w1, b1, b2, w2]`` from the kernels'
-    per-program rows ``[B, H, blocks, FB]`` (``[dw2[h] | dw1 | db1 | db2[h], dc, dL]``, `_fire`)."""
-    p = partials.sum((0, 2))  # [H, FB]
-    w, bw = plan.fire_width, plan.fire_block // 4
-    return torch.cat((p[:, 3 * bw + 1].sum()[None], p[:, 3 * bw + 2].sum()[None], p[:, bw:bw + w].sum(0),
-                      p[:, 2 * bw:2 * bw + w].sum(0), p[:, 3 * bw], p[:, :w].reshape(-1)))
 
 
 def segments_from_cu_seqlens(cu_seqlens: Tensor, n: int) -> Tensor:
@@ -302,12 +303,13 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = No
                     k_valid: Tensor | None = None, slopes: Tensor | None = None, table: Tensor | None = None,
                     bias_q_pos: Tensor | None = None, bias_k_pos: Tensor | None = None,
                     c_q: Tensor | None = None, c_k: Tensor | None = None, dense: Tensor | None = None,
-                    fire: Tensor | None = None, fire_width: int = 0, fire_eps: float = 1e-6,
-                    stick_breaking: bool = False, attend_current: bool = False) -> Tensor:
+                    tile: TileBias | None = None, stick_breaking: bool = False,
+                    attend_current: bool = False) -> Tensor:
     """Attention with rotary / biases / packed documents fused (softmax, or stick-breaking).
 
-    ``fire``: FIRE's packed parameters ``[c, L, w1 (W), b1 (W), b2 (H), w2 (H x W)]``
-    (``W = fire_width``; `FireBias.kernel_params`), evaluated at ``bias_q_pos``/``bias_k_pos``."""
+    ``tile``: a parametric bias the kernels evaluate per tile at ``bias_q_pos``/``bias_k_pos``
+    with its own ``@triton.jit`` functions (`TileBias`; a bias kind's `fold_into` makes it), its
+    parameters differentiated through ``tile.params``."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"fused_attention wants q [B,H,Nq,D], k = v [B,Hkv,Nk,D]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -322,10 +324,9 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = No
         if q.shape[0] != 1 or q.shape[2] != k.shape[2]:
             raise ValueError("cu_seqlens packs documents into one row: q, k must be [1, H, N, D]")
         q_segments = segments_from_cu_seqlens(cu_seqlens, q.shape[2])
-    if fire is not None and fire.numel() != 2 + 2 * fire_width + q.shape[1] * (fire_width + 1):
-        raise ValueError(f"fire: {fire.numel()} packed parameters, expected 2 + 2 W + H (W + 1) = "
-                         f"{2 + 2 * fire_width + q.shape[1] * (fire_width + 1)} for W = fire_width = {fire_width}")
-    if (slopes is not None or table is not None or fire is not None) and (bias_q_pos is None or bias_k_pos is None):
+    if tile is not None and tile.heads != q.shape[1]:
+        raise ValueError(f"tile {tile.name}: parameters for {tile.heads} heads, q has {q.shape[1]}")
+    if (slopes is not None or table is not None or tile is not None) and (bias_q_pos is None or bias_k_pos is None):
         b = q.shape[0]
         bias_q_pos = torch.arange(q.shape[2], device=q.device).expand(b, -1) + q_offset if bias_q_pos is None \
             else bias_q_pos
@@ -336,12 +337,11 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = No
         kind = 1 if causal else 0
     plan = Plan(scale=d ** -0.5 if scale is None else float(scale), causal=kind, q_offset=q_offset, rotary=rotary,
                 q_segments=q_segments, k_segments=k_segments, k_valid=k_valid, bias_q_pos=bias_q_pos,
-                bias_k_pos=bias_k_pos, stick_breaking=stick_breaking, fire_width=fire_width if fire is not None else 0,
-                fire_eps=fire_eps)
+                bias_k_pos=bias_k_pos, stick_breaking=stick_breaking, tile=tile)
     c_q = c_q.contiguous() if c_q is not None else None
     c_k = c_k.contiguous() if c_k is not None else None
     dense = dense.contiguous() if dense is not None else None
     slopes = slopes.contiguous() if slopes is not None else None
     table = table.contiguous() if table is not None else None
-    fire = fire.to(acc_dtype(q.dtype)).contiguous() if fire is not None else None
-    return _FusedAttention.apply(q, k, v, slopes, table, c_q, c_k, dense, fire, plan)
+    tile_params = tile.params.to(acc_dtype(q.dtype)).contiguous() if tile is not None else None
+    return _FusedAttention.apply(q, k, v, slopes, table, c_q, c_k, dense, tile_params, plan)

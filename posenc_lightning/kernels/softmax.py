@@ -3,7 +3,7 @@ the backward) with rotary, structured biases and packed-document masks fused in.
 
 Three kernels: `_fwd_kernel` (query blocks; writes O and the log-sum-exp), `_bwd_dkdv_kernel`
 (key blocks over the query blocks of every query head of the kv group; dK, dV, dc_k, the
-relative-table, slope and FIRE-parameter gradients) and `_bwd_dq_kernel` (query blocks; dQ, dc_q). Gradients of
+relative-table, slope and tile-bias parameter gradients) and `_bwd_dq_kernel` (query blocks; dQ, dc_q). Gradients of
 q and k are produced for the *rotated* q, k and rotated back by `_common._rotate_kernel`.
 """
 
@@ -21,10 +21,10 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
                 QCOS, QSIN, s_qcb, s_qch, s_qcp, QIDX, KCOS, KSIN, s_kcb, s_kch, s_kcp, KIDX, R,
                 QSEG, KSEG, KVALID,
                 QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
-                FIRE, FW, feps,
+                TILE, TILE_W, tile_eps,
                 ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                 HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
-                HAS_FIRE: tl.constexpr, FB: tl.constexpr,
+                HAS_TILE: tl.constexpr, TILE_GB: tl.constexpr, TILE_VALUE: tl.constexpr, TILE_GRADS: tl.constexpr,
                 DOT_T: tl.constexpr, PREC: tl.constexpr, PREC_G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -53,7 +53,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
         s = tl.dot(q, tl.trans(k.to(DOT_T)), input_precision=PREC, out_dtype=ACC) * scale
         s += bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, SLOPES, TABLE, RMAX, s_th,
                        CQ + b * s_cqb + h * s_cqh, CK + b * s_ckb + h * s_ckh, DENSE + b * s_db + h * s_dh, s_dm,
-                       FIRE, FW, H, feps, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_FIRE, BM, BN, ACC)
+                       TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
         ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
                      CAUSAL, HAS_SEG, HAS_KVALID)
         s = tl.where(ok, s, float("-inf"))
@@ -75,16 +75,16 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENSE, DFIRE,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENSE, DTILE,
                      sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, n_kblocks,
                      H, GROUP, Nq, Nk, D, scale, q_offset,
                      QCOS, QSIN, s_qcb, s_qch, s_qcp, QIDX, KCOS, KSIN, s_kcb, s_kch, s_kcp, KIDX, R,
                      QSEG, KSEG, KVALID,
                      QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
-                     FIRE, FW, feps,
+                     TILE, TILE_W, tile_eps,
                      ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                      HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
-                     HAS_FIRE: tl.constexpr, FB: tl.constexpr,
+                     HAS_TILE: tl.constexpr, TILE_GB: tl.constexpr, TILE_VALUE: tl.constexpr, TILE_GRADS: tl.constexpr,
                      ATOMIC_DENSE: tl.constexpr,
                      DOT_T: tl.constexpr, PREC: tl.constexpr, PREC_G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
     """dK, dV (rotated space, float32) for one key block of one kv head; ``DO`` has O's strides."""
@@ -114,7 +114,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
         qsin = QSIN + b * s_qcb + h * s_qch
         dck = tl.zeros((BN,), ACC)
         dslope = 0.0
-        dfire = tl.zeros((FB,), ACC)
+        dtile = tl.zeros((TILE_GB,), ACC)
         for start_m in range(lo, Nq, BM):
             offs_m = start_m + tl.arange(0, BM)
             m_mask = offs_m < Nq
@@ -128,7 +128,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
             s = tl.dot(q, tl.trans(kd), input_precision=PREC, out_dtype=ACC) * scale
             s += bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, SLOPES, TABLE, RMAX, s_th,
                            CQ + b * s_cqb + h * s_cqh, CK + b * s_ckb + h * s_ckh, DENSE + b * s_db + h * s_dh,
-                           s_dm, FIRE, FW, H, feps, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_FIRE, BM, BN, ACC)
+                           s_dm, TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
             ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
                          CAUSAL, HAS_SEG, HAS_KVALID)
             p = tl.exp(tl.where(ok, s - lse[:, None], float("-inf")))
@@ -137,17 +137,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds), q.to(ACC), input_precision=PREC_G, out_dtype=ACC)
             dck += -tl.sum(ds, 0)
-            dsl, dfi = bias_grads(ds, h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, DTABLE, RMAX,
-                                  s_th, DDENSE + b * s_db + h * s_dh, s_dm, FIRE, FW, H, feps, HAS_LIN, HAS_REL,
-                                  HAS_DENSE, ATOMIC_DENSE, HAS_FIRE, FB, ACC)
+            dsl, dti = bias_grads(ds, h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, DTABLE, RMAX,
+                                  s_th, DDENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL,
+                                  HAS_DENSE, ATOMIC_DENSE, HAS_TILE, TILE_GRADS, TILE_GB, ACC)
             dslope += dsl
-            dfire += dfi
+            dtile += dti
         if HAS_DEC:
             tl.store(DCK + (b * H + h) * Nk + offs_n, dck, mask=n_mask)
         if HAS_LIN:
             tl.store(DSLOPE + (b * H + h) * n_kblocks + pid_n, dslope)
-        if HAS_FIRE:  # this program's partial sums, reduced after the launch
-            tl.store(DFIRE + ((b * H + h) * n_kblocks + pid_n) * FB + tl.arange(0, FB), dfire)
+        if HAS_TILE:  # this program's partial sums, reduced after the launch
+            tl.store(DTILE + ((b * H + h) * n_kblocks + pid_n) * TILE_GB + tl.arange(0, TILE_GB), dtile)
     out_mask = n_mask[:, None] & d_mask[None, :]
     kv_off = (b * hkv + hk) * Nk * D + offs_n[:, None] * D + offs_d[None, :]
     tl.store(DK + kv_off, dk * scale, mask=out_mask)
@@ -161,10 +161,10 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DCQ,
                    QCOS, QSIN, s_qcb, s_qch, s_qcp, QIDX, KCOS, KSIN, s_kcb, s_kch, s_kcp, KIDX, R,
                    QSEG, KSEG, KVALID,
                    QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
-                   FIRE, FW, feps,
+                   TILE, TILE_W, tile_eps,
                    ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                    HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
-                   HAS_FIRE: tl.constexpr, FB: tl.constexpr,
+                   HAS_TILE: tl.constexpr, TILE_GB: tl.constexpr, TILE_VALUE: tl.constexpr, TILE_GRADS: tl.constexpr,
                    DOT_T: tl.constexpr, PREC: tl.constexpr, PREC_G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
     """dQ (rotated space, float32) and dc_q for one query block."""
     pid_m = tl.program_id(0)
@@ -201,7 +201,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DCQ,
         s = tl.dot(q, tl.trans(kd), input_precision=PREC, out_dtype=ACC) * scale
         s += bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, SLOPES, TABLE, RMAX, s_th,
                        CQ + b * s_cqb + h * s_cqh, CK + b * s_ckb + h * s_ckh, DENSE + b * s_db + h * s_dh, s_dm,
-                       FIRE, FW, H, feps, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_FIRE, BM, BN, ACC)
+                       TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
         ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
                      CAUSAL, HAS_SEG, HAS_KVALID)
         p = tl.exp(tl.where(ok, s - lse[:, None], float("-inf")))

@@ -41,10 +41,10 @@ def _sb_fwd_kernel(Q, K, V, O, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
                    QCOS, QSIN, s_qcb, s_qch, s_qcp, QIDX, KCOS, KSIN, s_kcb, s_kch, s_kcp, KIDX, R,
                    QSEG, KSEG, KVALID,
                    QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
-                   FIRE, FW, feps,
+                   TILE, TILE_W, tile_eps,
                    ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                    HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
-                   HAS_FIRE: tl.constexpr, FB: tl.constexpr,
+                   HAS_TILE: tl.constexpr, TILE_GB: tl.constexpr, TILE_VALUE: tl.constexpr, TILE_GRADS: tl.constexpr,
                    DOT_T: tl.constexpr, PREC: tl.constexpr, PREC_G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -71,7 +71,7 @@ def _sb_fwd_kernel(Q, K, V, O, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
                                  KIDX + b * Nk, R, ROT, 1, ACC)).to(DOT_T)
         bias = bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, SLOPES, TABLE, RMAX, s_th,
                          CQ + b * s_cqb + h * s_cqh, CK + b * s_ckb + h * s_ckh, DENSE + b * s_db + h * s_dh, s_dm,
-                         FIRE, FW, H, feps, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_FIRE, BM, BN, ACC)
+                         TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
         ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
                      CAUSAL, HAS_SEG, HAS_KVALID)
         s, sp, suffix = _sb_tile(q, kd, bias, ok, scale, PREC, ACC)
@@ -87,16 +87,16 @@ def _sb_fwd_kernel(Q, K, V, O, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
 
 
 @triton.jit
-def _sb_bwd_kernel(Q, K, V, DO, DELTA, DQ, DK, DV, DCQ, DCK, DTABLE, DSLOPE, DDENSE, DFIRE,
+def _sb_bwd_kernel(Q, K, V, DO, DELTA, DQ, DK, DV, DCQ, DCK, DTABLE, DSLOPE, DDENSE, DTILE,
                    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, n_qblocks,
                    H, GROUP, Nq, Nk, D, scale, q_offset,
                    QCOS, QSIN, s_qcb, s_qch, s_qcp, QIDX, KCOS, KSIN, s_kcb, s_kch, s_kcp, KIDX, R,
                    QSEG, KSEG, KVALID,
                    QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
-                   FIRE, FW, feps,
+                   TILE, TILE_W, tile_eps,
                    ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                    HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
-                   HAS_FIRE: tl.constexpr, FB: tl.constexpr,
+                   HAS_TILE: tl.constexpr, TILE_GB: tl.constexpr, TILE_VALUE: tl.constexpr, TILE_GRADS: tl.constexpr,
                    ATOMIC_DENSE: tl.constexpr,
                    DOT_T: tl.constexpr, PREC: tl.constexpr, PREC_G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -120,7 +120,7 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, DQ, DK, DV, DCQ, DCK, DTABLE, DSLOPE, DDE
     dq = tl.zeros((BM, BD), ACC)
     dcq = tl.zeros((BM,), ACC)
     dslope = 0.0
-    dfire = tl.zeros((FB,), ACC)
+    dtile = tl.zeros((TILE_GB,), ACC)
     tail = tl.zeros((BM,), ACC)
     g_tail = tl.zeros((BM,), ACC)  # sum of g over the visible keys after this block
     n_blocks = tl.cdiv(tl.minimum(Nk, q_offset + (pid_m + 1) * BM), BN)
@@ -134,7 +134,7 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, DQ, DK, DV, DCQ, DCK, DTABLE, DSLOPE, DDE
                             mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(ACC)).to(DOT_T)
         bias = bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, SLOPES, TABLE, RMAX, s_th,
                          CQ + b * s_cqb + h * s_cqh, CK + b * s_ckb + h * s_ckh, DENSE + b * s_db + h * s_dh, s_dm,
-                         FIRE, FW, H, feps, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_FIRE, BM, BN, ACC)
+                         TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
         ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
                      CAUSAL, HAS_SEG, HAS_KVALID)
         s, sp, suffix = _sb_tile(q, kd, bias, ok, scale, PREC, ACC)
@@ -150,11 +150,11 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, DQ, DK, DV, DCQ, DCK, DTABLE, DSLOPE, DDE
         dcq += tl.sum(ds, 1)
         if HAS_DEC:
             tl.atomic_add(DCK + pid_bh * Nk + offs_n, -tl.sum(ds, 0), mask=n_mask)
-        dsl, dfi = bias_grads(ds, h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, DTABLE, RMAX,
-                              s_th, DDENSE + b * s_db + h * s_dh, s_dm, FIRE, FW, H, feps, HAS_LIN, HAS_REL,
-                              HAS_DENSE, ATOMIC_DENSE, HAS_FIRE, FB, ACC)
+        dsl, dti = bias_grads(ds, h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, DTABLE, RMAX,
+                              s_th, DDENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL,
+                              HAS_DENSE, ATOMIC_DENSE, HAS_TILE, TILE_GRADS, TILE_GB, ACC)
         dslope += dsl
-        dfire += dfi
+        dtile += dti
         tail += tl.sum(sp, 1)
         g_tail += tl.sum(g, 1)
     tl.store(DQ + pid_bh * Nq * D + offs_m[:, None] * D + offs_d[None, :], dq * scale,
@@ -163,5 +163,5 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, DQ, DK, DV, DCQ, DCK, DTABLE, DSLOPE, DDE
         tl.store(DCQ + pid_bh * Nq + offs_m, dcq, mask=m_mask)
     if HAS_LIN:
         tl.store(DSLOPE + pid_bh * n_qblocks + pid_m, dslope)
-    if HAS_FIRE:
-        tl.store(DFIRE + (pid_bh * n_qblocks + pid_m) * FB + tl.arange(0, FB), dfire)
+    if HAS_TILE:
+        tl.store(DTILE + (pid_bh * n_qblocks + pid_m) * TILE_GB + tl.arange(0, TILE_GB), dtile)

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from posenc_lightning.attention.backends._denormals import call_flushing_denormals
+from posenc_lightning.attention.denormals import call_flushing_denormals
 from posenc_lightning.attention.kv_cache import KVCache
 from posenc_lightning.attention.mixin import PosEncAttentionMixin, PosEncEmbeddingMixin
 from posenc_lightning.encodings.base import Encoding

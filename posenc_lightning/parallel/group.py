@@ -93,6 +93,25 @@ class ContextParallelGroup:
         return fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out
 
 
+def trainer_group(trainer: Any) -> ContextParallelGroup | None:
+    """The context-parallel group a callback of ``trainer`` built (`ContextParallel`'s ``group``).
+
+    Read by attribute, so that the curriculum and the evaluation callbacks need not import the
+    callback that builds it.
+
+    Args:
+        trainer: a Lightning ``Trainer`` (or None).
+
+    Returns:
+        The first built `ContextParallelGroup` among the trainer's callbacks, or None.
+    """
+    for cb in getattr(trainer, "callbacks", None) or ():
+        group = getattr(cb, "group", None)
+        if isinstance(group, ContextParallelGroup):
+            return group
+    return None
+
+
 _ACTIVE: ContextParallelGroup | None = None
 
 

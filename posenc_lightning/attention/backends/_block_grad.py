@@ -123,8 +123,8 @@ class Scratch:
 
 
 #: eagerly, a block's bias is differentiated with ``autograd.grad`` on its small graph rather than
-#: ``torch.func.vjp``, whose per-call overhead (pytrees, signature binding) dominates small blocks
-#: (measured in CHANGELOG.md); under compile ``torch.func.vjp`` (traceable)
+#: ``torch.func.vjp``, whose per-call overhead (pytrees, signature binding) can be most of a cheap
+#: block's backward; under compile ``torch.func.vjp`` (traceable)
 EAGER_AUTOGRAD = True
 
 
@@ -135,18 +135,16 @@ def _autograd_records() -> bool:
         return torch.ones((), requires_grad=True).mul(1).requires_grad
 
 
-#: the autograd dispatch keys a custom operator's kernel runs without (`_fire_op`)
+#: the autograd dispatch keys a custom operator's kernel runs without
 _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
                   torch._C.DispatchKey.AutogradNestedTensor)
 
 
 @contextlib.contextmanager
 def _recording() -> Iterator[None]:
-    """Grad mode, with the autograd dispatch keys back where a custom operator's kernel runs
-    below autograd (`_fire_op`): a block's small graph is then differentiated by autograd there
-    too, not by ``torch.func.vjp`` (measured, FIRE past its threshold in a TinyGPT step at 4 x 512:
-    the attention backward inside the compiled graph's operator took 137.7 ms against eager's
-    122.8 with ``torch.func.vjp``; 139.7 against 139.0 with autograd, in a slower hour)."""
+    """Grad mode, with the autograd dispatch keys back where any custom operator's kernel runs
+    below autograd (e.g. `_opaque_op`'s backward): a block's small graph is then differentiated by
+    autograd there too, not by the slower ``torch.func.vjp`` (CHANGELOG.md)."""
     excluded = torch._C._dispatch_tls_local_exclude_set()
     if not excluded.has(_AUTOGRAD_KEYS[0]):
         with torch.enable_grad():

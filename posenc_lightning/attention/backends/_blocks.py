@@ -19,7 +19,7 @@ from posenc_lightning.attention.backends._block_grad import block_vjp
 from posenc_lightning.encodings.base import Bias
 
 #: the bytes of one block of bias rows (``[B|1, H, rows, keys]`` float32), never the whole
-#: ``[H, N, N]``. Content-dependent rows (FIRE's MLP, CoPE's gates and counts) keep several
+#: ``[H, N, N]``. Content-dependent rows (an MLP per pair, gates and counts) keep several
 #: temporaries of this size, so it is small next to the attention's own memory; smaller blocks
 #: cost more per-block overhead than they save (the measurements are in CHANGELOG.md).
 BIAS_BLOCK_BYTES = 8 * 2**20

@@ -1,19 +1,86 @@
-"""Flush-to-zero of denormals around biased attention on CPU, forward and backward (the sdpa
-backend's biased calls; `call_flushing_denormals` for a compiled region)."""
+"""Flush-to-zero of denormals around biased attention on CPU, forward and backward: the switches
+the sdpa backend's biased calls and the blockwise normalizers use. The public helpers, for a region
+of the user's own (a compiled model), are in `posenc_lightning.attention.denormals`."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import ctypes
+import functools
+import sys
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
 
 #: biased softmax weights decay into the denormal range (exp(-90)), where x86 CPU arithmetic
-#: is many times slower (3x for a causal ALiBi backward at N=2048); flush them to zero inside the
+#: is many times slower; flush them to zero inside the
 #: biased SDPA calls and their backward (CPU only). The setting is restored to PyTorch's
 #: default (off) afterwards.
 FLUSH_DENORMALS = True
+#: `flush_denormals()` regions open now: inside one, the switches here leave flush-to-zero on
+#: where they would turn it off
+_USER_REGIONS = 0
+
+
+def set_flush_denormal(on: bool) -> bool:
+    """``torch.set_flush_denormal(on)`` on the calling thread and on every thread of PyTorch's
+    intra-op pool.
+
+    The setting is a per-thread CPU register (MXCSR on x86), and ``torch.set_flush_denormal`` sets
+    the calling thread's only: with more than one intra-op thread, the pool's threads would still
+    compute on denormals, the slow case this flush exists to avoid. Where PyTorch's pool is GNU
+    OpenMP (``libgomp``, the Linux wheels), one empty parallel region of the pool's size sets it
+    on each of its threads; elsewhere only the calling thread's is set (the state before).
+
+    Args:
+        on: flush denormals to zero (True) or restore IEEE behaviour (False).
+
+    Returns:
+        Whether this CPU supports the setting (``torch.set_flush_denormal``'s answer).
+    """
+    ok = torch.set_flush_denormal(on)
+    if ok and torch.get_num_threads() > 1:
+        region = _openmp_region()
+        if region is not None:
+            region(on, torch.get_num_threads())
+    return ok
+
+
+@functools.cache
+def _openmp_region() -> Callable[[bool, int], None] | None:
+    """A function running ``torch.set_flush_denormal(on)`` on each thread of the calling thread's
+    OpenMP team, through the ``libgomp`` PyTorch loaded (None where there is none)."""
+    if not sys.platform.startswith("linux") or "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libgomp" in line), None)
+        if path is None:
+            return None
+        lib = ctypes.CDLL(path)
+        body_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+        lib.GOMP_parallel.argtypes = [body_type, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        lib.GOMP_parallel.restype = None
+    except (OSError, AttributeError):
+        return None
+    wanted = [False]
+
+    @body_type
+    def body(_: object) -> None:  # runs on every thread of the team, the caller included
+        torch.set_flush_denormal(wanted[0])
+
+    def region(on: bool, n_threads: int) -> None:
+        wanted[0] = on
+        lib.GOMP_parallel(body, None, n_threads, 0)
+
+    return region
+
+
+def _restore() -> None:
+    """Flush-to-zero back to the caller's setting: on inside a `flush_denormals()` region, else off
+    (PyTorch's default)."""
+    set_flush_denormal(_USER_REGIONS > 0)
 
 
 def _flush_in_backward(*xs: Tensor) -> bool:
@@ -34,8 +101,8 @@ class _DenormalsOnForBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
-        torch.set_flush_denormal(True)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: torch.set_flush_denormal(False))
+        set_flush_denormal(True)
+        torch.autograd.Variable._execution_engine.queue_callback(_restore)
         return grad
 
 
@@ -49,29 +116,31 @@ class _DenormalsOffAfterBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gq: Tensor, gk: Tensor, gv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        torch.set_flush_denormal(False)
+        _restore()
         return gq, gk, gv
-
-
-def call_flushing_denormals(fn: Callable[..., Tensor], *args: object) -> Tensor:
-    """``fn(*args)`` with flush-to-zero of denormals on CPU, forward and backward: for a compiled
-    region, inside which the setting cannot be changed (measured: a compiled FIRE TinyGPT step
-    267 -> 180 ms at N=512; biased softmax weights fall into the denormal range). Off again after
-    the call, and at the end of the backward pass (as for the eager biased paths)."""
-    with _flush_denormals(torch.device("cpu")):
-        out = fn(*args)
-    if FLUSH_DENORMALS and torch.is_grad_enabled() and out.requires_grad and out.device.type == "cpu":
-        out = _DenormalsOnForBackward.apply(out)
-    return out
 
 
 @contextlib.contextmanager
 def _flush_denormals(device: torch.device):
     if torch.compiler.is_compiling() or not (FLUSH_DENORMALS and device.type == "cpu"
-                                               and torch.set_flush_denormal(True)):
+                                               and set_flush_denormal(True)):
         yield
         return
     try:
         yield
     finally:
-        torch.set_flush_denormal(False)
+        _restore()
+
+
+@contextlib.contextmanager
+def _user_region() -> Iterator[bool]:
+    """Flush-to-zero on for the block and kept on by the switches above (regions nest); yields
+    whether the CPU supports it."""
+    global _USER_REGIONS
+    supported = set_flush_denormal(True)
+    _USER_REGIONS += 1
+    try:
+        yield supported
+    finally:
+        _USER_REGIONS -= 1
+        _restore()

@@ -8,7 +8,7 @@ plus the output and one log-sum-exp per query row (softmax), is kept for backwar
   backward per block: the carried sums nearest first, then the gradient farthest first
   (`functional.stick_breaking.stick_breaking_tile_grad`).
 - `ModulatedSoftmaxBlocks`: ``softmax(s * mod(i, j))`` for a distance modulation of the scaled
-  logits (ExpoSB, stage 4), an online softmax over key tiles (Milakov & Gimelshein, 2018;
+  logits (stage 4), an online softmax over key tiles (Milakov & Gimelshein, 2018;
   FlashAttention's forward) with the log-sum-exp kept per row, and the softmax gradient by tiles.
 
 Weights below ``exp(EXP_FLOOR)`` are computed as that, and forward and backward run with denormals

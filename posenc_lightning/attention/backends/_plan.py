@@ -5,8 +5,8 @@ the two) and the `Plan` it returns, which `sdpa` then runs. See docs/architectur
 The forms, cheapest exact first (`Form`): SDPA alone (no bias), a key-only bias as SDPA's key mask
 or one extra q/k channel, a Toeplitz bias as a zero-copy view (its own backward when learned), and
 blocks of query rows (checkpointed, or the engine's own backward). Under ``torch.compile`` on CPU a
-small attention is one traced block, and a kind with a compiled form of its own
-(`sdpa.COMPILED_FORMS`) runs as that opaque operator.
+small attention is one traced block, and a kind whose cheapest form depends on values
+(`Bias.opaque_operands`) runs as one opaque operator making the eager choice inside (`_opaque_form`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Form(enum.Enum):
     ROWS = "rows"  # blocks of query rows, each checkpointed under grad mode
     OWN_BACKWARD = "rows, own backward"  # blocks of query rows, the engine's backward by blocks
     ONE_BLOCK = "one block"  # compiled on CPU, small: the rows and SDPA's math form, traced
-    OPAQUE = "opaque"  # compiled: the kind's own operator (a value-dependent choice inside)
+    OPAQUE = "opaque"  # compiled: one opaque operator making the eager, value-dependent choice inside
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Call:
             (read where a rows form is reachable).
         grads: q, k, v or a bias input that is not q or k needs a gradient (the same).
         grad_mode: autograd records.
-        opaque: the kind has a compiled form of its own (`COMPILED_FORMS`) and the call has a context.
+        opaque: compiled, with a context, and the kind declares `Bias.opaque_operands`.
     """
 
     batch: int

@@ -128,7 +128,7 @@ def flat(t: Tensor) -> Tensor:
 class BiasTiles:
     """The bias of each tile, in walking order and the grouped layout, and its gradient.
 
-    A bias that depends on ``i - j`` only (`Bias.distance_only`: rse's penalty, ALiBi, T5) is
+    A bias that depends on ``i - j`` only (`Bias.distance_only`: linear penalties, relative tables) is
     computed per tile at the tile's positions (`Bias.at` at the context's positions, as the sdpa
     backend's Toeplitz path reads it): nothing larger than a tile. Any other
     kind: one block of `Bias.rows` at a time, sliced. Gradients: `Bias.rows_from` on detached

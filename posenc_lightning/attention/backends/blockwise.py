@@ -3,16 +3,16 @@
 Runs the normalizers an encoding declares (`Encoding.fused_normalizer`), never an ``N x N``
 tensor, forward and backward (`_normalizers`: query blocks x key tiles, recomputed in backward):
 
-- ``"stick_breaking"`` (sba, rse): key tiles nearest first, the log-space sum of ``softplus``
+- ``"stick_breaking"``: key tiles nearest first, the log-space sum of ``softplus``
   carried across tiles as the Triton kernel does; any bias kind added per tile (`Bias.rows`),
-  its inputs' gradients (rse's penalty slopes) through `Bias.rows_from`.
-- ``"distance_modulated_softmax"`` (exposb): an online softmax of ``(q k^T s + bias) * mod``
+  its inputs' gradients (a learned penalty's slopes) through `Bias.rows_from`.
+- ``"distance_modulated_softmax"``: an online softmax of ``(q k^T s + bias) * mod``
   over key tiles, ``mod`` from the encoding's ``distance_modulation(q_pos, k_pos)`` at the tile's
   positions (any positions).
 
 A backend of its own (not a branch of eager or sdpa): ``auto`` picks it on CPU after sdpa (which
-refuses normalizers) and on CUDA after triton and flex (the fallback without triton, and
-exposb's path there), and the conformance suite holds it to the eager reference like the others.
+refuses normalizers) and on CUDA after triton and flex (the fallback without triton, and the
+distance-modulated softmax's path there), and the conformance suite holds it to the eager reference like the others.
 Compile-clean: loops over Python ints from shapes, no host reads of tensor values.
 """
 

@@ -23,6 +23,7 @@ from posenc_lightning.attention.backends._denormals import (
     _flush_in_backward,
 )
 from posenc_lightning.attention.backends._key_bias import _attend_key_bias, _attend_key_channel, _key_mask_works
+from posenc_lightning.attention.backends._opaque_form import opaque_attention
 from posenc_lightning.attention.backends._plan import Call, Form, Mode, Plan, choose
 from posenc_lightning.attention.backends._rows import (
     RowsSpec,
@@ -48,15 +49,10 @@ CHECKPOINT_BLOCKS = True
 #: under compile on CPU, an attention whose weights ``[B, H, Nq, Nk]`` fit in this many bytes
 #: (float32) runs as one traced block: the bias rows, SDPA's math form and its backward through
 #: autograd, all fused by inductor (at most this much saved for backward). Below it, the fixed
-#: cost of a loop over blocks (the own backward, `COMPILED_FORMS`' operators) outweighs the work
-#: (the measurements are in CHANGELOG.md).
+#: cost of a loop over blocks (the own backward, the opaque operator) outweighs the work (the
+#: measurements are in CHANGELOG.md).
 COMPILED_ONE_BLOCK_BYTES = 2 * 2**20
-#: bias kinds whose compiled attention is an opaque operator running the eager choice of form,
-#: registered by the operator's module (`_fire_op`: FIRE's O(N) table below its learned
-#: threshold L, rows past it; CPU only, where the read that decides costs no sync). Each
-#: returns None where it does not apply.
-COMPILED_FORMS: dict[type, Callable[..., Tensor | None]] = {}
-#: query rows per block of sdpa's forward by rows (`_blocks.forward_rows`), the name FIRE's operator calls
+#: query rows per block of sdpa's forward by rows (`_blocks.forward_rows`), the name `_opaque_op` calls
 block_rows = forward_rows
 
 
@@ -73,7 +69,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
     gqa = k.shape[1] != q.shape[1]
     if bias is not None:
         flush = _flush_in_backward(q, k, v)
-        given = (q, k)  # a bias computed from q or k names these (CoPE)
+        given = (q, k)  # a bias computed from q or k names these
         if flush:
             q, k, v = _DenormalsOffAfterBackward.apply(q, k, v)
         with _flush_denormals(q.device):
@@ -115,20 +111,14 @@ def _attend_biased(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionM
                 found)
 
 
-def _compiled_form(bias: Bias) -> Callable[..., Tensor | None] | None:
-    """The kind's compiled form of its own (an opaque operator), or None."""
-    return COMPILED_FORMS.get(type(bias))
-
-
 @dataclass(frozen=True, eq=False)
 class _Found:
     """What reading a call's declarations computed, for the form that uses it: the key-only form
-    and its key bias, the Toeplitz shift (`_toeplitz.toeplitz_shift`), the kind's compiled form."""
+    and its key bias, the Toeplitz shift (`_toeplitz.toeplitz_shift`)."""
 
     key_only: KeyOnly | None
     key_bias: Tensor | None
     shift: int | None
-    compiled: Callable[..., Tensor | None] | None
 
 
 def _declared(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, ctx: AttentionContext | None,
@@ -138,7 +128,8 @@ def _declared(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, 
     plain = mask.is_plain_causal or mask.is_trivial
     key_only = bias.key_only(q.dtype, mask.is_plain_causal, ctx is not None and ctx.ascending)
     key_bias = None if key_only is None else key_only.key_bias()
-    compiled = _compiled_form(bias) if ctx is not None else None
+    # compiled, a kind whose cheapest form depends on values runs as one opaque operator (`_opaque_form`)
+    opaque = mode.compiling and ctx is not None and bias.opaque_operands() is not None
     shift = None if key_only is not None or mode.compiling else toeplitz_shift(bias, mask, n_q, n_k, ctx)
     grad_mode = torch.is_grad_enabled()
     recomputable = grads = False
@@ -151,8 +142,8 @@ def _declared(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, 
     call = Call(q.shape[0], q.shape[1], n_q, n_k, plain_mask=plain, key_only=key_only is not None,
                 key_mask=key_bias is not None and plain and _key_mask_works(q, k, key_bias),
                 toeplitz=shift is not None, recomputable=recomputable, grads=grads, grad_mode=grad_mode,
-                opaque=compiled is not None)
-    return call, _Found(key_only, key_bias, shift, compiled)
+                opaque=opaque)
+    return call, _Found(key_only, key_bias, shift)
 
 
 def _run(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,
@@ -164,7 +155,7 @@ def _run(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attentio
     if form is Form.ONE_BLOCK:
         return _attend_rows(q, k, v, bias, mask, scale, gqa, 0, n_q, mode.compiling)
     if form is Form.OPAQUE:
-        out = found.compiled(q, k, v, bias, mask, scale, ctx)
+        out = opaque_attention(q, k, v, bias, mask, scale, ctx)
         return out if out is not None else _run(plan.fallback, q, k, v, bias, mask, scale, gqa, ctx, given, mode,
                                                 found)
     if form is Form.KEY_MASK:
@@ -294,7 +285,7 @@ class _RowsAttention(torch.autograd.Function):
     query rows from the softmax attention gradient (as `_ToeplitzAttention`), each block's rows
     recomputed from detached windows of its inputs (`Bias.input_windows`) and differentiated to
     them (`_blocks.BlockRows`), so a bias input's gradient is built window by window (into dq / dk
-    directly when the input is q or k, as CoPE's). Memory: a few blocks, never ``H x N x N``, a
+    directly when the input is q or k itself). Memory: a few blocks, never ``H x N x N``, a
     checkpoint's recomputed SDPA, or a full-size gradient per block."""
 
     @staticmethod
@@ -317,7 +308,7 @@ class _RowsAttention(torch.autograd.Function):
 def blockwise_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, spec: tuple,
                        needs_input_grad: tuple[bool, ...]) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
     """`rows_backward` for a spec given as ``(bias, mask, scale, inputs, targets)`` with targets
-    ``"q" | "k" | int | None``: the signature FIRE's operator calls (`_fire_op`)."""
+    ``"q" | "k" | int | None``: the signature the opaque operator calls (`_opaque_op`)."""
     bias, mask, scale, inputs, targets = spec
     typed = tuple(Target(Sink.Q) if t == "q" else Target(Sink.K) if t == "k" else Target(Sink.NONE) if t is None
                   else Target(Sink.EXTRA, t) for t in targets)

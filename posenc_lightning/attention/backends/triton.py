@@ -1,9 +1,9 @@
 """Triton fused attention (``posenc_lightning/kernels``): rotary, ``LinearBias``,
-``RelativeBias``, ``DecayBias``, ``FireBias`` (and a given ``DenseBias``), packed documents,
-padding and stick-breaking are computed inside the kernels, forward and backward, with no N x N
-tensor. Encodings that may return a kind the kernels cannot read (``fused_in`` without
-"kernel": CoPE's and a rotary mixture member's rows, which read q and k) are refused: the
-kernels would take them as a materialized N x N tensor.
+``RelativeBias``, ``DecayBias``, one parametric bias a kind evaluates per tile (`TileBias`, its
+own ``@triton.jit`` functions; and a given ``DenseBias``), packed documents, padding and
+stick-breaking are computed inside the kernels, forward and backward, with no N x N tensor.
+Encodings that may return a kind the kernels cannot read (``fused_in`` without "kernel": rows
+that read q and k) are refused: the kernels would take them as a materialized N x N tensor.
 
 Rotary is fused for encodings that declare a rotation the kernels can apply
 (`Encoding.fused_rotary`: a `RotaryEncoding` keeping the shared rotation): the mixin skips
@@ -110,13 +110,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
     if tables is not None and tables.cos_q.dim() == 4 and tables.cos_q.shape[1] > 1 and k.shape[1] != q.shape[1]:
         raise ValueError(f"{rot.name}: per-head frequencies need n_kv_heads == n_heads")
     kb = split_bias(bias, q.shape[1])
-    fire_args = {} if kb.fire is None else {  # FIRE's MLP, evaluated per tile
-        "fire": kb.fire.kernel_params(torch.promote_types(q.dtype, torch.float32)), "fire_width": kb.fire.width,
-        "fire_eps": kb.fire.eps}
     seg = mask.q_segments
     out = fused_attention(
         q, k, v, scale=scale, causal=mask.causal, q_offset=mask.q_offset, rotary=tables,
         q_segments=seg, k_segments=mask.k_segments if seg is not None else None, k_valid=mask.k_valid,
         slopes=kb.slopes, table=kb.table, bias_q_pos=kb.q_pos, bias_k_pos=kb.k_pos, c_q=kb.c_q, c_k=kb.c_k,
-        dense=kb.dense, stick_breaking=sb, attend_current=attend_current, **fire_args)
+        dense=kb.dense, tile=kb.tile, stick_breaking=sb, attend_current=attend_current)
     return out.to(q.dtype)

@@ -13,16 +13,19 @@ method               gives                                                  aske
 ``key_only(...)``    ``q_ch[h] * k_ch[b, h, j]`` + a per-row term           sdpa (1 channel)
 ``scaled(w)``        ``w * bias``, the same kind where it can be             mixture
 ``score_term(B, H)`` ``f(b, h, q_idx, kv_idx)`` for a flex ``score_mod``     flex
-``fold_into(args)``  its part of the Triton kernels' arguments              triton
+``fold_into(args)``  its part of the Triton kernels' arguments (a kind the    triton
+                     kernels evaluate per tile fills ``args.tile``, `TileBias`)
 ``fused_in``         the fused forms that need no ``N x N`` ("kernel",       triton, flex
                      "score_mod"), read from `Encoding.bias_kinds`           (`supports`)
+``opaque_operands``  tensors and constants of a kind whose cheapest form      sdpa (compiled,
+& co.                depends on values (`distance_shift`, `distance_table`,  opaque operator)
+                     `compiled_rows_from`; rebuilt by name, `opaque.py`)
 ==================== ====================================================== ==============
 
 A new kind implements `materialize` and `rows`; every other method has a default that is exact
-for any kind (dense score term and kernel argument, lazily scaled rows).
+for any kind (dense score term and kernel argument, lazily scaled rows, no opaque operator).
 """
 
-from posenc_lightning.encodings.bias.fire import FireBias
 from posenc_lightning.encodings.bias.kinds import (
     Bias,
     BiasSum,
@@ -30,12 +33,27 @@ from posenc_lightning.encodings.bias.kinds import (
     Index,
     KernelBias,
     KeyOnly,
+    OpaqueOperands,
     ScaledBias,
     ScoreTerm,
     cut,
     span,
 )
+from posenc_lightning.encodings.bias.opaque import rebuild_bias, register_opaque_kind
 from posenc_lightning.encodings.bias.structured import DecayBias, LinearBias, RelativeBias
+from posenc_lightning.encodings.bias.tile import TileBias
 
 __all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "FireBias", "Index", "KernelBias", "KeyOnly", "LinearBias",
-           "RelativeBias", "ScaledBias", "ScoreTerm", "cut", "span"]
+           "OpaqueOperands", "RelativeBias", "ScaledBias", "ScoreTerm", "TileBias", "cut", "rebuild_bias", "register_opaque_kind",
+           "span"]
+
+
+def __getattr__(name: str) -> type:
+    """`FireBias`, FIRE's own kind (`posenc_lightning.encodings.fire`), re-exported here on first
+    use: importing it at the top would import the FIRE package while `encodings.base` is loading."""
+    if name == "FireBias":
+        from posenc_lightning.encodings.fire.bias import FireBias
+
+        globals()[name] = FireBias
+        return FireBias
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

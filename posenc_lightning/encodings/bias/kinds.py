@@ -8,18 +8,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from posenc_lightning.encodings.bias._distance_table import DistanceTable, accumulate
+from posenc_lightning.encodings.bias.tile import TileBias
 from posenc_lightning.functional.positions import arange_offset, host_reads_ok
 
-if TYPE_CHECKING:
-    from posenc_lightning.encodings.bias.fire import FireBias
-
-__all__ = ["Bias", "BiasSum", "DenseBias", "KernelBias", "KeyOnly", "ScaledBias", "cut", "span"]
+__all__ = ["Bias", "BiasSum", "DenseBias", "KernelBias", "KeyOnly", "OpaqueOperands", "ScaledBias", "cut", "span"]
 
 #: a part of a tensor (``t[index]``); None = the whole tensor
 Index = Any
@@ -65,19 +63,38 @@ class KeyOnly:
         return self.k_ch if self.q_ch is None else self.q_ch[None, :, None] * self.k_ch
 
 
+@dataclass(frozen=True, eq=False)
+class OpaqueOperands:
+    """A bias as an opaque operator takes it (`Bias.opaque_operands`): tensors and constants only.
+
+    Attributes:
+        kind: the name the kind is registered under (`register_opaque_kind`); the operator rebuilds
+            the bias with that kind's `Bias.from_operands`, never importing its class.
+        tensors: every tensor the bias is computed from (positions, parameters); those that
+            require a gradient get one.
+        ints: its integer constants (e.g. known position starts).
+        floats: its float constants (e.g. an epsilon).
+    """
+
+    kind: str
+    tensors: tuple[Tensor, ...]
+    ints: tuple[int, ...] = ()
+    floats: tuple[float, ...] = ()
+
+
 @dataclass(eq=False)
 class KernelBias:
     """The bias arguments of the fused Triton kernels, filled term by term (`Bias.fold_into`):
     summed ALiBi ``slopes [H]`` and relative tables (one ``table [H, 2R+1]`` over the widest
-    range), both at ``q_pos``/``k_pos``, summed cumulative decays ``c_q``/``c_k``, one FIRE MLP
-    ``fire`` (evaluated per tile), and a ``dense`` rest."""
+    range), both at ``q_pos``/``k_pos``, summed cumulative decays ``c_q``/``c_k``, one parametric
+    bias ``tile`` (evaluated per tile, `TileBias`), and a ``dense`` rest."""
 
     slopes: Tensor | None = None
     table: Tensor | None = None
     c_q: Tensor | None = None
     c_k: Tensor | None = None
     dense: Tensor | None = None
-    fire: FireBias | None = None
+    tile: TileBias | None = None
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
 
@@ -249,6 +266,72 @@ class Bias(ABC):
             args: the kernels' bias arguments, updated in place.
         """
         args.add_dense(self.materialize())
+
+    #: the name `from_operands` is registered under (`register_opaque_kind`); None: not registered
+    opaque_kind: ClassVar[str | None] = None
+
+    def opaque_operands(self) -> OpaqueOperands | None:
+        """For a kind whose cheapest exact form depends on values, which a compiled graph cannot
+        branch on: the operands of one opaque operator that makes the eager choice inside the
+        graph, where reading a CPU tensor costs no sync (`distance_shift`: the ``f(i - j)`` form
+        of `distance_table`; otherwise rows, differentiated by `compiled_rows_from`).
+
+        Returns:
+            The operands (`from_operands` rebuilds the bias from them), or None (default): the
+            compiled graph traces the rows.
+        """
+        return None
+
+    @classmethod
+    def from_operands(cls, tensors: Sequence[Tensor], ints: Sequence[int], floats: Sequence[float]) -> Bias:
+        """The bias again from its `opaque_operands` (inside the operator, or from stand-ins for
+        its tensors to differentiate `distance_table`).
+
+        Args:
+            tensors: `OpaqueOperands.tensors`, or stand-ins for them.
+            ints: `OpaqueOperands.ints`.
+            floats: `OpaqueOperands.floats`.
+
+        Returns:
+            The bias.
+        """
+        raise NotImplementedError(f"{cls.__name__} has no opaque operands")
+
+    def distance_shift(self) -> int | None:
+        """Reads values (asked where reads are free): whether the bias is a function of ``i - j``
+        alone here, at positions ``a + arange`` (queries) and ``c + arange`` (keys).
+
+        Returns:
+            ``a - c`` when it is (`distance_table` gives it), else None (default).
+        """
+        return None
+
+    def distance_table(self, distances: Tensor) -> Tensor:
+        """The bias where `distance_shift` holds, at query-key distances (differentiable in the
+        tensors of `opaque_operands`).
+
+        Args:
+            distances: ``i - j`` ``[T]`` (int64).
+
+        Returns:
+            ``[H, T]`` float32.
+        """
+        raise NotImplementedError(f"{type(self).__name__} is no function of i - j")
+
+    def compiled_rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
+        """`rows_from` where the engine differentiates rows inside an opaque operator (its kernel
+        runs eagerly): a kind may run a compiled formula there (default: `rows_from`).
+
+        Args:
+            start: first query row.
+            stop: query row past the last.
+            k_stop: keys ``0..k_stop-1``.
+            views: as `rows_from`'s.
+
+        Returns:
+            The rows, differentiable to ``views``.
+        """
+        return self.rows_from(start, stop, k_stop, views)
 
     @property
     def terms(self) -> list[Bias]:

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torch.utils.data._utils.collate import default_collate
 
 from posenc_lightning.encodings.base import Encoding
+from posenc_lightning.parallel.group import trainer_group
 
 
 @dataclass(frozen=True)
@@ -335,9 +336,7 @@ class ContextCurriculum(pl.Callback):
         if dm is not None and hasattr(dm, "seq_len"):
             dm.seq_len = stage.seq_len  # for anyone reading it (the batch itself comes from the sampler)
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        from posenc_lightning.callbacks.context_parallel import find
-
-        shards = find(trainer)  # under context parallelism each rank holds 1 / size of the sequence
+        shards = trainer_group(trainer)  # under context parallelism each rank holds 1 / size of the sequence
         want = stage.seq_len // (shards.size if shards is not None else 1)
         if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-1] != want:
             raise RuntimeError(f"ContextCurriculum: step {step} got a batch of length {x.shape[-1]} but its stage "

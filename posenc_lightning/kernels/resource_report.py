@@ -1,16 +1,21 @@
 """Compile every kernel configuration for real GPU targets without a GPU (``triton.compile`` with
 a `GPUTarget`), and report shared memory, registers and spills (ptxas ``-v``).
 
-Run as ``python -m posenc_lightning.kernels.compile [--check] [--json PATH]``; it needs
+Run as ``python -m posenc_lightning.kernels.resource_report [--check] [--json PATH]``; it needs
 ``TRITON_INTERPRET`` unset (under the interpreter ``@triton.jit`` makes no compilable function),
 so the tests start it in a subprocess. Compiled kernels land in Triton's cache
 (``TRITON_CACHE_DIR``, default ``~/.triton/cache``): a second run only reads them back.
 ``--check`` exits 1 on a compile error or on shared memory above the target's limit.
+
+Besides the plain kernels, ``<kernel>_<tile>`` compiles the kernel again with a tile bias
+evaluated per tile on top (`TileBias`): one variant per bias kind in
+``posenc_lightning.encodings.bias`` that offers an ``example_tile(n_heads)``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -18,21 +23,51 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
-#: ``<kernel>_fire``: the same kernel with FIRE's MLP (width `FIRE_WIDTH`) evaluated per tile on top
-KINDS = ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd", "rotate", "fwd_fire", "bwd_dkdv_fire", "bwd_dq_fire",
-         "sb_fwd_fire", "sb_bwd_fire")
-#: FIRE's MLP width in the ``_fire`` variants (the paper's 32)
-FIRE_WIDTH = 32
+if TYPE_CHECKING:
+    from posenc_lightning.encodings.bias import TileBias
+
+#: the attention kernels (every one also compiles with each example tile) and the rotation
+BASE_KINDS = ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd", "rotate")
+#: heads of the example launches
+_HEADS = 2
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = ("float16", "bfloat16", "float32")
 #: compute capability -> opt-in shared memory per block (bytes): A100 163 KiB, H100 227 KiB
 TARGETS = {80: 163 * 1024, 90: 227 * 1024}
-_ACC = ("O", "LSE", "DELTA", "DQ", "DK", "DV", "DCQ", "DCK", "DTABLE", "DSLOPE", "DDENSE", "DFIRE", "X")
+_ACC = ("O", "LSE", "DELTA", "DQ", "DK", "DV", "DCQ", "DCK", "DTABLE", "DSLOPE", "DDENSE", "DTILE", "X")
 _TY = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
        torch.float64: "fp64", torch.int64: "i64"}
+
+
+@functools.cache
+def example_tiles() -> dict[str, TileBias]:
+    """One example tile per bias kind of ``posenc_lightning.encodings.bias`` with an
+    ``example_tile(n_heads)``, by `TileBias.name`."""
+    from posenc_lightning.encodings import bias
+
+    kinds = (getattr(bias, n) for n in bias.__all__)
+    tiles = (kind.example_tile(_HEADS) for kind in kinds if callable(getattr(kind, "example_tile", None)))
+    return {t.name: t for t in tiles}
+
+
+def all_kinds() -> tuple[str, ...]:
+    """`BASE_KINDS`, then ``<kernel>_<tile>`` for every attention kernel and `example_tiles`."""
+    attn = [k for k in BASE_KINDS if k != "rotate"]
+    return BASE_KINDS + tuple(f"{k}_{t}" for t in example_tiles() for k in attn)
+
+
+def _split(kind: str) -> tuple[str, TileBias | None]:
+    """``(kernel, tile)`` of a kind: ``"fwd"`` or ``"fwd_<tile>"``."""
+    for base in BASE_KINDS:
+        if kind == base:
+            return base, None
+        if kind.startswith(base + "_") and kind[len(base) + 1:] in example_tiles():
+            return base, example_tiles()[kind[len(base) + 1:]]
+    raise ValueError(f"unknown kernel kind {kind!r}; known: {', '.join(all_kinds())}")
 
 
 def _kernel(kind: str):
@@ -40,29 +75,27 @@ def _kernel(kind: str):
 
     return {"fwd": softmax._fwd_kernel, "bwd_dkdv": softmax._bwd_dkdv_kernel, "bwd_dq": softmax._bwd_dq_kernel,
             "sb_fwd": stick_breaking._sb_fwd_kernel, "sb_bwd": stick_breaking._sb_bwd_kernel,
-            "rotate": _common._rotate_kernel}[kind.removesuffix("_fire")]
+            "rotate": _common._rotate_kernel}[kind]
 
 
 def launch_spec(kind: str, head_dim: int, dtype: torch.dtype):
     """``(kernel, values by argument name, num_warps, num_stages)`` of the GPU launch of ``kind``
-    with every feature on (rotary, packed documents, padding, all four bias kinds; FIRE's MLP too
-    for the ``_fire`` variants)."""
+    with every feature on (rotary, packed documents, padding, all four bias kinds; an example
+    tile bias too for the ``<kernel>_<tile>`` variants)."""
     from posenc_lightning.kernels.fused import Plan, RotaryTables, block_config, common_args, head_block
 
-    fire = kind.endswith("_fire")
-    kind = kind.removesuffix("_fire")
-    b, h, n, d = 1, 2, 8, head_dim
+    kind, tile = _split(kind)
+    b, h, n, d = 1, _HEADS, 8, head_dim
     q = torch.zeros(b, h, n, d, dtype=dtype)
     cos = torch.zeros(n, d // 2)
     pos = torch.zeros(b, n, dtype=torch.long)
     plan = Plan(scale=d ** -0.5, causal=1, rotary=RotaryTables(cos, cos, pos, cos, cos, pos), q_segments=pos,
                 k_valid=pos.bool(), bias_q_pos=pos.float(), bias_k_pos=pos.float(),
-                stick_breaking=kind.startswith("sb"), fire_width=FIRE_WIDTH if fire else 0, fire_eps=1e-6)
+                stick_breaking=kind.startswith("sb"), tile=tile)
     z = torch.zeros(h, dtype=torch.float32)
     args, flags = common_args(q, q, plan, z, torch.zeros(h, 9), torch.zeros(b, h, n), torch.zeros(b, h, n),
-                              torch.zeros(b, h, n, n),
-                              torch.zeros(2 + 2 * FIRE_WIDTH + h * (FIRE_WIDTH + 1)) if fire else None)
-    cfg = block_config(kind, d, dtype, gpu=True)  # FIRE does not change the tiling
+                              torch.zeros(b, h, n, n), tile.params if tile is not None else None)
+    cfg = block_config(kind, d, dtype, gpu=True)  # a tile bias does not change the tiling
     kernel = _kernel(kind)
     if kind == "rotate":
         flags = {"ROT": 1, "SIGN": -1, "BD": head_block(d), "ACC": flags["ACC"]}
@@ -140,8 +173,8 @@ def compile_one(kind: str, head_dim: int, dtype_name: str, cc: int, ptxas: bool 
 WORST_CASES = ((64, "float16"), (128, "float16"), (128, "float32"))
 
 
-def configs(kinds=KINDS, head_dims=HEAD_DIMS, dtypes=DTYPES, targets=tuple(TARGETS), worst_only=False):
-    for kind in kinds:
+def configs(kinds=None, head_dims=HEAD_DIMS, dtypes=DTYPES, targets=tuple(TARGETS), worst_only=False):
+    for kind in kinds or all_kinds():
         if worst_only:
             pairs = [(128, "float16")] if kind == "rotate" else list(WORST_CASES)
         else:
@@ -182,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 on any compile error or shared memory overflow")
     p.add_argument("--json", help="also write the rows as JSON here")
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--kinds", nargs="*", default=list(KINDS))
+    p.add_argument("--kinds", nargs="*", help="default: every kernel, plain and with each example tile")
     p.add_argument("--head-dims", nargs="*", type=int, default=list(HEAD_DIMS))
     p.add_argument("--dtypes", nargs="*", default=list(DTYPES))
     p.add_argument("--worst-only", action="store_true", help="only the largest config of every tiling")
@@ -191,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("unset TRITON_INTERPRET: the interpreter cannot compile for GPU targets", file=sys.stderr)
         return 2
-    rows = run_all(a.jobs, not a.no_ptxas, kinds=tuple(a.kinds), head_dims=tuple(a.head_dims), dtypes=tuple(a.dtypes),
+    rows = run_all(a.jobs, not a.no_ptxas, kinds=tuple(a.kinds or all_kinds()), head_dims=tuple(a.head_dims), dtypes=tuple(a.dtypes),
                    worst_only=a.worst_only)
     print(format_table(rows))
     if a.json:

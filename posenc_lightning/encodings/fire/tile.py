@@ -1,19 +1,28 @@
-"""FIRE's bias per tile (Li et al., 2024, eq. 3): ``f_theta(psi(i - j) / (psi(max(L, i)) + eps))``
-with ``psi(x) = log(|c x| + 1)`` and ``f_theta(x) = w2 relu(w1 x + b1) + b2``, evaluated from the
-positions, one hidden unit at a time (no ``[.., W]`` tensor), and its parameter gradients reduced
-per tile.
+"""FIRE's bias as a tile of the Triton kernels (`TileBias`, Li et al., 2024, eq. 3):
+``f_theta(psi(i - j) / (psi(max(L, i)) + eps))`` with ``psi(x) = log(|c x| + 1)`` and
+``f_theta(x) = w2 relu(w1 x + b1) + b2``, evaluated from the positions, one hidden unit at a time
+(no ``[.., W]`` tensor), and its parameter gradients reduced per tile.
 
 ``FIRE`` points at the packed float parameters ``[c, L, w1 (W), b1 (W), b2 (H), w2 (H x W)]``
 (`FireBias.kernel_params`; ``L`` is already ``|L_multiplier * init_L|``). A tile's gradients come
 back packed in one ``[FB]`` vector, ``FB = 4 * BW`` (``BW`` = W rounded up to a power of two):
-``[dw2[h, :] (BW) | dw1 (BW) | db1 (BW) | db2[h], dc, dL, 0...]``; `fused` sums the per-program
-rows and unpacks them.
+``[dw2[h, :] (BW) | dw1 (BW) | db1 (BW) | db2[h], dc, dL, 0...]``; the kernels sum the
+per-program rows per head and `unpack_grads` lays them out as the parameters.
 """
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+
+from posenc_lightning.encodings.bias.tile import TileBias
+
+#: the MLP width of `example_tile` (the paper's 32)
+EXAMPLE_WIDTH = 32
 
 
 @triton.jit
@@ -87,3 +96,57 @@ def fire_grads(ds, h, qp, kp, ok, FIRE, FW, H, eps, FB: tl.constexpr, ACC: tl.co
     dthr = tl.sum(d_den * dden_dn * c * share, 0)
     acc += tl.where(offs == 3 * BW + 1, dc, 0.0) + tl.where(offs == 3 * BW + 2, dthr, 0.0)
     return acc
+
+
+def grad_block(width: int) -> int:
+    """``FB``: the length of a packed gradient row, 4 x W rounded up to a power of two."""
+    return 4 * triton.next_power_of_2(max(width, 4))
+
+
+def unpack_grads(per_head: Tensor, width: int) -> Tensor:
+    """The gradient of the packed parameters ``[c, L, w1, b1, b2, w2]`` from the kernels' rows
+    summed per head ``[H, FB]`` (``[dw2[h] | dw1 | db1 | db2[h], dc, dL]``).
+
+    Args:
+        per_head: the per-program gradient rows summed over batch and programs.
+        width: W, the MLP's hidden width.
+
+    Returns:
+        ``[2 + 2 W + H (W + 1)]``.
+    """
+    p, w, bw = per_head, width, grad_block(width) // 4
+    return torch.cat((p[:, 3 * bw + 1].sum()[None], p[:, 3 * bw + 2].sum()[None], p[:, bw:bw + w].sum(0),
+                      p[:, 2 * bw:2 * bw + w].sum(0), p[:, 3 * bw], p[:, :w].reshape(-1)))
+
+
+def kernel_tile(params: Tensor, width: int, eps: float) -> TileBias:
+    """FIRE's tile for the kernels.
+
+    Args:
+        params: the packed parameters ``[c, L, w1 (W), b1 (W), b2 (H), w2 (H x W)]``.
+        width: W, the MLP's hidden width.
+        eps: the normalizer's eps.
+
+    Returns:
+        The tile (`KernelBias.tile`).
+    """
+    heads = (params.numel() - 2 - 2 * width) // (width + 1)
+    if params.dim() != 1 or params.numel() != 2 + 2 * width + heads * (width + 1):
+        raise ValueError(f"fire: {params.numel()} packed parameters, expected 2 + 2 W + H (W + 1) for W = {width}")
+    return TileBias(name="fire", params=params, heads=heads, width=width, eps=float(eps),
+                    grad_block=grad_block(width), value=fire_tile, grads=fire_grads,
+                    unpack=functools.partial(unpack_grads, width=width))
+
+
+def example_tile(n_heads: int) -> TileBias:
+    """A tile of width `EXAMPLE_WIDTH` with zero parameters, for compiling the kernels
+    (`posenc_lightning.kernels.resource_report`).
+
+    Args:
+        n_heads: H.
+
+    Returns:
+        The tile.
+    """
+    w = EXAMPLE_WIDTH
+    return kernel_tile(torch.zeros(2 + 2 * w + n_heads * (w + 1)), w, 1e-6)

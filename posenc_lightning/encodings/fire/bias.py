@@ -6,19 +6,24 @@ the Triton kernels, which also reduce its parameter gradients per tile."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from posenc_lightning.encodings.bias.kinds import Bias, KernelBias, ScoreTerm
-from posenc_lightning.functional.fire import fire_mlp, fire_normalized_distance, fire_rows
+from posenc_lightning.encodings.bias.kinds import Bias, KernelBias, OpaqueOperands, ScoreTerm
+from posenc_lightning.encodings.bias.opaque import register_opaque_kind
+from posenc_lightning.encodings.bias.tile import TileBias
+from posenc_lightning.encodings.fire import compiled, template
+from posenc_lightning.encodings.fire.functions import fire_rows
+from posenc_lightning.functional.positions import arange_offset
 
 __all__ = ["FireBias"]
 
 
+@register_opaque_kind("fire")
 @dataclass(eq=False)
 class FireBias(Bias):
     """``weight * f_theta(psi(i - j) / (psi(max(L, i)) + eps))`` with ``psi(x) = log(|c x| + 1)``,
@@ -28,7 +33,12 @@ class FireBias(Bias):
     The parameters are held as given (``c`` ``[1]``, ``l_mult`` ``[1]``, ``init_L`` a constant,
     ``w1`` ``[W, 1]`` (``Linear(1, W).weight``), ``b1`` ``[W]``, ``w2`` ``[H, W]``, ``b2`` ``[H]``,
     ``weight`` a scalar or None): whatever is derived from them is derived per call, so one bias
-    can be differentiated several times (blockwise SDPA's recomputed rows)."""
+    can be differentiated several times (blockwise SDPA's recomputed rows).
+
+    Its cheapest exact form depends on values (`template`): below ``L`` an O(N) table of
+    ``f(i - j)``, past it the MLP per pair, so a compiled graph takes it as an opaque operator's
+    operands (`opaque_operands`), whose backward differentiates rows in the inductor-compiled
+    formula (`compiled_rows_from`)."""
 
     q_pos: Tensor  # [B, Nq]
     k_pos: Tensor  # [B, Nk]
@@ -43,9 +53,6 @@ class FireBias(Bias):
     weight: Tensor | None = None
     q_start: int | None = None  # every row of q_pos / k_pos is start + arange (`AttentionContext`)
     k_start: int | None = None
-    #: rows that are differentiated run the traced formula compiled by inductor (`_compiled_rows`):
-    #: set inside a compiled graph's FIRE operator (`_fire_op`), whose kernel runs eagerly
-    compiled_rows: bool = False
     recomputable = True
     fused_in: ClassVar[frozenset[str]] = frozenset({"kernel", "score_mod"})
 
@@ -63,20 +70,56 @@ class FireBias(Bias):
         w2, b2 = views[4], views[5]
         return (w2, b2) if len(views) == 6 else (w2 * views[6], b2 * views[6])
 
+    def _positions(self, start: int, stop: int, k_stop: int) -> tuple[Tensor, Tensor]:
+        qp, kp = self.q_pos[:, start:stop], self.k_pos[:, :k_stop]
+        return (qp[:1], kp[:1]) if self._one_row else (qp, kp)  # rows shared by the batch: computed once
+
     def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
         c, l_mult, w1, b1 = views[:4]
         w2, b2 = self._mlp_out(views)
-        qp, kp = self.q_pos[:, start:stop], self.k_pos[:, :k_stop]
-        if self._one_row:  # rows shared by the batch: computed once
-            qp, kp = qp[:1], kp[:1]
+        qp, kp = self._positions(start, stop, k_stop)
         if torch.compiler.is_compiling():  # the traced formula (`fire_rows` inside a traced
             # torch.func.vjp failed functorch's level check)
-            return _traced_rows(qp, kp, c, l_mult * self.init_L, w1, b1, w2, b2, self.eps)
-        if self.compiled_rows and torch.is_grad_enabled():
-            return _compiled_rows()(qp, kp, c, l_mult * self.init_L, w1, b1, w2, b2, self.eps)
+            return compiled.traced_rows(qp, kp, c, l_mult * self.init_L, w1, b1, w2, b2, self.eps)
         arange = self.q_start is not None and self.k_start is not None  # psi(i - j) then by distance
         shift = self.q_start + start - self.k_start if arange else None
         return fire_rows(qp, kp, c, (l_mult * self.init_L).abs(), w1[:, 0], b1, w2, b2, self.eps, shift).float()
+
+    def compiled_rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
+        """The traced formula compiled by inductor (`compiled.compiled_rows`)."""
+        c, l_mult, w1, b1 = views[:4]
+        w2, b2 = self._mlp_out(views)
+        qp, kp = self._positions(start, stop, k_stop)
+        return compiled.compiled_rows()(qp, kp, c, l_mult * self.init_L, w1, b1, w2, b2, self.eps)
+
+    def opaque_operands(self) -> OpaqueOperands | None:
+        """Positions, ``init_L`` and the parameters; None once scaled (the traced rows then)."""
+        if self.weight is not None:
+            return None
+        starts = tuple(-1 if s is None else s for s in (self.q_start, self.k_start))
+        return OpaqueOperands(self.opaque_kind, (self.q_pos, self.k_pos, self.init_L, *self.grad_inputs()),
+                              starts, (self.eps,))
+
+    @classmethod
+    def from_operands(cls, tensors: Sequence[Tensor], ints: Sequence[int], floats: Sequence[float]) -> FireBias:
+        q_pos, k_pos, init_L, c, l_mult, w1, b1, w2, b2 = tensors
+        q_start, k_start = (None if s < 0 else s for s in ints)
+        return cls(q_pos, k_pos, c, l_mult, init_L, w1, b1, w2, b2, eps=floats[0], q_start=q_start, k_start=k_start)
+
+    def distance_shift(self) -> int | None:
+        """Every query below ``L`` (`template.below_threshold`) at integer ``start + arange`` positions."""
+        qp, kp = self.q_pos, self.k_pos
+        if qp.dtype.is_floating_point or kp.dtype.is_floating_point or not qp.numel() or not kp.numel():
+            return None
+        top = qp.shape[-1] - 1 + self.q_start if self.q_start is not None else float(qp.max())
+        if not template.below_threshold(top, self.l_mult * self.init_L):
+            return None
+        a, c = arange_offset(qp, self.q_start), arange_offset(kp, self.k_start)
+        return None if a is None or c is None else a - c
+
+    def distance_table(self, distances: Tensor) -> Tensor:
+        return template.distance_table(distances, self.c, self.l_mult * self.init_L, self.eps, self.w1, self.b1,
+                                       *self._mlp_out(self.grad_inputs()))
 
     @property
     def _one_row(self) -> bool:
@@ -100,8 +143,7 @@ class FireBias(Bias):
     def scaled(self, w: Tensor) -> Bias:
         """Still a FIRE bias: the scale is folded into ``w2``, ``b2`` where it is used."""
         return FireBias(self.q_pos, self.k_pos, self.c, self.l_mult, self.init_L, self.w1, self.b1, self.w2, self.b2,
-                        self.eps, w if self.weight is None else self.weight * w, self.q_start, self.k_start,
-                        self.compiled_rows)
+                        self.eps, w if self.weight is None else self.weight * w, self.q_start, self.k_start)
 
     def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
         """The MLP per (b, h, q_idx, kv_idx), one hidden unit at a time (no tensor beyond scalars)."""
@@ -124,9 +166,40 @@ class FireBias(Bias):
         return term
 
     def fold_into(self, args: KernelBias) -> None:
-        if args.fire is not None or not args.claim_positions(self.q_pos, self.k_pos):
-            return super().fold_into(args)  # the kernels evaluate one FIRE MLP
-        args.fire = self
+        if args.tile is not None or not args.claim_positions(self.q_pos, self.k_pos):
+            return super().fold_into(args)  # the kernels evaluate one tile bias
+        args.tile = self.kernel_tile()
+
+    def kernel_tile(self, dtype: torch.dtype | None = None) -> TileBias:
+        """FIRE's tile for the Triton kernels (`encodings.fire.tile`): the MLP evaluated per tile.
+
+        Args:
+            dtype: the dtype of the packed parameters (default: float32, float64 for float64
+                parameters; the kernels cast them to their accumulation dtype).
+
+        Returns:
+            The tile, its ``params`` `kernel_params` (differentiable).
+        """
+        from posenc_lightning.encodings.fire.tile import kernel_tile
+
+        if dtype is None:
+            dtype = functools.reduce(torch.promote_types, (t.dtype for t in self.grad_inputs()), torch.float32)
+        return kernel_tile(self.kernel_params(dtype), self.width, self.eps)
+
+    @classmethod
+    def example_tile(cls, n_heads: int) -> TileBias:
+        """A tile with zero parameters of the paper's width, to compile the kernels with
+        (`posenc_lightning.kernels.resource_report`).
+
+        Args:
+            n_heads: H.
+
+        Returns:
+            The tile.
+        """
+        from posenc_lightning.encodings.fire.tile import example_tile
+
+        return example_tile(n_heads)
 
     def kernel_params(self, dtype: torch.dtype) -> Tensor:
         """The kernels' packed parameters ``[c, L, w1 (W), b1 (W), b2 (H), w2 (H x W)]`` in ``dtype``
@@ -140,19 +213,3 @@ class FireBias(Bias):
     def width(self) -> int:
         return self.w1.shape[0]
 
-
-def _traced_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Tensor, b1: Tensor, w2: Tensor,
-                 b2: Tensor, eps: float) -> Tensor:
-    """FIRE's rows ``[B, H, r, K]`` as one traceable formula (eq. 3; `fire_mlp`'s compiled form,
-    one segment lookup per element), for a compiler to fuse."""
-    x = fire_normalized_distance(q_pos, k_pos, c, threshold.abs(), eps)
-    return fire_mlp(x.flatten(1), w1[:, 0], b1, w2, b2).float().view(x.shape[0], -1, *x.shape[1:])
-
-
-@functools.cache
-def _compiled_rows() -> Callable[..., Tensor]:
-    """`_traced_rows` compiled by inductor (dynamic shapes: every block's own), built on first use.
-    Measured, one block of rows differentiated (4 heads, W 32, 128 x 512, one CPU thread): 2.7 ms
-    against the eager Function's 5.1 ms (which stays the faster without gradients: 0.85 against
-    0.94 ms)."""
-    return torch.compile(_traced_rows, dynamic=True, fullgraph=True)

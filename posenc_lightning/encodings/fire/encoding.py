@@ -7,9 +7,10 @@ import torch
 from torch import Tensor, nn
 
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, RelativeBias
-from posenc_lightning.encodings.bias import FireBias
+from posenc_lightning.encodings.fire import template
+from posenc_lightning.encodings.fire.bias import FireBias
 from posenc_lightning.encodings.registry import register
-from posenc_lightning.functional.fire import fire_normalized_distance, fire_psi
+from posenc_lightning.functional.fire import fire_normalized_distance
 from posenc_lightning.functional.positions import arange_offset, host_reads_ok
 
 
@@ -86,12 +87,11 @@ class FIRE(Encoding):
 
     def relative_table(self, max_distance: int) -> Tensor:
         """``[H, 2R+1]`` bias of every distance ``i - j`` in ``[-R, R]`` for queries below ``L``
-        (where the normalizer is the constant ``psi(L)``): FIRE is then a plain f(i - j)."""
-        dt = torch.promote_types(self.c.dtype, torch.float32)  # the log-ratio in float32 (or 64)
-        d = torch.arange(-max_distance, max_distance + 1, device=self.c.device, dtype=dt)
-        c = self.c.to(dt)
-        x = fire_psi(d, c) / (fire_psi(self.threshold.to(dt), c) + self.eps)
-        return self.mlp(x[:, None].to(self.mlp[0].weight.dtype)).float().t()
+        (`template.distance_table`)."""
+        d = torch.arange(-max_distance, max_distance + 1, device=self.c.device)
+        lin1, lin2 = self.mlp[0], self.mlp[2]
+        return template.distance_table(d, self.c, self.threshold, self.eps, lin1.weight, lin1.bias, lin2.weight,
+                                       lin2.bias)
 
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
         if self.mlp is None:
@@ -101,7 +101,7 @@ class FIRE(Encoding):
                 and not kp.dtype.is_floating_point and qp.numel() and kp.numel():
             # host reads are free (CPU, not traced): all queries below the threshold L? then bias = f(i - j)
             q_max, q_min, k_max, k_min = torch.stack((qp.max(), qp.min(), kp.max(), kp.min())).tolist()
-            if q_max < float(self.threshold.detach()):
+            if template.below_threshold(q_max, self.threshold):
                 r = int(max(abs(q_max - k_min), abs(k_max - q_min)))
                 return RelativeBias(self.relative_table(r), qp, kp)
         # exact for any positions: rows (sdpa), a score_mod (flex), per tile (triton); start + arange

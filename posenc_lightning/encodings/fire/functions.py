@@ -1,0 +1,257 @@
+"""FIRE's autograd Functions, their backwards written out (Li et al., 2024, eq. 3 differentiated by
+hand): `fire_mlp` (the MLP over the units that switch, `_SwitchingReluMLP`) and `fire_rows` (a block
+of the bias, `_FireRows`), with no autograd graph of their ``[B, Nq, Nk]`` intermediates. The
+formulas they compute are `posenc_lightning.functional.fire`'s."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from posenc_lightning.functional.fire import fire_mlp_piecewise, fire_normalized_distance, fire_psi
+
+#: columns of ``x`` per step of `fire_mlp` (the hidden activations of one step stay in cache)
+FIRE_MLP_CHUNK = 16384
+#: keys per unit selection in `fire_rows`'s forward (a selection costs ``W`` per group: larger groups
+#: share it, smaller ones select fewer units)
+FIRE_COLUMN_GROUP = 32
+
+
+def fire_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
+    """``f_theta(x) = W2 relu(w1 x + b1) + b2`` for scalar inputs ``x`` ``[B, M]``: ``[B, H, M]``.
+
+    The same function, forward and backward, as ``nn.Sequential(Linear(1, W), ReLU(), Linear(W, H))``
+    (``w1``/``b1`` ``[W]``, ``w2`` ``[H, W]``, ``b2`` ``[H]``), computed without its ``[B, M, W]``
+    hidden tensor: f is piecewise linear in x, so over the range ``[min x, max x]`` a hidden unit
+    whose pre-activation has the same sign at both ends (it is monotone in x) is either always
+    off (dropped) or always on (folded into one linear term ``A x + B``, exact since
+    ``relu(u) = u`` there). Only the units that switch inside the range are evaluated per element,
+    in chunks, head-major (the layout attention wants), and recomputed in backward, so the saved
+    state is ``x`` alone.
+    """
+    dt = torch.promote_types(x.dtype, w2.dtype)
+    x, w1, b1, w2, b2 = (t.to(dt) for t in (x, w1, b1, w2, b2))
+    if torch.compiler.is_compiling():  # the unit selection below has a data-dependent shape; the
+        return fire_mlp_piecewise(x, w1, b1, w2, b2)  # compiler fuses the segment lookup per element
+    if x.numel() == 0:
+        return x.new_zeros(x.shape[0], w2.shape[0], x.shape[1]) + 0 * b2.sum()
+    switching, _, w_aug = _fold(x, w1, b1, w2, b2)
+    return _SwitchingReluMLP.apply(x, w1.index_select(0, switching), b1.index_select(0, switching), w_aug)
+
+
+def _fold(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The units that switch inside ``[min x, max x]`` ``[K]``, those on throughout (0/1 ``[W]``) and
+    ``w_aug = [w2 of the switching ones, A, B]`` ``[H, K + 2]`` (`fire_mlp`)."""
+    with torch.no_grad():
+        lo, hi = torch.aminmax(x.detach())
+        pre_lo, pre_hi = w1 * lo + b1, w1 * hi + b1  # the same arithmetic as per element below
+        on = (pre_lo > 0) & (pre_hi > 0)
+        switching = torch.nonzero(~on & ((pre_lo > 0) | (pre_hi > 0))).squeeze(1)
+    on = on.to(w2.dtype)
+    a = (w2 * (w1 * on)).sum(1)  # slope of the always-on units  [H]
+    b = b2 + (w2 * (b1 * on)).sum(1)  # their intercept, plus b2  [H]
+    return switching, on, torch.cat((w2.index_select(1, switching), a[:, None], b[:, None]), 1)
+
+
+def _hidden(x: Tensor, w1: Tensor, b1: Tensor, out: Tensor) -> Tensor:
+    """``[relu(w1 x + b1); x; 1]`` ``[K + 2, C]`` into ``out``."""
+    k = w1.shape[0]
+    torch.mul(w1[:, None], x[None], out=out[:k])
+    out[:k].add_(b1[:, None]).relu_()
+    out[k] = x
+    out[k + 1] = 1
+    return out
+
+
+def _mlp_rows(x: Tensor, w1: Tensor, b1: Tensor, w_aug: Tensor) -> Tensor:
+    """``out[b] = w_aug @ [relu(w1 x_b + b1); x_b; 1]`` ``[B, H, M]``, chunk by chunk."""
+    nb, m = x.shape
+    out = x.new_empty(nb, w_aug.shape[0], m)
+    hid = x.new_empty(w1.shape[0] + 2, min(m, FIRE_MLP_CHUNK))
+    for i in range(nb):
+        for s in range(0, m, FIRE_MLP_CHUNK):
+            xc = x[i, s:s + FIRE_MLP_CHUNK]
+            h = _hidden(xc, w1, b1, hid[:, :xc.shape[0]])
+            torch.mm(w_aug, h, out=out[i, :, s:s + xc.shape[0]])
+    return out
+
+
+def _mlp_grads(x: Tensor, w1: Tensor, b1: Tensor, w_aug: Tensor, grad: Tensor,
+               need_x: bool) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:
+    """The gradients of `_mlp_rows` to ``(x, w1, b1, w_aug)``, the hidden units recomputed."""
+    nb, m = x.shape
+    k = w1.shape[0]
+    gx = torch.empty_like(x) if need_x else None
+    gw1, gb1, gw = torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w_aug)
+    hid = x.new_empty(k + 2, min(m, FIRE_MLP_CHUNK))
+    for i in range(nb):
+        for s in range(0, m, FIRE_MLP_CHUNK):
+            xc = x[i, s:s + FIRE_MLP_CHUNK]
+            g = grad[i, :, s:s + xc.shape[0]]  # [H, C]
+            h = _hidden(xc, w1, b1, hid[:, :xc.shape[0]])
+            gw.addmm_(g, h.t())
+            gh = w_aug.t() @ g  # [K + 2, C]: row K is the grad of the linear term's x
+            gpre = gh[:k].mul_(h[:k] > 0)  # relu'(u) = 1 where u > 0 (0 at u = 0, as torch)
+            gw1 += gpre @ xc
+            gb1 += gpre.sum(1)
+            if gx is not None:
+                torch.addmv(gh[k], gpre.t(), w1, out=gx[i, s:s + xc.shape[0]])
+    return gx, gw1, gb1, gw
+
+
+class _SwitchingReluMLP(torch.autograd.Function):
+    """`_mlp_rows`; backward recomputes."""
+
+    @staticmethod
+    def forward(x: Tensor, w1: Tensor, b1: Tensor, w_aug: Tensor) -> Tensor:  # type: ignore[override]
+        return _mlp_rows(x, w1, b1, w_aug)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[Tensor, ...], output: Tensor) -> None:  # functorch-compatible (vjp)
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        x, w1, b1, w_aug = ctx.saved_tensors
+        return _mlp_grads(x, w1, b1, w_aug, grad, ctx.needs_input_grad[0])
+
+
+def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Tensor, b1: Tensor, w2: Tensor,
+              b2: Tensor, eps: float = 1e-6, shift: int | None = None) -> Tensor:
+    """FIRE's bias ``[B, H, Nq, Nk]`` (eq. 3): `fire_mlp` of `fire_normalized_distance`, the same
+    arithmetic, as one autograd Function. Without gradients the units are selected per group of keys
+    (`_column_rows`, the cheaper forward); with them as in `fire_mlp`, over the block, whose pieces
+    the backward (eq. 3 differentiated by hand) reuses for its matrix products. No autograd graph
+    of the ``[B, Nq, Nk]`` intermediates; saved: ``x``.
+
+    ``shift``: the positions are known to be ``a + arange`` in one row (shared by the batch) with
+    ``q_pos[0, r] - k_pos[0, j] = shift + r - j``; ``psi(i - j)`` is then a Toeplitz view of a table
+    of the ``Nq + Nk - 1`` distances instead of a log per element.
+    """
+    if torch.compiler.is_compiling():  # data-dependent unit selection: `fire_mlp`'s compiled form
+        x = fire_normalized_distance(q_pos, k_pos, c, threshold, eps)
+        return fire_mlp(x.flatten(1), w1, b1, w2, b2).unflatten(-1, x.shape[1:])
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (c, threshold, w1, b1, w2, b2))
+    return _FireRows.apply(c, threshold, w1, b1, w2, b2, q_pos, k_pos, eps, shift, grad)[0]
+
+
+def _toeplitz(table: Tensor, rows: int, keys: int) -> Tensor:
+    """``[1, rows, keys]`` with ``[0, r, j] = table[rows - 1 - r + j]``."""
+    rev = torch.arange(rows - 1, -1, -1, device=table.device)  # index_select, not flip: row-major out
+    return table.as_strided((rows, keys), (1, 1)).index_select(0, rev)[None]
+
+
+def _distances(q_pos: Tensor, k_pos: Tensor, shift: int | None) -> Tensor:
+    """``i - j`` in float32 ``[B, Nq, Nk]``; with ``shift`` the descending table ``[Nq + Nk - 1]``."""
+    if shift is None:
+        return q_pos.to(torch.float32)[:, :, None] - k_pos.to(torch.float32)[:, None, :]
+    return torch.arange(shift + q_pos.shape[1] - 1, shift - k_pos.shape[1], -1, dtype=torch.float32,
+                        device=q_pos.device)
+
+
+class _FireRows(torch.autograd.Function):
+    """`fire_rows`: outputs ``(rows, x, n, switching, on, w_aug)``, all but rows for backward (the
+    last three None without ``grad``: no backward then)."""
+
+    @staticmethod
+    def forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,  # type: ignore[override]
+                q_pos: Tensor, k_pos: Tensor, eps: float, shift: int | None, grad: bool):
+        qf = q_pos.to(torch.float32)
+        n = fire_psi(torch.maximum(qf, thr.to(torch.float32).abs()), c) + eps  # [B, Nq]
+        p = fire_psi(_distances(q_pos, k_pos, shift), c)
+        x = (p if shift is None else _toeplitz(p, q_pos.shape[1], k_pos.shape[1])) / n[:, :, None]
+        dt = torch.promote_types(x.dtype, w2.dtype)
+        x, w1, b1, w2, b2 = (t.to(dt) for t in (x, w1, b1, w2, b2))
+        nb, nq, nk = x.shape
+        if x.numel() == 0:  # nothing switches, nothing is on
+            return x.new_zeros(nb, w2.shape[0], nq, nk), x, n, x.new_zeros(0, dtype=torch.long), \
+                torch.zeros_like(w1), torch.zeros_like(w2[:, :2])
+        if not grad:
+            return _column_rows(x, w1, b1, w2, b2), x, n, None, None, None
+        # for backward: the pieces over the whole block, whose products are then matrix products
+        switching, on, w_aug = _fold(x, w1, b1, w2, b2)
+        out = _mlp_rows(x.view(nb, -1), w1[switching], b1[switching], w_aug)
+        return out.view(nb, -1, nq, nk), x, n, switching, on, w_aug
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
+        c, thr, _w1, _b1, _w2, _b2, q_pos, k_pos, ctx.eps, ctx.shift, _ = inputs
+        _, x, n, switching, on, w_aug = output
+        ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
+        ctx.save_for_backward(c, thr, q_pos, k_pos, x, n, switching, on, w_aug, *inputs[2:6])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor, *_):
+        c, thr, q_pos, k_pos, x, n, switching, on, w_aug, w1, b1, w2, b2 = ctx.saved_tensors
+        if switching is None:
+            raise RuntimeError("fire_rows: called without gradients, then differentiated")
+        nb, nq, nk = x.shape
+        w1d, b1d, w2d = (t.to(x.dtype) for t in (w1, b1, w2))
+        need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        gx, gw1s, gb1s, gw = _mlp_grads(x.view(nb, -1), w1d[switching], b1d[switching], w_aug,
+                                        grad.to(x.dtype).reshape(nb, w2.shape[0], -1), need_x and x.numel() > 0)
+        ga, gb = gw[:, -2], gw[:, -1]  # of A = w2 (on w1) and B = b2 + w2 (on b1)
+        gw2 = ga[:, None] * (w1d * on) + gb[:, None] * (b1d * on)
+        gw2[:, switching] += gw[:, :-2]
+        gw1, gb1 = on * (w2d.t() @ ga), on * (w2d.t() @ gb)
+        gw1[switching] += gw1s
+        gb1[switching] += gb1s
+        gc, gthr = torch.zeros_like(c), torch.zeros_like(thr)
+        if gx is not None:
+            gc, gthr = _ratio_grads(gx.view(nb, nq, nk), x, n, c, thr, q_pos, k_pos, ctx.shift)
+        return gc, gthr, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb.to(b2.dtype), \
+            None, None, None, None, None
+
+
+def _ratio_grads(gx: Tensor, x: Tensor, n: Tensor, c: Tensor, thr: Tensor, q_pos: Tensor, k_pos: Tensor,
+                 shift: int | None) -> tuple[Tensor, Tensor]:
+    """``(d c, d L)`` of ``x = psi(i - j) / n_i``, ``n_i = psi(max(L, i)) + eps`` from ``d x``, with
+    ``d psi(z) / d c = sgn(c z) z / (1 + |c z|)`` and ``max``'s gradient split at ties (as torch)."""
+    cd = c.to(gx.dtype)
+    d = _distances(q_pos, k_pos, shift).to(gx.dtype)
+    cz = cd * d
+    dpsi = cz.sgn() * d / (1 + cz.abs())  # d psi(i - j) / d c, per element or per distance
+    if shift is not None:
+        dpsi = _toeplitz(dpsi, q_pos.shape[1], k_pos.shape[1])
+    gn = -(gx * x).sum(-1) / n  # [B, Nq]
+    qf, th = q_pos.to(torch.float32), thr.to(torch.float32).abs()
+    m = torch.maximum(qf, th).to(gx.dtype)
+    cm = cd * m
+    gc = ((gx * dpsi).sum(-1) / n).sum() + (gn * cm.sgn() * m / (1 + cm.abs())).sum()
+    gm = gn * cm.sgn() * cd / (1 + cm.abs())
+    share = torch.where(th > qf, 1.0, torch.where(th == qf, 0.5, 0.0))  # torch.maximum's backward
+    gthr = (gm * share).sum() * thr.sgn()
+    return gc.reshape(c.shape).to(c.dtype), gthr.reshape(thr.shape).to(thr.dtype)
+
+
+def _column_rows(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
+    """``f_theta(x)`` ``[B, H, R, C]`` for a block of rows ``x`` ``[B, R, C]``, the units selected per
+    group of `FIRE_COLUMN_GROUP` keys instead of over the block (`fire_mlp`).
+
+    Along a row ``x`` sweeps ``[0, 1]``, but down a few keys of a block of rows it spans a narrow
+    range, where nearly every unit keeps its sign: per group the on units fold into ``A x + B``
+    (two passes over the output). A unit that switches is evaluated per element over the span of
+    groups from the first to the last where it switches (and folded nowhere in that span). The
+    selection is `fire_mlp`'s: the per-element arithmetic at the group's min and max (monotone)."""
+    nc = x.shape[-1]
+    g = FIRE_COLUMN_GROUP
+    pad = -nc % g  # a ragged last group: padded with values that move neither min nor max
+    lo = torch.nn.functional.pad(x.amin((0, 1)), (0, pad), value=float("inf")).view(-1, g).amin(1)
+    hi = torch.nn.functional.pad(x.amax((0, 1)), (0, pad), value=float("-inf")).view(-1, g).amax(1)
+    pos_lo, pos_hi = w1 * lo[:, None] + b1 > 0, w1 * hi[:, None] + b1 > 0  # [groups, W]
+    switching = pos_lo ^ pos_hi
+    units = switching.any(0).nonzero().squeeze(1)
+    idx = torch.arange(switching.shape[0], device=x.device)[:, None]
+    first = torch.where(switching, idx, switching.shape[0]).amin(0)
+    last = torch.where(switching, idx, -1).amax(0)
+    on = (pos_lo & pos_hi & ((idx < first) | (idx > last))).to(x.dtype)  # folded: outside the spans
+    ab = (torch.cat((w2 * w1, w2 * b1)) @ on.t()).repeat_interleave(g, 1)[:, :nc]  # [2H, C]: A; B - b2
+    h = w2.shape[0]
+    out = torch.mul(ab[:h, None], x[:, None]).add_((ab[h:] + b2[:, None])[:, None])
+    w2u = w2.t()[:, :, None, None]
+    for u, a, z in torch.stack((units, first[units], last[units] + 1), 1).tolist():
+        xs = x[..., a * g:z * g]
+        out[..., a * g:z * g].addcmul_(w2u[u], (xs * w1[u] + b1[u]).relu_()[:, None])
+    return out
