@@ -85,7 +85,7 @@ def test_compiled_one_block_on_cpu_up_to_its_size():
 
 
 def test_opaque_compiled_form_with_the_rest_of_the_plan_as_fallback():
-    """A kind with a compiled form of its own runs it under compile (past one block), falling
+    """A kind that declares opaque operands runs as the opaque operator under compile (past one block), falling
     back to what the plan would be without it; eagerly it is ignored."""
     c = call(opaque=True, recomputable=True, grads=True, grad_mode=True)
     rows = _blocks.forward_rows(H, N, N)
