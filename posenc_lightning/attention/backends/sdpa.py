@@ -307,8 +307,8 @@ class _RowsAttention(torch.autograd.Function):
 
 def blockwise_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, spec: tuple,
                        needs_input_grad: tuple[bool, ...]) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
-    """`rows_backward` for a spec given as ``(bias, mask, scale, inputs, targets)`` with targets
-    ``"q" | "k" | int | None``: the signature the opaque operator calls (`_opaque_op`)."""
+    """`rows_backward` under its former name and signature, a spec given as ``(bias, mask, scale,
+    inputs, targets)`` with targets ``"q" | "k" | int | None``, kept for callers of that form."""
     bias, mask, scale, inputs, targets = spec
     typed = tuple(Target(Sink.Q) if t == "q" else Target(Sink.K) if t == "k" else Target(Sink.NONE) if t is None
                   else Target(Sink.EXTRA, t) for t in targets)
