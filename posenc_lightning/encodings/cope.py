@@ -139,7 +139,7 @@ class CoPE(Encoding):
         if self.pos_emb is None:
             raise RuntimeError("cope: head_dim unknown; call bind(head_dim=...) or inject() first")
         n_q, n_k, causal = q.shape[-2], k.shape[-2], ctx.causal
-        last: dict[tuple[int, int, int], int] = {}  # sdpa asks a block's window twice in backward
+        last: dict[tuple[int, int, int], int] = {}  # a block's window may be asked more than once
         # along one pass over the blocks: the previous block's width is the next one's first guess;
         # where no key was clamped, counts over twice the keys are needed before a new search
         walk = {"s": -1, "width": 0, "retry": 0}
