@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from posenc_lightning import build_encoding, inject
-from posenc_lightning.attention.backends import sdpa
+from posenc_lightning.attention.backends import _blocks
 from posenc_lightning.encodings import cope as ecope
 from posenc_lightning.encodings.base import AttentionContext, DenseBias
 from posenc_lightning.functional import cope as fcope
@@ -96,7 +96,7 @@ def test_whole_positions_match_the_eager_reference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_head", [True, False])
 def test_blockwise_attention_equals_eager_on_the_paper_formula(per_head, dtype, monkeypatch):
-    monkeypatch.setattr(sdpa, "BIAS_BLOCK_BYTES", 1)  # the minimum blocks: 16 query rows, 12 in backward
+    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 1)  # the minimum blocks: 16 query rows, 12 in backward
     n, cached, h, hkv, d = 150, 7, 4, 2, 8
     attn = Attn(n_heads=h, head_dim=d)
     enc = inject(attn, "cope", backend="sdpa", max_position=6, per_head=per_head, init_std=0.5)

@@ -92,7 +92,7 @@ def test_apply_rotary_odd_storage_offset_interleaved():
 # ---------------------------------------------------------------------------------------------
 # sdpa with a bias: Toeplitz view (i - j kinds at arange positions) and blockwise rows
 # ---------------------------------------------------------------------------------------------
-from posenc_lightning.attention.backends import _denormals, eager, sdpa
+from posenc_lightning.attention.backends import _blocks, _denormals, eager, sdpa
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import (
     AttentionContext,
@@ -132,7 +132,7 @@ CASES = {  # name: (n_q, n_k, q positions, k positions, causal, q_offset, segmen
 def test_sdpa_bias_fast_paths_equal_eager_fwd_bwd(kind, case, learned, monkeypatch):
     if learned and kind == "linear":
         pytest.skip("ALiBi slopes are fixed")
-    monkeypatch.setattr(sdpa, "BIAS_BLOCK_BYTES", 4 * 64 * 4 * 400)  # force several blocks of rows
+    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 4 * 64 * 4 * 400)  # force several blocks of rows
     n_q, n_k, qp, kp, causal, off, seg = CASES[case]
     kp = qp if kp is None else kp
     b, h, hkv, d = 2, 4, 2, 16
@@ -282,7 +282,7 @@ def test_learned_toeplitz_backward_and_flush_state(monkeypatch):
     """A learned ``f(i - j)`` table at arange positions runs SDPA's kernel forward and its own
     backward (`_ToeplitzAttention`), equal to eager; flush-to-zero is off again after backward."""
     n, h, d = 301, 4, 16
-    monkeypatch.setattr(sdpa, "BIAS_BLOCK_BYTES", 2 * 4 * 2 * h * n * 40)  # 40-row backward blocks
+    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 2 * 4 * 2 * h * n * 40)  # 40-row backward blocks
     assert sdpa.backward_rows(2, h, n, n) == 40
     pos = torch.arange(n)[None].expand(2, n)
     table = torch.randn(h, 2 * 9 + 1, requires_grad=True)
@@ -339,7 +339,7 @@ def test_absolute_embed_slice_equals_lookup_fwd_bwd(name, pos):
 
 
 def test_blockwise_own_backward_with_dependent_inputs(monkeypatch):
-    """A bias that can recompute its rows from stand-ins runs `_BlockwiseAttention` (SDPA forward,
+    """A bias that can recompute its rows from stand-ins runs `_RowsAttention` (SDPA forward,
     its own backward), even when its inputs are computed from one another (a mixture's w and
     slopes * w) or are q and k themselves (CoPE): rows are recomputed from detached, windowed
     leaves, so every input gets its partial gradient and autograd sums the paths. Packed
@@ -352,8 +352,8 @@ def test_blockwise_own_backward_with_dependent_inputs(monkeypatch):
     q = torch.randn(2, 4, n_q, 16, requires_grad=True)
     k, v = (torch.randn(2, 2, n_k, 16, requires_grad=True) for _ in range(2))
     used = []
-    orig = sdpa._BlockwiseAttention.apply
-    monkeypatch.setattr(sdpa._BlockwiseAttention, "apply", lambda *a: (used.append(1), orig(*a))[1])
+    orig = sdpa._RowsAttention.apply
+    monkeypatch.setattr(sdpa._RowsAttention, "apply", lambda *a: (used.append(1), orig(*a))[1])
 
     def make_bias(q, k):
         def qk_rows(s, e, ke, q_rows, k_head):  # 0.1 * q_i . k_j (kv heads repeated), a q/k-dependent bias
@@ -381,7 +381,7 @@ def test_blockwise_closure_bias_falls_back_to_checkpoints(monkeypatch):
     mask, ctx = AttentionMask(causal, off, n_q, n_k), AttentionContext(qp[None], qp[None], causal)
     table = torch.randn(1, 4, n_q, n_k, requires_grad=True)
     q, k, v = (torch.randn(1, 4, n_q, 16, requires_grad=True) for _ in range(3))
-    monkeypatch.setattr(sdpa._BlockwiseAttention, "apply", lambda *a: pytest.fail("own backward used"))
+    monkeypatch.setattr(sdpa._RowsAttention, "apply", lambda *a: pytest.fail("own backward used"))
     bias = DenseBias.lazy(lambda s, e, ke: table[..., s:e, :ke] * 2, n_q, n_k)
     assert not bias.recomputable
     out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=0.25, ctx=ctx)
@@ -397,7 +397,7 @@ def test_blockwise_causal_fills_only_the_diagonal_part(case, form, monkeypatch):
     first query are visible to all its rows): blocks of rows that do not divide n, a KV-cache
     offset, rows computed just now (written in place) or read from the bias's own tensor (left
     untouched); forward and backward equal eager's."""
-    monkeypatch.setattr(sdpa, "BIAS_BLOCK_BYTES", 4 * 4 * 300 * 23)  # ~23-row blocks of 4 heads
+    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 4 * 4 * 300 * 23)  # ~23-row blocks of 4 heads
     n_q, n_k, qp, _, causal, off, _ = CASES[case]
     mask, ctx = AttentionMask(causal, off, n_q, n_k), AttentionContext(qp[None], torch.arange(n_k)[None], causal)
     base = torch.randn(1, 4, n_q, n_k)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from posenc_lightning import inject
-from posenc_lightning.attention.backends import sdpa
+from posenc_lightning.attention.backends import _blocks, sdpa
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
 from posenc_lightning.encodings.bias import OpaqueOperands, register_opaque_kind
 from posenc_lightning.encodings.registry import _REGISTRY, register
@@ -133,7 +133,7 @@ def _registered():
 def _small_blocks(monkeypatch):
     """16-row blocks (37 = 16 + 16 + 5 rows), and the operator at these sizes (they would otherwise
     run as one traced block, `sdpa.COMPILED_ONE_BLOCK_BYTES`)."""
-    monkeypatch.setattr(sdpa, "BIAS_BLOCK_BYTES", 1)
+    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 1)
     monkeypatch.setattr(sdpa, "COMPILED_ONE_BLOCK_BYTES", 0)
     LogMLPBias.calls.clear()
 

@@ -7,7 +7,7 @@ packed positions, on blocks that do not divide the length."""
 import pytest
 import torch
 
-from posenc_lightning.attention.backends import eager, sdpa
+from posenc_lightning.attention.backends import _blocks, eager, sdpa
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext
 from posenc_lightning.encodings.bias import BiasSum, FireBias, LinearBias, RelativeBias
@@ -108,7 +108,7 @@ def test_terms_that_cannot_be_tabled_are_summed_as_given():
 def test_sdpa_blockwise_equals_eager(layout, monkeypatch):
     """End to end through sdpa's blocks (16 rows: 37 = 16 + 16 + 5) and own backward, against eager
     attention on the dense sum, with the packed documents' segment mask."""
-    monkeypatch.setattr(sdpa, "BIAS_BLOCK_BYTES", 1)
+    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 1)
     pos = POSITIONS[layout]
     seg = (pos[:, 1:] <= pos[:, :-1]).long().cumsum(1)
     seg = torch.cat([torch.zeros(2, 1, dtype=torch.long), seg], 1)

@@ -102,6 +102,9 @@ class CoPE(Encoding):
     #: the SDPA backend's blocks: smaller ones make the gates' matmul cost more than they save
     CHUNK_BYTES = 4 * 2**20
     GRAD_CHUNK_BYTES = 4 * 2**20
+    #: the share of the engine's backward blocks of rows these rows take (`Bias.backward_share`):
+    #: recomputed from q and k, they keep the gates, counts and q/k windows' gradients alive too
+    BACKWARD_SHARE = 0.75
 
     def _rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int, pos_emb: Tensor, clamped: int = 0) -> Tensor:
         if causal:
@@ -136,7 +139,7 @@ class CoPE(Encoding):
         if self.pos_emb is None:
             raise RuntimeError("cope: head_dim unknown; call bind(head_dim=...) or inject() first")
         n_q, n_k, causal = q.shape[-2], k.shape[-2], ctx.causal
-        last: dict[tuple[int, int, int], int] = {}  # sdpa asks a block's window twice in backward
+        last: dict[tuple[int, int, int], int] = {}  # a block's window may be asked more than once
         # along one pass over the blocks: the previous block's width is the next one's first guess;
         # where no key was clamped, counts over twice the keys are needed before a new search
         walk = {"s": -1, "width": 0, "retry": 0}
@@ -169,4 +172,5 @@ class CoPE(Encoding):
             return self.bias_rows(q_rows, k_keys, causal, n_k - n_q + s, pos_emb, clamped)[..., :ke]
 
         return DenseBias.lazy(rows, n_q, n_k, inputs=(q, k, self.pos_emb),
-                              window=lambda s, e, ke: (span(s, e, -2), span(first(s, e, ke), keys(e, ke), -2), None))
+                              window=lambda s, e, ke: (span(s, e, -2), span(first(s, e, ke), keys(e, ke), -2), None),
+                              backward_share=self.BACKWARD_SHARE)

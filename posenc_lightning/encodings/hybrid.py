@@ -179,7 +179,9 @@ class Mixture(CompositeEncoding):
             def window(s: int, e: int, ke: int) -> tuple:
                 return (span(s, e, -2), span(s, e, -2), span(0, ke, -2), span(0, ke, -2))
 
-            out = _sum([out, DenseBias.lazy(delta, q.shape[-2], k.shape[-2], inputs=(q, qr, kk, kkr), window=window)])
+            # recomputed from q and k: the q/k windows' gradients are kept too (`Bias.backward_share`)
+            out = _sum([out, DenseBias.lazy(delta, q.shape[-2], k.shape[-2], inputs=(q, qr, kk, kkr), window=window,
+                                            backward_share=0.75)])
         return out
 
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:

@@ -1,5 +1,5 @@
 """The softmax-attention gradient by blocks of query rows, for the SDPA backend's own backward
-passes (`sdpa._ToeplitzAttention`, `sdpa._BlockwiseAttention`): SDPA's kernels cannot give
+passes (`sdpa._ToeplitzAttention`, `sdpa._RowsAttention`): SDPA's kernels cannot give
 the gradient of a bias, so these recompute it block by block.
 
 With ``S = q k^T s + bias``, ``P = softmax(S)``, ``O = P v``: ``dS = P * (dO v^T - rowsum(dO * O))``,
@@ -21,7 +21,8 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
                                  on_ds: Callable[[int, int, int, Tensor], None] | None = None,
                                  reverse_rows: bool = False, dq: Tensor | None = None,
                                  dk: Tensor | None = None, empty_rows: bool = False,
-                                 scratch: Scratch | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                                 scratch: Scratch | None = None, compiling: bool = False
+                                 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the dtypes of q, k, v, computed ``rows`` query rows at a time.
 
     ``add_bias(start, stop, k_stop, s)`` adds the block's bias (and ``-inf`` where masked) in
@@ -33,7 +34,8 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
     so that ``on_ds`` can add a bias's own gradients for q and k to them without more buffers.
     ``empty_rows``: a query may see no key at all (key padding): its weights are 0, not NaN.
     ``scratch``: the blocks' buffers (`Scratch`, two of a block's size at least); buffer 1 is free
-    while ``on_ds`` runs (a caller may use it there).
+    while ``on_ds`` runs (a caller may use it there). ``compiling``: traced by ``torch.compile``
+    (as the caller's `_mode.Mode` says), for the default ``scratch``.
     """
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[-2]
@@ -49,7 +51,7 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
     dk = torch.zeros_like(kf) if dk is None else dk
     dv = torch.zeros_like(vf)
     block = b * h * min(rows, n_q) * n_k
-    scratch = Scratch((block, block), wt, q.device) if scratch is None else scratch
+    scratch = Scratch((block, block), wt, q.device, compiling) if scratch is None else scratch
 
     def grouped(t: Tensor, start: int, stop: int) -> Tensor:  # [B, H, r, X] -> [B, H_kv, g*r, X]
         t = t[:, :, start:stop]
@@ -96,10 +98,12 @@ class Scratch:
     weights and ``dS`` are written into them (``out=``) instead of fresh multi-MiB tensors each
     block, whose pages are new to the process each time (page faults). Under compile every
     block gets new tensors (`eager` False), as inductor plans its own buffers, and so does a
-    backward that is itself differentiated (``create_graph``: ``out=`` records no graph)."""
+    backward that is itself differentiated (``create_graph``: ``out=`` records no graph).
+    ``compiling``: traced by ``torch.compile``, as the caller's `_mode.Mode` says."""
 
-    def __init__(self, sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self.eager = not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+    def __init__(self, sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 compiling: bool = False) -> None:
+        self.eager = not compiling and not torch.is_grad_enabled()
         self._buffers = [torch.empty(n, dtype=dtype, device=device) for n in sizes] if self.eager else []
 
     def view(self, i: int, shape: tuple[int, ...]) -> Tensor:
@@ -153,11 +157,13 @@ def _recording() -> Iterator[None]:
         yield
 
 
-def block_vjp(fn: Callable[..., Tensor], *primals: Tensor) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]]:
+def block_vjp(fn: Callable[..., Tensor], *primals: Tensor, compiling: bool = False
+              ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]]:
     """``(fn(*primals), pullback)`` with ``pullback(g)`` the gradients of ``<fn(...), g>`` to every
     primal (zeros for one ``fn`` does not use), as ``torch.func.vjp``; eagerly through autograd
-    (inside a custom operator's kernel too, `_recording`)."""
-    if torch.compiler.is_compiling() or not EAGER_AUTOGRAD:
+    (inside a custom operator's kernel too, `_recording`). ``compiling``: traced by
+    ``torch.compile``, as the caller's `_mode.Mode` says."""
+    if compiling or not EAGER_AUTOGRAD:
         return torch.func.vjp(fn, *primals)
     leaves = [p.detach().requires_grad_() for p in primals]
     with _recording():

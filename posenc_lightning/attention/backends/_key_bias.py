@@ -1,5 +1,5 @@
-"""Biases that reduce to a key-only term under softmax (`Bias.key_only`: causal ALiBi
-``-m (i - j)``, FoX ``c_i - c_j``): the per-row part cancels, so SDPA can take the rest as one
+"""Biases that reduce to a key-only term under softmax (`Bias.key_only`: a causal linear
+distance penalty ``-m (i - j)``, cumulative gates ``c_i - c_j``): the per-row part cancels, so SDPA can take the rest as one
 extra q/k channel or, on CPU, as a broadcast key mask on its flash kernel. Used by `sdpa`."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ def _attend_key_channel(q: Tensor, k: Tensor, v: Tensor, key_only: KeyOnly, mask
                         gqa: bool) -> Tensor:
     """Attention with a key-only bias ``q_ch[h] * k_ch[b, h, j]`` as one extra channel:
     ``q_h -> [q_h, q_ch[h]]``, ``k_j -> [k_j, k_ch[j] / scale]``, ``v -> [v, 0]``. A key channel
-    shared by all heads (ALiBi's positions) keeps grouped kv heads grouped; a per-head one (FoX's
-    gates) repeats them. Plain causal or no mask keeps SDPA's ``is_causal`` kernel; O(N) extra
+    shared by all heads (positions) keeps grouped kv heads grouped; a per-head one (gates)
+    repeats them. Plain causal or no mask keeps SDPA's ``is_causal`` kernel; O(N) extra
     work and memory, and gradients reach ``q_ch`` and ``k_ch`` through the channels."""
     b, h, n_q, d = q.shape
     k_ch = key_only.k_ch.to(q.dtype)
@@ -48,8 +48,8 @@ _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 
 def _attend_key_bias(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, causal: bool, scale: float) -> Tensor:
-    """Attention with a bias that depends on the key only, ``key_bias [B|1, H, Nk]`` (what ALiBi's
-    and FoX's ``f(i) - g(j)`` leave once softmax drops the per-row ``f(i)``), given to SDPA's
+    """Attention with a bias that depends on the key only, ``key_bias [B|1, H, Nk]`` (what an
+    ``f(i) - g(j)`` bias leaves once softmax drops the per-row ``f(i)``), given to SDPA's
     CPU flash kernel as a broadcast ``[B, H, 1, Nk]`` mask together with its causal flag: no
     ``N x N`` mask, no copies of q and k (the extra-channel form costs two), same kernel
     backward."""

@@ -8,14 +8,14 @@ plus the output and one log-sum-exp per query row (softmax), is kept for backwar
   backward per block: the carried sums nearest first, then the gradient farthest first
   (`functional.stick_breaking.stick_breaking_tile_grad`).
 - `ModulatedSoftmaxBlocks`: ``softmax(s * mod(i, j))`` for a distance modulation of the scaled
-  logits (ExpoSB, stage 4), an online softmax over key tiles (Milakov & Gimelshein, 2018;
+  logits (stage 4), an online softmax over key tiles (Milakov & Gimelshein, 2018;
   FlashAttention's forward) with the log-sum-exp kept per row, and the softmax gradient by tiles.
 
 Weights below ``exp(EXP_FLOOR)`` are computed as that, and forward and backward run with denormals
 flushed to zero on CPU (`_flushing`): x86 arithmetic on denormals is many times slower, and the
 products of small weights and gradients fall there.
 Inputs of a bias that need a gradient come after ``spec`` (so autograd routes their gradients);
-the tiles' bias gradient reaches them through `_tiles.BiasTiles`.
+the tiles' bias gradient reaches them through `_tiles.BiasTiles` (the block engine's `_blocks.BlockRows`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.attention.backends._denormals import _flush_denormals
+from posenc_lightning.attention.backends._mode import Mode
 from posenc_lightning.attention.backends._tiles import BiasTiles, Tiling, flat, grouped, ungrouped
 from posenc_lightning.encodings.base import Bias
 from posenc_lightning.functional.stick_breaking import (
@@ -39,7 +40,7 @@ from posenc_lightning.functional.stick_breaking import (
 
 
 @dataclass(eq=False)
-class Spec:
+class TilesSpec:
     """What the Functions need besides tensors: the tiling, the bias and its inputs that need a
     gradient (``extra``), the logit scale, and for the modulated softmax the modulation
     ``mod(q_pos, k_pos) -> [B, 1, Nq, Nk]`` and the positions."""
@@ -52,9 +53,10 @@ class Spec:
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
 
-    def bias_tiles(self, h_kv: int, dtype: torch.dtype, needs: tuple[bool, ...] = ()) -> BiasTiles:
-        """`BiasTiles` with, per bias input, whether it needs a gradient (an ``extra`` that needs one)."""
-        bt = BiasTiles(self.bias, self.tiling, h_kv, dtype, self.q_pos, self.k_pos)
+    def bias_tiles(self, h_kv: int, dtype: torch.dtype, mode: Mode, needs: tuple[bool, ...] = ()) -> BiasTiles:
+        """`BiasTiles` of a pass in ``mode`` with, per bias input, whether it needs a gradient (an
+        ``extra`` that needs one)."""
+        bt = BiasTiles(self.bias, self.tiling, h_kv, dtype, self.q_pos, self.k_pos, mode.compiling)
         if needs:
             bt.need = tuple(any(t is x and n for x, n in zip(self.extra, needs)) for t in bt.inputs)
         return bt
@@ -77,11 +79,11 @@ def _logits(qs: Tensor, kt: Tensor, shape: tuple[int, ...], bias: Tensor | None)
     return z if bias is None else z.add_(bias)
 
 
-def _grad_buffers(ctx, spec: Spec, q: Tensor, k: Tensor, v: Tensor, wt: torch.dtype
+def _grad_buffers(ctx, spec: TilesSpec, q: Tensor, k: Tensor, v: Tensor, wt: torch.dtype
                   ) -> tuple[Tensor, Tensor, Tensor, BiasTiles]:
     """Zeroed ``dq, dk, dv`` accumulators in ``wt`` and the bias tiles of a backward pass."""
     dq, dk, dv = (torch.zeros(t.shape, dtype=wt, device=t.device) for t in (q, k, v))
-    return dq, dk, dv, spec.bias_tiles(k.shape[1], wt, ctx.needs_input_grad[4:])
+    return dq, dk, dv, spec.bias_tiles(k.shape[1], wt, Mode.of(q), ctx.needs_input_grad[4:])
 
 
 def _tile_grads(tl: Tiling, t: object, dz: Tensor, w: Tensor, qb: Tensor, kt: Tensor, dob: Tensor, dq_b: Tensor,
@@ -118,7 +120,7 @@ class StickBreakingBlocks(torch.autograd.Function):
 
     @staticmethod
     @_flushing
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: Spec, *extra: Tensor) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, *extra: Tensor) -> Tensor:
         out = _sb_forward(q, k, v, spec, _wide(q))
         ctx.save_for_backward(q, k, v)
         ctx.spec = spec
@@ -128,7 +130,7 @@ class StickBreakingBlocks(torch.autograd.Function):
     @_flushing
     def backward(ctx, d_out: Tensor):
         q, k, v = ctx.saved_tensors
-        spec: Spec = ctx.spec
+        spec: TilesSpec = ctx.spec
         b, h, _, d = q.shape
         h_kv, g, wt = k.shape[1], h // k.shape[1], _wide(q)
         tl = spec.tiling
@@ -159,7 +161,7 @@ class StickBreakingBlocks(torch.autograd.Function):
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
 
 
-def _forward_blocks(q: Tensor, v: Tensor, spec: Spec, bt: BiasTiles, h_kv: int, wt: torch.dtype):
+def _forward_blocks(q: Tensor, v: Tensor, spec: TilesSpec, bt: BiasTiles, h_kv: int, wt: torch.dtype):
     """The query blocks of a forward pass that see a key, their bias tiles started:
     ``(s, e, k_stop, shape, qb, acc)`` with ``shape = (B, H_kv, g, rows)``, the block's scaled
     queries ``qb`` (grouped, flat) and a zeroed output accumulator ``acc``."""
@@ -173,12 +175,12 @@ def _forward_blocks(q: Tensor, v: Tensor, spec: Spec, bt: BiasTiles, h_kv: int, 
                torch.zeros((b, h_kv, g * (e - s), v.shape[-1]), dtype=wt, device=q.device))
 
 
-def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtype) -> Tensor:
+def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtype) -> Tensor:
     b, h, n_q, _ = q.shape
     h_kv, d_v = k.shape[1], v.shape[-1]
     tl = spec.tiling
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
-    bt = spec.bias_tiles(h_kv, wt)
+    bt = spec.bias_tiles(h_kv, wt, Mode.of(q))
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         tail = torch.zeros(shape, dtype=wt, device=q.device)
         for t in tl.tiles(s, k_stop):
@@ -194,7 +196,7 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
 
     @staticmethod
     @_flushing
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: Spec, *extra: Tensor) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, *extra: Tensor) -> Tensor:
         wt = _wide(q)
         out, lse = _softmax_forward(q, k, v, spec, wt)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -205,7 +207,7 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
     @_flushing
     def backward(ctx, d_out: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        spec: Spec = ctx.spec
+        spec: TilesSpec = ctx.spec
         b, h, _, d = q.shape
         h_kv, g, wt = k.shape[1], h // k.shape[1], out.dtype
         tl = spec.tiling
@@ -237,12 +239,12 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
 
 
-def _modulation(spec: Spec, s: int, e: int, k0: int, k1: int, wt: torch.dtype) -> Tensor:
+def _modulation(spec: TilesSpec, s: int, e: int, k0: int, k1: int, wt: torch.dtype) -> Tensor:
     """``mod`` of the tile, ``[B, 1, 1, r, c]``."""
     return spec.modulation(spec.q_pos[:, s:e], spec.k_pos[:, k0:k1]).to(wt)[:, :, None]
 
 
-def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtype) -> tuple[Tensor, Tensor]:
+def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtype) -> tuple[Tensor, Tensor]:
     """The output and the log-sum-exp of every row (``+inf`` for a row that sees no key, whose
     output is 0 as eager's)."""
     b, h, n_q, _ = q.shape
@@ -250,7 +252,7 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, wt: torch.dtyp
     tl = spec.tiling
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
     lse = torch.full((b, h, n_q), float("inf"), dtype=wt, device=q.device)
-    bt = spec.bias_tiles(h_kv, wt)
+    bt = spec.bias_tiles(h_kv, wt, Mode.of(q))
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         m = torch.full(shape, float("-inf"), dtype=wt, device=q.device)
         den = torch.zeros(shape, dtype=wt, device=q.device)

@@ -2,7 +2,7 @@
 bias with opaque operands, inside a compiled graph. The kernels rebuild the bias from its tensors
 and constants by its registered kind name and run sdpa's engine: the Toeplitz template
 (`sdpa._attend_toeplitz`, `sdpa.toeplitz_backward`) where `Bias.distance_shift` holds, else rows
-by blocks (`sdpa._attend_by_rows`, `sdpa.blockwise_backward`, rows differentiated by
+by blocks (`sdpa._attend_by_rows`, `sdpa.rows_backward`, rows differentiated by
 `Bias.compiled_rows_from`). Nothing is recomputed in backward but the bias rows."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch import Tensor
 
 from posenc_lightning.attention.backends import sdpa
 from posenc_lightning.attention.backends._opaque_form import template
+from posenc_lightning.attention.backends._rows import RowsSpec, Sink, Target
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.bias import Bias, Index, rebuild_bias
 
@@ -101,7 +102,7 @@ def opaque_sdpa_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                          q_offset: int, scale: float, u_given: bool, need: list[bool]) -> list[Tensor]:
     """``[dq, dk, dv, *d_operands, du]`` (zeros where ``need`` is False or the form that ran has
     none): the eager backward of that form (`sdpa.toeplitz_backward`, then ``du`` to the given
-    template or, computed here, through the template's vjp; or `sdpa.blockwise_backward`)."""
+    template or, computed here, through the template's vjp; or `sdpa.rows_backward`)."""
     mask = AttentionMask(causal, q_offset, q.shape[-2], k.shape[-2])
     bias = rebuild_bias(kind, operands, ints, floats)
     need_ops = need[3:-1]
@@ -128,17 +129,17 @@ def opaque_sdpa_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         position = {id(t): i for i, t in enumerate(operands)}
         inputs = bias.grad_inputs() or ()
         extra: list[int] = []  # the operands differentiated, in the order of their first input
-        targets: list[int | None] = []  # each input's index among them, or None
+        targets: list[Target] = []  # where each input's gradient goes: its slot among them, or nowhere
         for t in inputs:
             i = position.get(id(t))
             if i is None or not need_ops[i]:
-                targets.append(None)
+                targets.append(Target(Sink.NONE))
                 continue
             if i not in extra:
                 extra.append(i)
-            targets.append(extra.index(i))
-        spec = (_DifferentiatedRows(bias), mask, scale, inputs, targets)
-        dq, dk, dv, g = sdpa.blockwise_backward(q, k, v, out, d_out, spec, (*need[:3], False, *[True] * len(extra)))
+            targets.append(Target(Sink.EXTRA, extra.index(i)))
+        spec = RowsSpec(_DifferentiatedRows(bias), mask, scale, tuple(inputs), tuple(targets))
+        dq, dk, dv, g = sdpa.rows_backward(q, k, v, out, d_out, spec, (*need[:3], False, *[True] * len(extra)))
         for j, i in enumerate(extra):
             grads[i] = g[j]
     full = [dq, dk, dv, *grads]  # laid out as their inputs (the fake's empty_like)

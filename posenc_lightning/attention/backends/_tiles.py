@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends._block_grad import block_vjp
+from posenc_lightning.attention.backends._blocks import BlockRows, wide_zeros
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias
 
@@ -128,16 +128,16 @@ def flat(t: Tensor) -> Tensor:
 class BiasTiles:
     """The bias of each tile, in walking order and the grouped layout, and its gradient.
 
-    A bias that depends on ``i - j`` only (`Bias.distance_only`: rse's penalty, ALiBi, T5) is
+    A bias that depends on ``i - j`` only (`Bias.distance_only`: linear penalties, relative tables) is
     computed per tile at the tile's positions (`Bias.at` at the context's positions, as the sdpa
     backend's Toeplitz path reads it): nothing larger than a tile. Any other
     kind: one block of `Bias.rows` at a time, sliced. Gradients: `Bias.rows_from` on detached
-    windows of `Bias.grad_inputs`, differentiated with `_block_grad.block_vjp` (traceable by dynamo,
-    unlike ``autograd.grad``), added window by window into full-size accumulators of the inputs
-    that need one (``need``, per input)."""
+    windows of `Bias.grad_inputs` (the engine's `_blocks.BlockRows`, as sdpa's rows), added window by
+    window into full-size accumulators of the inputs that need one (``need``, per input).
+    ``compiling``: the pass is traced by ``torch.compile`` (`_mode.Mode`)."""
 
     def __init__(self, bias: Bias | None, tiling: Tiling, h_kv: int, dtype: torch.dtype,
-                 q_pos: Tensor | None = None, k_pos: Tensor | None = None) -> None:
+                 q_pos: Tensor | None = None, k_pos: Tensor | None = None, compiling: bool = False) -> None:
         self.bias, self.tiling, self.h_kv, self.dtype = bias, tiling, h_kv, dtype
         self.inputs = tuple(bias.grad_inputs() or ()) if bias is not None else ()
         self.need: tuple[bool, ...] = (False,) * len(self.inputs)
@@ -149,7 +149,8 @@ class BiasTiles:
         self._block: tuple[int, int, int] = (0, 0, 0)
         self._rows: Tensor | None = None
         self._d_rows: Tensor | None = None
-        self._vjp = None
+        self._vjp: _Routed | None = None
+        self.compiling = compiling
 
     @property
     def grad(self) -> bool:
@@ -160,35 +161,13 @@ class BiasTiles:
         b, h = r.shape[:2]
         return r.reshape(b, self.h_kv, h // self.h_kv, *r.shape[2:]) if h > 1 else r[:, :, None]
 
-    def _differentiated(self, bias: Bias, start: int, stop: int, k_stop: int):
-        """``rows_from`` of ``bias`` and its vjp to the inputs that need a gradient."""
-        windows = bias.input_windows(start, stop, k_stop)
-        views = [t.detach() if w is None else t.detach()[w] for t, w in zip(bias.grad_inputs(), windows)]
-        slots = [next((i for i, x in enumerate(self.inputs) if x is t), -1) for t in bias.grad_inputs()]
-        idx = [i for i, slot in enumerate(slots) if slot >= 0 and self.need[slot]]
-
-        def f(*live: Tensor) -> Tensor:
-            vs = list(views)
-            for i, t in zip(idx, live):
-                vs[i] = t
-            return bias.rows_from(start, stop, k_stop, vs)
-
-        raw, vjp = block_vjp(f, *[views[i] for i in idx])
-
-        def take(d: Tensor) -> None:  # d: [B, H, r, K] in the bias's key order
-            if raw.shape[0] == 1 and d.shape[0] > 1:
-                d = d.sum(0, keepdim=True)
-            if raw.shape[1] == 1 and d.shape[1] > 1:
-                d = d.sum(1, keepdim=True)
-            for i, gi in zip(idx, vjp(d.to(raw.dtype))):
-                slot, w = slots[i], windows[i]
-                t = self.inputs[slot]
-                if self.grads[slot] is None:
-                    self.grads[slot] = torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32),
-                                                   device=t.device)
-                (self.grads[slot] if w is None else self.grads[slot][w]).add_(gi)
-
-        return raw.detach(), take
+    def _differentiated(self, bias: Bias, start: int, stop: int, k_stop: int) -> tuple[Tensor, _Routed]:
+        """``rows_from`` of ``bias`` and what routes their gradient to the inputs that need one."""
+        inputs = bias.grad_inputs()
+        slots = [next((i for i, x in enumerate(self.inputs) if x is t), -1) for t in inputs]
+        need = [slot >= 0 and self.need[slot] for slot in slots]
+        block = BlockRows.of(bias, inputs, need, start, stop, k_stop, self.compiling)
+        return block.rows, _Routed(block, slots, self)
 
     def start(self, start: int, stop: int, k_stop: int, grad: bool = False) -> None:
         """Begin a block of query rows (rows mode: its bias rows, kept with their vjp when ``grad``)."""
@@ -237,3 +216,20 @@ class BiasTiles:
 def ungrouped_rows(t: Tensor) -> Tensor:
     """``[B, H_kv, g, r, K]`` -> ``[B, H, r, K]``."""
     return t.flatten(1, 2)
+
+
+class _Routed:
+    """A block's (or a per-tile bias's) `BlockRows` with its inputs' slots among `BiasTiles.inputs`:
+    called with the rows' gradient ``[B, H, r, K]``, adds it to the tiles' accumulators."""
+
+    def __init__(self, block: BlockRows, slots: list[int], tiles: BiasTiles) -> None:
+        self.block, self.slots, self.tiles = block, slots, tiles
+
+    def __call__(self, d_rows: Tensor) -> None:
+        self.block.backward(d_rows, self._into)
+
+    def _into(self, i: int) -> Tensor:
+        slot, grads = self.slots[i], self.tiles.grads
+        if grads[slot] is None:
+            grads[slot] = wide_zeros(self.tiles.inputs[slot])
+        return grads[slot]

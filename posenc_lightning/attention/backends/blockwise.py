@@ -3,16 +3,16 @@
 Runs the normalizers an encoding declares (`Encoding.fused_normalizer`), never an ``N x N``
 tensor, forward and backward (`_normalizers`: query blocks x key tiles, recomputed in backward):
 
-- ``"stick_breaking"`` (sba, rse): key tiles nearest first, the log-space sum of ``softplus``
+- ``"stick_breaking"``: key tiles nearest first, the log-space sum of ``softplus``
   carried across tiles as the Triton kernel does; any bias kind added per tile (`Bias.rows`),
-  its inputs' gradients (rse's penalty slopes) through `Bias.rows_from`.
-- ``"distance_modulated_softmax"`` (exposb): an online softmax of ``(q k^T s + bias) * mod``
+  its inputs' gradients (a learned penalty's slopes) through `Bias.rows_from`.
+- ``"distance_modulated_softmax"``: an online softmax of ``(q k^T s + bias) * mod``
   over key tiles, ``mod`` from the encoding's ``distance_modulation(q_pos, k_pos)`` at the tile's
   positions (any positions).
 
 A backend of its own (not a branch of eager or sdpa): ``auto`` picks it on CPU after sdpa (which
-refuses normalizers) and on CUDA after triton and flex (the fallback without triton, and
-exposb's path there), and the conformance suite holds it to the eager reference like the others.
+refuses normalizers) and on CUDA after triton and flex (the fallback without triton, and the
+distance-modulated softmax's path there), and the conformance suite holds it to the eager reference like the others.
 Compile-clean: loops over Python ints from shapes, no host reads of tensor values.
 """
 
@@ -24,7 +24,8 @@ from types import MethodType
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends._normalizers import ModulatedSoftmaxBlocks, Spec, StickBreakingBlocks
+from posenc_lightning.attention.backends._blocks import tile_rows
+from posenc_lightning.attention.backends._normalizers import ModulatedSoftmaxBlocks, StickBreakingBlocks, TilesSpec
 from posenc_lightning.attention.backends._tiles import Tiling
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
@@ -34,10 +35,9 @@ NAME = "blockwise"
 FUSES_ROTARY = False
 #: the declared normalizers (`Encoding.fused_normalizer`) this backend runs
 NORMALIZERS = ("stick_breaking", "distance_modulated_softmax")
-#: query rows per block and keys per tile; with a bias, fewer rows so that a block's bias rows
-#: (``[B, H, rows, keys seen]`` float32, and their gradient in backward) stay near `BIAS_BLOCK_BYTES`
+#: query rows per block and keys per tile; with a bias computed by rows, fewer rows (at least
+#: ``MIN_BIAS_ROWS``) as the engine's block budget gives them (`_blocks.tile_rows`)
 BLOCK_ROWS, BLOCK_KEYS = 128, 256
-BIAS_BLOCK_BYTES = 2 * 2**20
 MIN_BIAS_ROWS = 16
 
 
@@ -55,7 +55,7 @@ def block_rows(bias: Bias | None, b: int, h: int, n_k: int) -> int:
     """Query rows per block: fewer with a bias computed by blocks of rows (not `Bias.distance_only`)."""
     if bias is None or bias.distance_only:
         return BLOCK_ROWS
-    return int(min(BLOCK_ROWS, max(MIN_BIAS_ROWS, BIAS_BLOCK_BYTES // (4 * b * h * max(n_k, 1)))))
+    return tile_rows(b, h, n_k, BLOCK_ROWS, MIN_BIAS_ROWS)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
@@ -83,12 +83,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         if mask.causal:
             diag = min(diag, mask.q_offset)
         tiling = Tiling(mask, n_q, n_k, diag, rows, BLOCK_KEYS, descending=True)
-        spec = Spec(tiling, bias, extra, scale, None, *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)))
+        spec = TilesSpec(tiling, bias, extra, scale, None, *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)))
         return StickBreakingBlocks.apply(q, k, v, spec, *extra)
     if ctx is None:
         raise ValueError(f"{enc.name}: the distance-modulated softmax needs the positions (ctx)")
     tiling = Tiling(mask, n_q, n_k, mask.q_offset if mask.causal else None, rows, BLOCK_KEYS, descending=False)
-    spec = Spec(tiling, bias, extra, scale, enc.distance_modulation, ctx.q_pos, ctx.k_pos)
+    spec = TilesSpec(tiling, bias, extra, scale, enc.distance_modulation, ctx.q_pos, ctx.k_pos)
     return ModulatedSoftmaxBlocks.apply(q, k, v, spec, *extra)
 
 

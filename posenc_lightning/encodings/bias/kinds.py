@@ -185,6 +185,12 @@ class Bias(ABC):
         return False
 
     @property
+    def backward_share(self) -> float:
+        """The share of the engine's backward block of rows this kind's rows take (default 1); less
+        for rows whose recomputation keeps more row-sized state alive (CoPE's gates and counts)."""
+        return 1.0
+
+    @property
     def rows_shape(self) -> tuple[int, int] | None:
         """``(Nq, Nk)`` when the values exist only as `rows` computed on request (a lazy dense
         bias, FIRE's MLP per pair): what a backend computes block by block; None when the kind
@@ -350,6 +356,7 @@ class DenseBias(Bias):
         shape_qk: ``(Nq, Nk)`` of a lazy bias.
         inputs: the tensors ``fn`` is computed from (its `grad_inputs`).
         window: ``window(start, stop, k_stop)``: the parts of ``inputs`` those rows read.
+        share: the share of the engine's backward blocks of rows its rows take (`backward_share`).
 
     Raises:
         ValueError: neither or both of ``tensor`` and ``fn``, or ``fn`` without ``shape_qk``.
@@ -360,6 +367,7 @@ class DenseBias(Bias):
     shape_qk: tuple[int, int] | None = None  # (Nq, Nk) of a lazy bias
     inputs: tuple[Tensor, ...] | None = field(default=None, repr=False)  # what ``fn`` is computed from
     window: Callable[[int, int, int], tuple[Index, ...]] | None = field(default=None, repr=False)
+    share: float = 1.0
 
     def __post_init__(self) -> None:
         if (self.tensor is None) == (self.fn is None) or (self.fn is not None and self.shape_qk is None):
@@ -370,7 +378,8 @@ class DenseBias(Bias):
 
     @classmethod
     def lazy(cls, fn: Callable[..., Tensor], n_q: int, n_k: int, inputs: Sequence[Tensor] | None = None,
-             window: Callable[[int, int, int], tuple[Index, ...]] | None = None) -> DenseBias:
+             window: Callable[[int, int, int], tuple[Index, ...]] | None = None,
+             backward_share: float = 1.0) -> DenseBias:
         """A bias computed only for the rows asked for (``materialize()`` = all rows).
 
         Without ``inputs``: ``fn(start, stop, k_stop) -> [B|1, H, stop - start, k_stop]``; the SDPA
@@ -382,9 +391,11 @@ class DenseBias(Bias):
         None = all; e.g. ``span(start, stop, -2)`` for the query rows of q): ``fn`` then gets
         the parts. The SDPA backend's own backward calls ``fn`` on detached parts and
         differentiates to them: no ``N x N`` kept, gradients only as large as the parts.
+        ``backward_share``: below 1 for rows whose recomputation keeps more row-sized state alive
+        (smaller backward blocks, `Bias.backward_share`).
         """
         ins = None if inputs is None else tuple(inputs)
-        return cls(fn=fn, shape_qk=(int(n_q), int(n_k)), inputs=ins, window=window)
+        return cls(fn=fn, shape_qk=(int(n_q), int(n_k)), inputs=ins, window=window, share=backward_share)
 
     def grad_inputs(self) -> tuple[Tensor, ...] | None:
         return (self.tensor,) if self.tensor is not None else self.inputs
@@ -411,6 +422,10 @@ class DenseBias(Bias):
     @property
     def fresh_rows(self) -> bool:
         return self.is_lazy and self.inputs is not None  # a function of its arguments: new rows
+
+    @property
+    def backward_share(self) -> float:
+        return self.share
 
     def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
         if self.tensor is not None:
@@ -439,7 +454,8 @@ class DenseBias(Bias):
         if ins is None:
             return DenseBias.lazy(lambda s, e, ke: self.rows(s, e, ke) * w, *self.shape_qk)
         return DenseBias.lazy(lambda s, e, ke, *v: self.rows_from(s, e, ke, v[:-1]) * v[-1], *self.shape_qk,
-                              inputs=(*ins, w), window=lambda s, e, ke: (*self.input_windows(s, e, ke), None))
+                              inputs=(*ins, w), window=lambda s, e, ke: (*self.input_windows(s, e, ke), None),
+                              backward_share=self.share)
 
     def fold_into(self, args: KernelBias) -> None:
         args.add_dense(self.tensor if self.tensor is not None else self.materialize())
@@ -473,6 +489,10 @@ class ScaledBias(Bias):
 
     def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
         return self.inner.rows_from(start, stop, k_stop, views[:-1]) * views[-1]
+
+    @property
+    def backward_share(self) -> float:
+        return self.inner.backward_share
 
     @property
     def distance_only(self) -> bool:
@@ -590,6 +610,10 @@ class BiasSum(Bias):
     @property
     def fresh_rows(self) -> bool:
         return all(p.fresh_rows for p in self.parts)
+
+    @property
+    def backward_share(self) -> float:
+        return min(p.backward_share for p in self.parts)
 
     @property
     def distance_only(self) -> bool:

@@ -1,0 +1,125 @@
+"""The block engine shared by sdpa's rows (`sdpa`) and the blockwise backend's tiles (`_tiles`): how many
+query rows one block takes (one budget, `BIAS_BLOCK_BYTES`), and a block's bias rows recomputed from
+stand-ins for the bias's inputs with their gradient routed back to those inputs (`BlockRows`).
+
+A bias is never materialized ``[H, N, N]``: a block of query rows gets its slice (`Bias.rows`), and
+backward recomputes it from detached windows of `Bias.grad_inputs` (`Bias.rows_from`,
+`Bias.input_windows`), differentiated there (`_block_grad.block_vjp`): gradients are window-sized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from posenc_lightning.attention.backends._block_grad import block_vjp
+from posenc_lightning.encodings.base import Bias
+
+#: the bytes of one block of bias rows (``[B|1, H, rows, keys]`` float32), never the whole
+#: ``[H, N, N]``. Content-dependent rows (an MLP per pair, gates and counts) keep several
+#: temporaries of this size, so it is small next to the attention's own memory; smaller blocks
+#: cost more per-block overhead than they save (the measurements are in CHANGELOG.md).
+BIAS_BLOCK_BYTES = 8 * 2**20
+#: the fewest query rows of a block, whatever the budget says (a block's fixed cost)
+MIN_ROWS = 16
+_F32 = 4
+
+
+def rows_within(n_rows: int, row_bytes: int, live: int = 1, least: int = MIN_ROWS) -> int:
+    """Query rows per block so that ``live`` block-sized tensors of ``row_bytes`` per row fit in
+    `BIAS_BLOCK_BYTES`: at least ``least``, at most ``n_rows``.
+
+    Args:
+        n_rows: the most rows a block may take (the queries, or a backend's own cap).
+        row_bytes: bytes of one query row of one such tensor.
+        live: how many such tensors a block keeps alive together.
+        least: the fewest rows.
+
+    Returns:
+        The rows per block.
+    """
+    return int(min(n_rows, max(least, BIAS_BLOCK_BYTES // (live * max(row_bytes, 1)))))
+
+
+def forward_rows(n_heads: int, n_q: int, n_k: int) -> int:
+    """Query rows per block of sdpa's forward by rows: one block of bias ``[1, H, rows, keys]``."""
+    return rows_within(n_q, _F32 * n_heads * max(n_k, 1))
+
+
+def backward_rows(b: int, n_heads: int, n_q: int, n_k: int, share: float = 1.0) -> int:
+    """Query rows per block of the own backward passes: half a forward block, as the logits, the
+    weights, ``dS`` and the bias rows of a block are alive together; ``share`` of that for a bias
+    whose recomputed rows keep more row-sized state (`Bias.backward_share`)."""
+    rows = rows_within(n_q, _F32 * b * n_heads * max(n_k, 1), live=2)
+    return rows if share >= 1.0 else max(MIN_ROWS // 2, int(rows * share))
+
+
+def tile_rows(b: int, n_heads: int, n_k: int, cap: int, least: int) -> int:
+    """Query rows per block of the blockwise backend with a bias computed by rows: a block's bias
+    rows and their gradient live across all its key tiles, beside the rows' own intermediates
+    (four block-sized tensors); at most ``cap``, at least ``least``."""
+    return rows_within(cap, _F32 * b * n_heads * max(n_k, 1), live=4, least=least)
+
+
+def wide_zeros(t: Tensor) -> Tensor:
+    """A zero accumulator for ``t``'s gradient, float32 or wider."""
+    return torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
+
+
+@dataclass(eq=False)
+class BlockRows:
+    """One block's bias rows (detached) and what routes their gradient to the bias's inputs:
+    ``live`` the inputs differentiated to, ``windows`` the part of each input the rows read."""
+
+    rows: Tensor
+    pullback: Callable[[Tensor], tuple[Tensor, ...]] | None
+    live: tuple[int, ...]
+    windows: tuple
+
+    @classmethod
+    def of(cls, bias: Bias, inputs: Sequence[Tensor], need: Sequence[bool], start: int, stop: int, k_stop: int,
+           compiling: bool) -> BlockRows:
+        """The rows ``[start, stop) x [0, k_stop)`` of ``bias`` from detached windows of its ``inputs``
+        (`Bias.grad_inputs`), differentiable to those where ``need``.
+
+        Args:
+            bias: the bias (`Bias.recomputable`).
+            inputs: its `Bias.grad_inputs`.
+            need: per input, whether it needs a gradient.
+            start: first query row.
+            stop: query row past the last.
+            k_stop: keys ``0..k_stop-1``.
+            compiling: traced by ``torch.compile`` (`_block_grad.block_vjp`).
+
+        Returns:
+            The block.
+        """
+        windows = tuple(bias.input_windows(start, stop, k_stop))
+        views = [t.detach() if w is None else t.detach()[w] for t, w in zip(inputs, windows)]
+        live = tuple(i for i, n in enumerate(need) if n)
+
+        def rows_of(*diff: Tensor) -> Tensor:  # the rows as a function of the inputs that need a gradient
+            vs = list(views)
+            for i, d in zip(live, diff):
+                vs[i] = d
+            return bias.rows_from(start, stop, k_stop, vs)  # [B|1, H|1, r, K]
+
+        if not live:
+            return cls(rows_of().detach(), None, live, windows)
+        rows, pullback = block_vjp(rows_of, *[views[i] for i in live], compiling=compiling)
+        return cls(rows.detach(), pullback, live, windows)
+
+    def backward(self, d_rows: Tensor, into: Callable[[int], Tensor]) -> None:
+        """Add the gradient of the rows, ``d_rows [B, H, r, K]`` (summed where the rows broadcast),
+        to each live input's accumulator ``into(i)`` (full-size), window by window."""
+        if self.pullback is None:
+            return
+        for dim in (0, 1):
+            if self.rows.shape[dim] == 1 and d_rows.shape[dim] > 1:
+                d_rows = d_rows.sum(dim, keepdim=True)
+        for i, gi in zip(self.live, self.pullback(d_rows.to(self.rows.dtype))):
+            acc, w = into(i), self.windows[i]
+            (acc if w is None else acc[w]).add_(gi)
