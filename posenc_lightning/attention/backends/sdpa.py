@@ -28,7 +28,6 @@ from posenc_lightning.attention.backends._plan import Call, Form, Mode, Plan, ch
 from posenc_lightning.attention.backends._rows import (
     RowsSpec,
     Sink,
-    Target,
     collect_rows,
     masked,
     owned_rows,
@@ -38,7 +37,7 @@ from posenc_lightning.attention.backends._toeplitz import template_at, toeplitz_
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KeyOnly
 
-__all__ = ["attend", "backward_rows", "block_rows", "blockwise_backward", "rows_backward", "supports",
+__all__ = ["attend", "backward_rows", "block_rows", "rows_backward", "supports",
            "toeplitz_backward"]
 
 NAME = "sdpa"
@@ -304,12 +303,3 @@ class _RowsAttention(torch.autograd.Function):
                                             Mode.of(q).compiling)
         return (dq, dk, dv, None, *g_extra)
 
-
-def blockwise_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, spec: tuple,
-                       needs_input_grad: tuple[bool, ...]) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
-    """`rows_backward` under its former name and signature, a spec given as ``(bias, mask, scale,
-    inputs, targets)`` with targets ``"q" | "k" | int | None``, kept for callers of that form."""
-    bias, mask, scale, inputs, targets = spec
-    typed = tuple(Target(Sink.Q) if t == "q" else Target(Sink.K) if t == "k" else Target(Sink.NONE) if t is None
-                  else Target(Sink.EXTRA, t) for t in targets)
-    return rows_backward(q, k, v, out, d_out, RowsSpec(bias, mask, scale, tuple(inputs), typed), needs_input_grad)
