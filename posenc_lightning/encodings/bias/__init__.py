@@ -26,10 +26,10 @@ A new kind implements `materialize` and `rows`; every other method has a default
 for any kind (dense score term and kernel argument, lazily scaled rows, no opaque operator).
 """
 
+from posenc_lightning.encodings.bias.dense import DenseBias
 from posenc_lightning.encodings.bias.kinds import (
     Bias,
     BiasSum,
-    DenseBias,
     Index,
     KernelBias,
     KeyOnly,

@@ -1,6 +1,7 @@
-"""The bias base class, what backends receive from it (`KeyOnly`, `KernelBias`), and the generic
-kinds: `DenseBias` (a tensor, or rows by a function), `ScaledBias`, `BiasSum`. The kinds with O(N)
-data are in `structured` (see the package docstring for what a kind answers)."""
+"""The bias base class, what backends receive from it (`KeyOnly`, `KernelBias`, `OpaqueOperands`),
+and the generic kinds that combine others: `ScaledBias`, `BiasSum`. `DenseBias` (a tensor, or rows by
+a function) is in `dense`, the kinds with O(N) data in `structured` (see the package docstring for
+what a kind answers)."""
 
 from __future__ import annotations
 
@@ -8,43 +9,21 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from posenc_lightning.encodings.bias._distance_table import DistanceTable, accumulate
 from posenc_lightning.encodings.bias.tile import TileBias
+from posenc_lightning.encodings.bias.windows import Index, cut, same_positions, span
 from posenc_lightning.functional.positions import arange_offset, host_reads_ok
 
-__all__ = ["Bias", "BiasSum", "DenseBias", "KernelBias", "KeyOnly", "OpaqueOperands", "ScaledBias", "cut", "span"]
+__all__ = ["Bias", "BiasSum", "KernelBias", "KeyOnly", "OpaqueOperands", "ScaledBias", "cut", "span"]
 
-#: a part of a tensor (``t[index]``); None = the whole tensor
-Index = Any
 #: ``f(b, h, q_idx, kv_idx) -> value`` (float32), one term of a flex ``score_mod``
 ScoreTerm = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 _WIDE = (torch.float32, torch.float64)
-
-
-def span(start: int, stop: int, dim: int = -1) -> Index:
-    """The index of ``[start, stop)`` along ``dim`` (negative: counted from the end), e.g.
-    ``span(s, e, -2)`` = the query rows ``s:e`` of ``q [B, H, N, D]``."""
-    return (Ellipsis, slice(start, stop)) + (slice(None),) * (-dim - 1)
-
-
-def cut(tensors: Sequence[Tensor], windows: Sequence[Index]) -> list[Tensor]:
-    """``[t[w] for t, w in ...]``, None windows taking the whole tensor."""
-    return [t if w is None else t[w] for t, w in zip(tensors, windows)]
-
-
-def _distance(q_pos: Tensor, k_pos: Tensor) -> Tensor:
-    """``i - j`` for every (query, key) pair: ``[B, Nq, Nk]`` from ``[B, Nq]`` and ``[B, Nk]``."""
-    return q_pos[:, :, None] - k_pos[:, None, :]
-
-
-def _same(a: Tensor, b: Tensor) -> bool:
-    """The same positions: the same tensor, or equal values where reading them is free."""
-    return a is b or (a.shape == b.shape and host_reads_ok(a) and bool(torch.equal(a, b)))
 
 
 @dataclass(eq=False)
@@ -104,7 +83,7 @@ class KernelBias:
         if self.q_pos is None:
             self.q_pos, self.k_pos = q_pos, k_pos
             return True
-        return _same(self.q_pos, q_pos) and _same(self.k_pos, k_pos)
+        return same_positions(self.q_pos, q_pos) and same_positions(self.k_pos, k_pos)
 
     def add_dense(self, t: Tensor) -> None:
         self.dense = t if self.dense is None else self.dense + t
@@ -346,122 +325,6 @@ class Bias(ABC):
 
 
 @dataclass(eq=False)
-class DenseBias(Bias):
-    """Any bias given as a tensor ``[B or 1, H, Nq, Nk]`` (fallback), or lazily by a function of
-    rows (`DenseBias.lazy`: FIRE, CoPE, mixtures), so that blockwise backends never hold ``N x N``.
-
-    Args:
-        tensor: the bias ``[B or 1, H, Nq, Nk]``; or None with ``fn``.
-        fn: ``fn(start, stop, k_stop)`` gives rows ``start:stop``, keys ``:k_stop``.
-        shape_qk: ``(Nq, Nk)`` of a lazy bias.
-        inputs: the tensors ``fn`` is computed from (its `grad_inputs`).
-        window: ``window(start, stop, k_stop)``: the parts of ``inputs`` those rows read.
-        share: the share of the engine's backward blocks of rows its rows take (`backward_share`).
-
-    Raises:
-        ValueError: neither or both of ``tensor`` and ``fn``, or ``fn`` without ``shape_qk``.
-    """
-
-    tensor: Tensor | None = None
-    fn: Callable[..., Tensor] | None = field(default=None, repr=False)
-    shape_qk: tuple[int, int] | None = None  # (Nq, Nk) of a lazy bias
-    inputs: tuple[Tensor, ...] | None = field(default=None, repr=False)  # what ``fn`` is computed from
-    window: Callable[[int, int, int], tuple[Index, ...]] | None = field(default=None, repr=False)
-    share: float = 1.0
-
-    def __post_init__(self) -> None:
-        if (self.tensor is None) == (self.fn is None) or (self.fn is not None and self.shape_qk is None):
-            raise ValueError("DenseBias needs a tensor, or a rows function and its sizes: "
-                             "DenseBias(tensor) or DenseBias.lazy(fn, n_q, n_k)")
-        if self.window is not None and self.inputs is None:
-            raise ValueError("DenseBias.lazy: a window needs the inputs it cuts (inputs=...)")
-
-    @classmethod
-    def lazy(cls, fn: Callable[..., Tensor], n_q: int, n_k: int, inputs: Sequence[Tensor] | None = None,
-             window: Callable[[int, int, int], tuple[Index, ...]] | None = None,
-             backward_share: float = 1.0) -> DenseBias:
-        """A bias computed only for the rows asked for (``materialize()`` = all rows).
-
-        Without ``inputs``: ``fn(start, stop, k_stop) -> [B|1, H, stop - start, k_stop]``; the SDPA
-        backend then checkpoints each block to get gradients.
-
-        With ``inputs`` (every tensor the rows depend on that may need a gradient: parameters,
-        q, k...): ``fn(start, stop, k_stop, *inputs)`` must read them from its arguments only.
-        ``window(start, stop, k_stop)`` names the part of each input those rows read (an index,
-        None = all; e.g. ``span(start, stop, -2)`` for the query rows of q): ``fn`` then gets
-        the parts. The SDPA backend's own backward calls ``fn`` on detached parts and
-        differentiates to them: no ``N x N`` kept, gradients only as large as the parts.
-        ``backward_share``: below 1 for rows whose recomputation keeps more row-sized state alive
-        (smaller backward blocks, `Bias.backward_share`).
-        """
-        ins = None if inputs is None else tuple(inputs)
-        return cls(fn=fn, shape_qk=(int(n_q), int(n_k)), inputs=ins, window=window, share=backward_share)
-
-    def grad_inputs(self) -> tuple[Tensor, ...] | None:
-        return (self.tensor,) if self.tensor is not None else self.inputs
-
-    def input_windows(self, start: int, stop: int, k_stop: int) -> tuple[Index, ...]:
-        if self.tensor is not None:
-            return ((Ellipsis, slice(start, stop), slice(0, k_stop)),)
-        if self.window is None:
-            return (None,) * len(self.inputs or ())
-        return tuple(self.window(start, stop, k_stop))
-
-    @property
-    def is_lazy(self) -> bool:
-        return self.tensor is None
-
-    @property
-    def rows_shape(self) -> tuple[int, int] | None:
-        return self.shape_qk if self.is_lazy else None
-
-    @property
-    def recomputable(self) -> bool:
-        return self.tensor is not None or self.inputs is not None
-
-    @property
-    def fresh_rows(self) -> bool:
-        return self.is_lazy and self.inputs is not None  # a function of its arguments: new rows
-
-    @property
-    def backward_share(self) -> float:
-        return self.share
-
-    def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
-        if self.tensor is not None:
-            return views[0].to(torch.float32)
-        if self.inputs is None:
-            return super().rows_from(start, stop, k_stop, views)
-        return self.fn(start, stop, k_stop, *views).to(torch.float32)
-
-    def materialize(self) -> Tensor:
-        if self.tensor is None:
-            return self.rows(0, *self.shape_qk)
-        return self.tensor.to(torch.float32)
-
-    def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
-        if self.tensor is not None:
-            return self.tensor[..., start:stop, :k_stop].to(torch.float32)
-        if self.inputs is None:
-            return self.fn(start, stop, k_stop).to(torch.float32)
-        return self.rows_from(start, stop, k_stop, cut(self.inputs, self.input_windows(start, stop, k_stop)))
-
-    def scaled(self, w: Tensor) -> Bias:
-        """A given tensor times ``w``; a lazy bias stays lazy (its rows times ``w``)."""
-        if self.tensor is not None:
-            return DenseBias(self.materialize() * w)
-        ins = self.grad_inputs()
-        if ins is None:
-            return DenseBias.lazy(lambda s, e, ke: self.rows(s, e, ke) * w, *self.shape_qk)
-        return DenseBias.lazy(lambda s, e, ke, *v: self.rows_from(s, e, ke, v[:-1]) * v[-1], *self.shape_qk,
-                              inputs=(*ins, w), window=lambda s, e, ke: (*self.input_windows(s, e, ke), None),
-                              backward_share=self.share)
-
-    def fold_into(self, args: KernelBias) -> None:
-        args.add_dense(self.tensor if self.tensor is not None else self.materialize())
-
-
-@dataclass(eq=False)
 class ScaledBias(Bias):
     """``weight * inner`` (a scalar tensor ``weight``), row by row: `Bias.scaled` of a kind that
     has no scaled form of its own."""
@@ -550,7 +413,7 @@ class BiasSum(Bias):
         if len(self.parts) < 2 or not cand:
             return None
         q, k = self.parts[cand[0]].positions
-        terms = [i for i in cand if _same(self.parts[i].positions[0], q) and _same(self.parts[i].positions[1], k)]
+        terms = [i for i in cand if same_positions(self.parts[i].positions[0], q) and same_positions(self.parts[i].positions[1], k)]
         a, c = arange_offset(q), arange_offset(k)
         if a is not None and c is not None:  # row i, key j at distance a - c + i - j
             base, length = a - c + q.shape[1] - 1, q.shape[1] + k.shape[1] - 1

@@ -10,7 +10,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from posenc_lightning.encodings.bias.kinds import _WIDE, Bias, Index, KernelBias, KeyOnly, ScoreTerm, _distance, span
+from posenc_lightning.encodings.bias.kinds import _WIDE, Bias, KernelBias, KeyOnly, ScoreTerm
+from posenc_lightning.encodings.bias.windows import Index, pair_distance, span
 from posenc_lightning.functional.positions import host_reads_ok
 
 __all__ = ["DecayBias", "LinearBias", "RelativeBias"]
@@ -35,7 +36,7 @@ class LinearBias(Bias):
     distance_only = True
 
     def materialize(self) -> Tensor:
-        dist = _distance(self.q_pos, self.k_pos).abs().to(torch.float32)
+        dist = pair_distance(self.q_pos, self.k_pos).abs().to(torch.float32)
         return -self.slopes.to(torch.float32)[None, :, None, None] * dist[:, None]
 
     def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
@@ -107,7 +108,7 @@ class RelativeBias(Bias):
 
     def materialize(self) -> Tensor:
         r = self.max_distance
-        idx = _distance(self.q_pos, self.k_pos).long().clamp(-r, r) + r  # [B, Nq, Nk]
+        idx = pair_distance(self.q_pos, self.k_pos).long().clamp(-r, r) + r  # [B, Nq, Nk]
         out = self.table.to(torch.float32)[:, idx]  # [H, B, Nq, Nk]
         return out.permute(1, 0, 2, 3)
 
