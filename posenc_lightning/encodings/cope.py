@@ -175,7 +175,9 @@ class CoPE(Encoding):
                     if found is not None:
                         counted[s, e, ke] = found
                     if j:
-                        walk.update(width=2 * (q_off - j), retry=0)
+                        # the next block's first query clamps about as far back as this one's: its
+                        # distance and a margin (a miss doubles the width and counts again)
+                        walk.update(width=(q_off - j) + (q_off - j) // 4 + 16, retry=0)
                     else:
                         walk.update(width=0, retry=2 * q_off)
                 walk["s"] = s
