@@ -189,7 +189,9 @@ class CoPE(Encoding):
             found = counted.pop((s, e, ke), None)
             if found is not None and found[0].shape[-2:] != (q_rows.shape[-2], k_keys.shape[-2]):
                 found = None  # not the window the search was for
-            return self.bias_rows(q_rows, k_keys, causal, n_k - n_q + s, pos_emb, clamped, found)[..., :ke]
+            out = self.bias_rows(q_rows, k_keys, causal, n_k - n_q + s, pos_emb, clamped, found)
+            # a view only where keys are cut: new rows take sdpa's mask in place (`owned_rows`)
+            return out if out.shape[-1] == ke else out[..., :ke]
 
         return DenseBias.lazy(rows, n_q, n_k, inputs=(q, k, self.pos_emb),
                               window=lambda s, e, ke: (span(s, e, -2), span(first(s, e, ke), keys(e, ke), -2), None),
