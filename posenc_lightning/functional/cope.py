@@ -113,10 +113,10 @@ def cope_causal_rows(q: Tensor, k: Tensor, emb: Tensor, scale: float, max_positi
     all float32; gates ``sigmoid(scale q.k)``. Returns ``[B, H, r, clamped + K]``: ``z_i[top]``
     at the ``clamped`` keys before ``k`` (the caller knows ``p_ij >= top`` there, see
     `CoPE.clamped_keys`), elsewhere equal to ``cope_lookup(q @ emb, cope_positions(gates, True,
-    q_offset), max_position)``: the same sums in the same order, but int32 indices into the
-    flattened ``(z, dz)`` pairs (one gather), no gradient graph (one Function), and, as ``p_ij``
-    does not increase along ``j`` (a suffix sum of gates >= 0), ``dz`` summed per ``floor(p)``
-    by two scatters (no graph of element-wise index arithmetic).
+    q_offset), max_position)``: the same sums in the same order, but one gather of the
+    ``(z, dz)`` pairs at ``floor(p)`` along each row, no gradient graph (one Function), and
+    ``dz``'s gradient by two scatters along the row into a row one wider than ``z`` (no
+    index arithmetic). The keys after each query count 0 gates: ``z_i[0]`` there.
 
     ``counted``: ``(gates, suffix)`` already computed for these rows and keys (`cope_counts`, as
     `CoPE.clamped_keys` does while it looks for the clamp), so that they are not computed twice;
