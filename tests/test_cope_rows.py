@@ -117,3 +117,30 @@ def test_blockwise_attention_equals_eager_on_the_paper_formula(per_head, dtype, 
     torch.testing.assert_close(out.double(), ref.double(), **tol)
     for a, b in zip(grads, torch.autograd.grad((ref * g).sum(), params)):
         torch.testing.assert_close(a.double(), b.double(), **tol)
+
+
+@pytest.mark.parametrize("max_position", [6, 20])
+def test_rows_from_the_clamp_search_equal_rows_counted_anew(max_position):
+    """The rows take the gates and counts the clamp search computed over a wider window (a slice
+    of them): the same rows and gradients as counting the rows' own keys anew, on long rows where
+    most keys are clamped; the search's count (a binary search on the suffix sums) is the number
+    of keys at the clamp in every row."""
+    enc = cope(False, heads=2, d=8, max_position=max_position)
+    q, k = leaves(1, 2, 2, 40, 300, 8, 1.0)  # 260 cached keys
+    bias = enc.bias(q, k, AttentionContext(None, None, True))
+    for s, e in [(0, 17), (17, 40)]:
+        ke, off = 260 + e, 260 + s
+        rows = bias.rows(s, e, ke)  # the window's search hands its counts to the rows
+        j = enc.clamped_keys(q[:, :, s:e], k[:, :, :ke], off)
+        assert j > 0
+        anew = enc.bias_rows(q[:, :, s:e], k[:, :, j:ke], True, off, clamped=j)  # counted by the rows
+        torch.testing.assert_close(rows, anew, rtol=1e-6, atol=1e-6)
+        g = torch.randn_like(rows)
+        got = torch.autograd.grad((rows * g).sum(), [q, k, enc.pos_emb])
+        want = torch.autograd.grad((anew * g).sum(), [q, k, enc.pos_emb])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            _, suffix = fcope.cope_counts(q[:, :, s:e], k[:, :, :ke], enc.softmax_scale(8), off)
+            top = max_position - 1
+            assert fcope.cope_clamped_count(suffix, top) == int((suffix >= top).sum(-1).min()) == j

@@ -9,8 +9,9 @@ from torch import Tensor, nn
 from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, span
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.functional.cope import (
-    cope_causal_gates,
     cope_causal_rows,
+    cope_clamped_count,
+    cope_counts,
     cope_interpolate,
     cope_lookup,
     cope_positions,
@@ -75,20 +76,22 @@ class CoPE(Encoding):
         return cope_interpolate(z, pos)
 
     def bias_rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int, pos_emb: Tensor | None = None,
-                  clamped: int = 0) -> Tensor:
+                  clamped: int = 0, counted: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """`bias_tensor` by a faster route, same values and gradients (``pos_emb``: a stand-in for
         the parameter; causal: `cope_causal_rows`, ``k`` the keys from index ``clamped`` on, see
-        `clamped_keys`). Computed by sub-blocks of about `CHUNK_BYTES` of rows, each recomputed in
+        `clamped_keys`; ``counted``: the rows' gates and counts over ``k`` if already computed,
+        `cope_counts`). Computed by sub-blocks of about `CHUNK_BYTES` of rows, each recomputed in
         backward (checkpoint), so that the gates and counts of a whole block never coexist."""
         pos_emb = self.pos_emb if pos_emb is None else pos_emb
         grad = torch.is_grad_enabled()
         per_row = 4 * q.shape[0] * q.shape[1] * k.shape[-2]
         step = max(1, (self.GRAD_CHUNK_BYTES if grad else self.CHUNK_BYTES) // max(per_row, 1))
         if q.shape[-2] <= step:
-            return self._rows(q, k, causal, q_offset, pos_emb, clamped)
+            return self._rows(q, k, causal, q_offset, pos_emb, clamped, counted)
         pieces = []
         for a in range(0, q.shape[-2], step):
-            args = (q[:, :, a:a + step], k, causal, q_offset + a, pos_emb, clamped)
+            part = None if counted is None else tuple(t[:, :, a:a + step] for t in counted)
+            args = (q[:, :, a:a + step], k, causal, q_offset + a, pos_emb, clamped, part)
             if grad:
                 from torch.utils.checkpoint import checkpoint
 
@@ -106,10 +109,11 @@ class CoPE(Encoding):
     #: recomputed from q and k, they keep the gates, counts and q/k windows' gradients alive too
     BACKWARD_SHARE = 0.75
 
-    def _rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int, pos_emb: Tensor, clamped: int = 0) -> Tensor:
+    def _rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int, pos_emb: Tensor, clamped: int = 0,
+              counted: tuple[Tensor, Tensor] | None = None) -> Tensor:
         if causal:
             return cope_causal_rows(q.float(), k.float(), pos_emb.float(), self.softmax_scale(q.shape[-1]),
-                                    self.max_position, q_offset, clamped)
+                                    self.max_position, q_offset, clamped, counted)
         pos = cope_positions(self.gates(q, k), causal, q_offset=q_offset)
         return cope_lookup(torch.matmul(q.float(), pos_emb.float()), pos, self.max_position)
 
@@ -120,26 +124,34 @@ class CoPE(Encoding):
         Read from the suffix sums over the ``width`` keys before the first query (doubled until
         they reach the clamp; the same sums, in the same order, as the rows'); 0 where values
         cannot be read."""
+        return self._clamp(q, k, q_offset, width)[0]
+
+    def _clamp(self, q: Tensor, k: Tensor, q_offset: int, width: int | None = None
+               ) -> tuple[int, tuple[Tensor, Tensor] | None]:
+        """`clamped_keys` and, where some are, the rows' gates and counts over the keys after
+        them (`cope_counts`), which the search computed: the rows then need not compute them."""
         top = self.max_position - 1
         if not host_reads_ok(q):
-            return 0
+            return 0, None
         width = max(width or 0, 2 * self.max_position)  # counts of fewer than P - 1 gates (<= 1) never clamp
         with torch.no_grad(), torch.autocast(q.device.type, enabled=False):  # float32, as the rows
             while q_offset - width > 0:
                 j0 = q_offset - width
-                g = cope_causal_gates(q.float(), k[:, :, j0:].float(), self.softmax_scale(q.shape[-1]), q_offset - j0)
+                g, suffix = cope_counts(q.float(), k[:, :, j0:].float(), self.softmax_scale(q.shape[-1]), q_offset - j0)
                 # p_ij does not increase along j: each row's count of p >= top is its clamped prefix
-                n = int((g.flip(-1).cumsum_(-1) >= top).sum(-1).min())
-                if n:
-                    return j0 + n
+                n = cope_clamped_count(suffix, top)
+                if n:  # the last keys' suffix sums are a prefix of suffix
+                    return j0 + n, (g[..., n:], suffix[..., :suffix.shape[-1] - n])
                 width *= 2
-        return 0
+        return 0, None
 
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
         if self.pos_emb is None:
             raise RuntimeError("cope: head_dim unknown; call bind(head_dim=...) or inject() first")
         n_q, n_k, causal = q.shape[-2], k.shape[-2], ctx.causal
         last: dict[tuple[int, int, int], int] = {}  # a block's window may be asked more than once
+        # the gates and counts the search computed for a block, until its rows take them
+        counted: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
         # along one pass over the blocks: the previous block's width is the next one's first guess;
         # where no key was clamped, counts over twice the keys are needed before a new search
         walk = {"s": -1, "width": 0, "retry": 0}
@@ -154,13 +166,18 @@ class CoPE(Encoding):
                 return 0
             if (s, e, ke) not in last:
                 last.clear()
+                counted.clear()
                 q_off, j = n_k - n_q + s, 0
                 if s <= walk["s"]:  # a new pass
                     walk.update(width=0, retry=0)
                 if q_off >= walk["retry"]:
-                    j = self.clamped_keys(q[:, :, s:e], k[:, :, :keys(e, ke)], q_off, walk["width"])
+                    j, found = self._clamp(q[:, :, s:e], k[:, :, :keys(e, ke)], q_off, walk["width"])
+                    if found is not None:
+                        counted[s, e, ke] = found
                     if j:
-                        walk.update(width=2 * (q_off - j), retry=0)
+                        # the next block's first query clamps about as far back as this one's: its
+                        # distance and a margin (a miss doubles the width and counts again)
+                        walk.update(width=(q_off - j) + (q_off - j) // 4 + 16, retry=0)
                     else:
                         walk.update(width=0, retry=2 * q_off)
                 walk["s"] = s
@@ -169,7 +186,12 @@ class CoPE(Encoding):
 
         def rows(s: int, e: int, ke: int, q_rows: Tensor, k_keys: Tensor, pos_emb: Tensor) -> Tensor:
             clamped = keys(e, ke) - k_keys.shape[-2]
-            return self.bias_rows(q_rows, k_keys, causal, n_k - n_q + s, pos_emb, clamped)[..., :ke]
+            found = counted.pop((s, e, ke), None)
+            if found is not None and found[0].shape[-2:] != (q_rows.shape[-2], k_keys.shape[-2]):
+                found = None  # not the window the search was for
+            out = self.bias_rows(q_rows, k_keys, causal, n_k - n_q + s, pos_emb, clamped, found)
+            # a view only where keys are cut: new rows take sdpa's mask in place (`owned_rows`)
+            return out if out.shape[-1] == ke else out[..., :ke]
 
         return DenseBias.lazy(rows, n_q, n_k, inputs=(q, k, self.pos_emb),
                               window=lambda s, e, ke: (span(s, e, -2), span(first(s, e, ke), keys(e, ke), -2), None),

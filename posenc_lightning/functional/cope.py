@@ -105,7 +105,7 @@ class _CoPELookup(torch.autograd.Function):
 
 
 def cope_causal_rows(q: Tensor, k: Tensor, emb: Tensor, scale: float, max_position: int, q_offset: int,
-                     clamped: int = 0) -> Tensor:
+                     clamped: int = 0, counted: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Causal CoPE bias rows ``z_i[p_ij]`` (eqs. 3-5), forward and backward in few passes.
 
     ``q [B, H, r, D]`` (query ``i`` at key ``i + q_offset``), ``k [B, H_kv, K, D]`` the keys from
@@ -113,16 +113,20 @@ def cope_causal_rows(q: Tensor, k: Tensor, emb: Tensor, scale: float, max_positi
     all float32; gates ``sigmoid(scale q.k)``. Returns ``[B, H, r, clamped + K]``: ``z_i[top]``
     at the ``clamped`` keys before ``k`` (the caller knows ``p_ij >= top`` there, see
     `CoPE.clamped_keys`), elsewhere equal to ``cope_lookup(q @ emb, cope_positions(gates, True,
-    q_offset), max_position)``: the same sums in the same order, but int32 indices into the
-    flattened ``(z, dz)`` pairs (one gather), no gradient graph (one Function), and, as ``p_ij``
-    does not increase along ``j`` (a suffix sum of gates >= 0), ``dz`` summed over the runs of
-    equal ``floor(p)`` instead of scattered element by element."""
+    q_offset), max_position)``: the same sums in the same order, but one gather of the
+    ``(z, dz)`` pairs at ``floor(p)`` along each row, no gradient graph (one Function), and
+    ``dz``'s gradient by two scatters along the row into a row one wider than ``z`` (no
+    index arithmetic). The keys after each query count 0 gates: ``z_i[0]`` there.
+
+    ``counted``: ``(gates, suffix)`` already computed for these rows and keys (`cope_counts`, as
+    `CoPE.clamped_keys` does while it looks for the clamp), so that they are not computed twice;
+    read only, never written."""
     top = int(max_position) - 1
     q, k = q.contiguous(), k.contiguous()  # views of a fused qkv (heads interleaved): 3x slower matmuls
     with torch.autocast(q.device.type, enabled=False):  # float32 throughout, as given
         if torch.is_grad_enabled():
-            return _CoPECausalRows.apply(q, k, emb, scale, top, q_offset, clamped)[0]
-        return _causal_rows(q, k, torch.matmul(q, emb), scale, top, q_offset, clamped, keep=False)[0]
+            return _CoPECausalRows.apply(q, k, emb, scale, top, q_offset, clamped, counted)[0]
+        return _causal_rows(q, k, torch.matmul(q, emb), scale, top, q_offset, clamped, False, counted)[0]
 
 
 def _grouped(t: Tensor, h_kv: int) -> Tensor:
@@ -131,60 +135,85 @@ def _grouped(t: Tensor, h_kv: int) -> Tensor:
 
 
 def _after_query(t: Tensor, q_offset: int) -> None:
-    """Zero ``t [..., r, K]`` at the keys after each query (the block's diagonal corner only)."""
+    """Zero ``t [..., r, K]`` (finite) at the keys after each query (the block's diagonal corner
+    only): a product with a 0/1 lower triangle, ~5x faster on CPU than a broadcast masked_fill."""
     r, n_k = t.shape[-2:]
-    if q_offset + 1 < n_k:
-        kj = torch.arange(q_offset + 1, n_k, device=t.device)
-        t[..., q_offset + 1:].masked_fill_(kj > torch.arange(q_offset, q_offset + r, device=t.device)[:, None], 0.0)
+    if q_offset + 1 < n_k:  # column c is key q_offset + 1 + c, seen by rows i > c
+        t[..., q_offset + 1:].mul_(torch.ones(r, n_k - q_offset - 1, dtype=t.dtype, device=t.device).tril_(-1))
 
 
 def cope_causal_gates(q: Tensor, k: Tensor, scale: float, q_offset: int) -> Tensor:
     """``sigmoid(scale q_i.k_j)`` ``[B, H, r, K]``, 0 at the keys after each query (eq. 3)."""
     b, h, r, _ = q.shape
-    g = torch.matmul(_grouped(q, k.shape[1]), k.contiguous().mT)  # contiguous: see cope_causal_rows
-    g = g.view(b, h, r, k.shape[-2]).mul_(scale).sigmoid_()
+    # the scale on q (r x D), not on the logits (r x K): one pass less (exact for a power of 2)
+    g = torch.matmul(_grouped(q, k.shape[1]) * scale, k.contiguous().mT)  # contiguous: see cope_causal_rows
+    g = g.view(b, h, r, k.shape[-2]).sigmoid_()
     _after_query(g, q_offset)
     return g
 
 
-def _causal_rows(q: Tensor, k: Tensor, z: Tensor, scale: float, top: int, q_offset: int, clamped: int, keep: bool):
-    """``(rows, gates, index, frac, pairs)`` from ``z = q @ emb`` (``keep=False``: only the rows,
-    buffers reused). ``index`` counts positions from the top (``P - 1 - floor p``) so that,
-    flattened row after row, it is sorted: the runs the backward sums over."""
+def cope_counts(q: Tensor, k: Tensor, scale: float, q_offset: int) -> tuple[Tensor, Tensor]:
+    """``(gates, suffix)``: the causal gates ``[B, H, r, K]`` (`cope_causal_gates`) and their sums
+    over the keys from the last one back, ``suffix[..., u] = sum_{j >= K - 1 - u} g_ij`` (keys in
+    reverse order: ``p_ij = suffix[..., K - 1 - j]``, eq. 4). The suffix of the last ``K'`` keys
+    is ``suffix[..., :K']`` (the same sums in the same order as over those keys alone), and it
+    does not decrease along its last dim (gates >= 0), as ``torch.searchsorted`` reads it."""
+    g = cope_causal_gates(q, k, scale, q_offset)
+    return g, g.flip(-1).cumsum_(-1)
+
+
+def cope_clamped_count(suffix: Tensor, top: float) -> int:
+    """How many leading keys have ``p_ij >= top`` in every row, from `cope_counts`'s ``suffix``
+    (non-decreasing along its last dim: a binary search per row); 0 where values cannot be read
+    on the host (traced)."""
+    if not host_reads_ok(suffix):
+        return 0
+    first = torch.searchsorted(suffix, suffix.new_full((*suffix.shape[:-1], 1), top))  # first >= top
+    return suffix.shape[-1] - int(first.max())
+
+
+def _causal_rows(q: Tensor, k: Tensor, z: Tensor, scale: float, top: int, q_offset: int, clamped: int, keep: bool,
+                 counted: tuple[Tensor, Tensor] | None = None):
+    """``(rows, gates, floor, frac, slope)`` from ``z = q @ emb`` (``keep=False``: only the rows;
+    ``counted``: `cope_counts` of these rows and keys, read only): ``floor(p)`` (int64), its
+    fraction ``w`` and the slope ``z[ceil p] - z[floor p]`` (0 where ``p`` is whole), the
+    backward's inputs."""
     b, h, r, _ = q.shape
-    n_p = z.shape[-1]
     out = z.new_empty(b, h, r, clamped + k.shape[-2])
     out[..., :clamped] = z[..., top:top + 1]
-    q_offset -= clamped
-    g = cope_causal_gates(q, k, scale, q_offset)
-    rev = g.flip(-1)
+    if counted is None:
+        g, rev = cope_counts(q, k, scale, q_offset - clamped)
+    else:
+        g, rev = counted
     if not keep:
         del g
-    p = rev.cumsum_(-1).flip(-1).clamp_(max=top)  # p_ij = sum_{t=j..i} g_it (eq. 4)
+    p = rev.flip(-1).clamp_(max=top)  # p_ij = sum_{t=j..i} g_it (eq. 4); a copy: rev is not written
     del rev
-    idx = p.to(torch.int32)  # floor: p >= 0
-    w = p.sub_(idx)
-    last = torch.arange(1, b * h * r + 1, device=q.device, dtype=torch.int32).view(b, h, r, 1) * n_p - 1
-    idx = torch.sub(last, idx, out=idx)
-    dz = torch.diff(z, dim=-1, append=z[..., -1:])  # z[m + 1] - z[m]
-    pair = torch.complex(z, dz).flip(-1).view(-1).index_select(0, idx.view(-1)).view(w.shape)
+    lo = p.to(torch.int64)  # floor: p >= 0
+    w = p.frac_()  # p - floor(p), exactly
+    dz = torch.diff(z, dim=-1, append=z[..., -1:])  # z[m + 1] - z[m]; 0 at the last
+    pair = torch.complex(z, dz).gather(-1, lo)  # (z, dz) at floor(p): one gather for both
     torch.addcmul(pair.real, pair.imag, w, out=out[..., clamped:])
-    return (out, g, idx, w, pair) if keep else (out, None, None, None, None)
+    if not keep:
+        return out, None, None, None, None
+    # d/dp: z[ceil p] - z[floor p], 0 where p is whole (ceil = floor; clamped: p = top); w in [0, 1)
+    slope = torch.mul(pair.imag, w.sign())
+    return out, g, lo, w, slope
 
 
 class _CoPECausalRows(torch.autograd.Function):
     @staticmethod
     def forward(q: Tensor, k: Tensor, emb: Tensor, scale: float, top: int, q_offset: int,  # type: ignore[override]
-                clamped: int):
-        return _causal_rows(q, k, torch.matmul(q, emb), scale, top, q_offset, clamped, keep=True)
+                clamped: int, counted: tuple[Tensor, Tensor] | None):
+        return _causal_rows(q, k, torch.matmul(q, emb), scale, top, q_offset, clamped, True, counted)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
-        q, k, emb, scale, top, q_offset, clamped = inputs
-        _, g, idx, w, pair = output
-        ctx.save_for_backward(q, k, emb, g, idx, w, pair)
+        q, k, emb, scale, top, q_offset, clamped, _ = inputs
+        _, g, lo, w, slope = output
+        ctx.save_for_backward(q, k, emb, g, lo, w, slope)
         ctx.scale, ctx.top, ctx.q_offset, ctx.clamped = scale, top, q_offset - clamped, clamped
-        ctx.mark_non_differentiable(g, idx, w, pair)
+        ctx.mark_non_differentiable(g, lo, w, slope)
         ctx.set_materialize_grads(False)  # no zeros for the saved outputs' gradients
 
     @staticmethod
@@ -195,31 +224,27 @@ class _CoPECausalRows(torch.autograd.Function):
 
     @staticmethod
     def grads(ctx, grad: Tensor) -> tuple:
-        q, k, emb, g, idx, w, pair = ctx.saved_tensors
+        q, k, emb, g, lo, w, slope = ctx.saved_tensors
         b, h, r, d = q.shape
         h_kv, n_p = k.shape[1], emb.shape[-1]
         grad_top, grad = grad[..., :ctx.clamped].sum(-1), grad[..., ctx.clamped:]  # z_i[top] at the clamped keys
-        # d/dp: z[ceil p] - z[floor p], 0 where p is whole (ceil = floor) or clamped (p = top)
-        gp = torch.mul(grad, pair.imag).masked_fill_(w == 0, 0.0)
         # p_ij = sum_{t=j..i} g_it: dg_it = sum_{j <= t} dp_ij; sigmoid' = g (1 - g); 0 after the query
-        dl = torch.ops.aten.sigmoid_backward(gp.cumsum_(-1), g)
+        dl = torch.ops.aten.sigmoid_backward(torch.mul(grad, slope).cumsum_(-1), g)
         _after_query(dl, ctx.q_offset)
         dl = _grouped(dl, h_kv)
         dq = torch.matmul(dl, k).mul_(ctx.scale).view(b, h, r, d)
         dk = torch.matmul(dl.mT, _grouped(q, h_kv)).mul_(ctx.scale)
-        # dz[m]: grad (1 - w) summed where floor(p) = m, grad w where floor(p) = m - 1 (index - 1)
-        gw, flat = grad * w, idx.view(-1)
-        if host_reads_ok(grad):  # the flattened index is sorted: sums over its runs (lengths: counts)
-            lengths = torch.bincount(flat, minlength=b * h * r * n_p)
-            gz = torch.segment_reduce(grad.sub(gw).view(-1), "sum", lengths=lengths)
-            gz[:-1] += torch.segment_reduce(gw.view(-1), "sum", lengths=lengths)[1:]
-        else:  # traced: no sizes read from values; w = 0 where index - 1 leaves the row
-            gz = torch.zeros(b * h * r * n_p, dtype=grad.dtype, device=grad.device)
-            gz.index_add_(0, flat, grad.sub(gw).view(-1)).index_add_(0, (flat - 1).clamp_(min=0), gw.view(-1))
-        gz = gz.view(b, h, r, n_p).flip(-1)
+        # dz[m]: grad (1 - w) summed where floor(p) = m, grad w where floor(p) = m - 1: scattered
+        # into columns 0..P-1 and 1..P of one more column than z has (w = 0 at the top: no index
+        # arithmetic), in key order
+        gw = grad * w
+        wide = torch.zeros(b, h, r, n_p + 1, dtype=grad.dtype, device=grad.device)
+        wide[..., :n_p].scatter_add_(-1, lo, grad.sub(gw))
+        wide[..., 1:].scatter_add_(-1, lo, gw)
+        gz = wide[..., :n_p]
         gz[..., ctx.top] += grad_top
         dq += torch.matmul(gz, emb.mT)
         demb = torch.matmul(q.mT, gz).sum(0, keepdim=True)
         if emb.shape[0] == 1:
             demb = demb.sum(1)
-        return dq, dk, demb.view(emb.shape), None, None, None, None
+        return dq, dk, demb.view(emb.shape), None, None, None, None, None
