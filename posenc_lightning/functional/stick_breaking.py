@@ -25,6 +25,15 @@ def stable_softplus(x: Tensor) -> Tensor:
     return F.softplus(x, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
 
 
+def tile_softplus(z: Tensor) -> Tensor:
+    """`stable_softplus` as ``log(1 + exp(min(z, t))) + max(z - t, 0)`` for ``t`` the threshold: a few
+    vectorized passes instead of ``log1p``. Equal to it within one float32 ulp of the result for
+    ``z >= -16``; below, ``exp(z)`` vanishes next to 1 and it returns 0 where softplus is ``exp(z)``
+    (< 1.2e-7: a carried sum of such terms is short by at most that per key)."""
+    sp = z.clamp_max(SOFTPLUS_THRESHOLD).exp_().add_(1.0).log_()
+    return sp.add_(z.sub(SOFTPLUS_THRESHOLD).clamp_min_(0.0))
+
+
 def stick_breaking_mask(nq: int, nk: int, q_offset: int = 0, attend_current: bool = False,
                         device: torch.device | None = None) -> Tensor:
     """bool ``[Nq, Nk]``: key ``j`` is before query ``i`` (at index ``i + q_offset``); the
@@ -61,7 +70,7 @@ def stick_breaking_tile(z: Tensor, keep: Tensor | None, tail: Tensor) -> tuple[T
     the Triton kernel's). Returns ``A = exp(z_ij - tail - sum_{k >= j in the tile} softplus(z_ik))``
     (0 where not visible) and the tail after the tile.
     """
-    sp = stable_softplus(z)
+    sp = tile_softplus(z)
     if keep is not None:
         sp = sp.mul_(keep)
     c = sp.cumsum(-1).add_(tail[..., None])
@@ -77,7 +86,7 @@ def stick_breaking_tile(z: Tensor, keep: Tensor | None, tail: Tensor) -> tuple[T
 def stick_breaking_tail(z: Tensor, keep: Tensor | None, tail: Tensor) -> Tensor:
     """``tail`` plus the tile's ``sum softplus(z_ik)`` over its visible keys (the carry of
     `stick_breaking_tile` alone, for a backward that walks the tiles farthest first)."""
-    sp = stable_softplus(z)
+    sp = tile_softplus(z)
     if keep is not None:
         sp = sp.mul_(keep)
     return sp.sum(-1).add_(tail)

@@ -4,7 +4,8 @@ A `Tiling` knows, from Python ints only (shapes, the mask's offset), which keys 
 rows may see and in which order the key tiles are walked, and gives each tile's keys and
 visibility mask; `BiasTiles` gives each tile's bias (any kind) and routes its gradient. Query
 heads are laid out grouped (``[B, H_kv, g, r, .]``: grouped kv heads are never repeated).
-Nothing built here is larger than one block of rows x the keys it sees.
+Nothing built here is larger than one block of rows x the keys it sees, or than the keys themselves
+(`Tiling.walked`: the keys and values in walking order, once per pass).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Tile:
 class Tiling:
     """The blocks of one call. ``diag``: query ``i`` may see key ``j`` only if ``j <= i + diag``
     (None: any key); ``descending``: key tiles are walked nearest first, each tile's keys in
-    descending order (stick-breaking: `key_tile` flips each tile's keys)."""
+    descending order (stick-breaking: `walked` flips the keys once per pass)."""
 
     def __init__(self, mask: AttentionMask, n_q: int, n_k: int, diag: int | None, rows: int, cols: int,
                  descending: bool) -> None:
@@ -50,15 +51,19 @@ class Tiling:
         """A per-key ``[B, Nk]`` tensor in walking order."""
         return t.flip(-1) if self.descending else t
 
-    def key_tile(self, x: Tensor, t: Tile, dtype: torch.dtype) -> Tensor:
-        """The tile's keys of ``x [B, H_kv, Nk, X]`` in walking order and ``dtype`` (a tile-sized
-        copy at most: never a flipped or widened copy of all keys)."""
-        x = x[:, :, t.k0:t.k1].to(dtype)
+    def walked(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """All keys of ``x [B, H_kv, Nk, X]`` in walking order and ``dtype``, once per pass (a copy
+        the size of ``x`` when descending: one flip, not one per tile)."""
+        x = x.to(dtype)
         return x.flip(-2) if self.descending else x
 
-    def add_key_tile(self, acc: Tensor, t: Tile, x: Tensor) -> None:
-        """``acc[:, :, keys of t] += x`` for ``x`` in walking order."""
-        acc[:, :, t.k0:t.k1] += x.flip(-2) if self.descending else x
+    def unwalked(self, x: Tensor) -> Tensor:
+        """A walked per-key ``[B, H_kv, Nk, X]`` tensor back in key order."""
+        return x.flip(-2) if self.descending else x
+
+    def key_tile(self, xw: Tensor, t: Tile) -> Tensor:
+        """The tile's keys of a `walked` tensor (a view, in walking order)."""
+        return xw[:, :, self.span(t)]
 
     def blocks(self) -> Iterator[tuple[int, int, int]]:
         """``(start, stop, k_stop)``: query rows ``[start, stop)`` see keys ``[0, k_stop)`` at most."""
@@ -66,6 +71,11 @@ class Tiling:
             e = min(self.n_q, s + self.rows)
             k_stop = self.n_k if self.diag is None else max(0, min(self.n_k, e + self.diag))
             yield s, e, k_stop
+
+    def max_tiles(self) -> int:
+        """The most key tiles of any block."""
+        k_stop = max([0] + [k for _, _, k in self.blocks()])
+        return max(1, -(-k_stop // self.cols))
 
     def tiles(self, start: int, k_stop: int) -> list[Tile]:
         """The key tiles of a block, in walking order."""

@@ -83,13 +83,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         if mask.causal:
             diag = min(diag, mask.q_offset)
         tiling = Tiling(mask, n_q, n_k, diag, rows, BLOCK_KEYS, descending=True)
-        spec = TilesSpec(tiling, bias, extra, scale, None, *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)))
+        spec = TilesSpec(tiling, bias, extra, scale, None, *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)),
+                         keep_tails=_keeps_tails(q, k, v, extra, tiling))
         return StickBreakingBlocks.apply(q, k, v, spec, *extra)
     if ctx is None:
         raise ValueError(f"{enc.name}: the distance-modulated softmax needs the positions (ctx)")
     tiling = Tiling(mask, n_q, n_k, mask.q_offset if mask.causal else None, rows, BLOCK_KEYS, descending=False)
     spec = TilesSpec(tiling, bias, extra, scale, enc.distance_modulation, ctx.q_pos, ctx.k_pos)
     return ModulatedSoftmaxBlocks.apply(q, k, v, spec, *extra)
+
+
+def _keeps_tails(q: Tensor, k: Tensor, v: Tensor, extra: tuple[Tensor, ...], tiling: Tiling) -> bool:
+    """Stick-breaking keeps its per-tile carried sums for backward when a gradient will be taken and
+    they are no larger than ``q`` (one float per key tile and query row against ``head_dim``)."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *extra))
+    return grad and tiling.max_tiles() <= q.shape[-1]
 
 
 def _grad_inputs(bias: Bias | None) -> tuple[Tensor, ...] | None:
