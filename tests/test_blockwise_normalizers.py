@@ -265,3 +265,43 @@ def test_bidirectional_modulated_softmax(small_tiles):
     for a, b in zip(*res):
         if a is not None:
             torch.testing.assert_close(b, a, atol=2e-5 * max(a.abs().max().item(), 1e-9), rtol=0)
+
+
+# ------------------------------------------------------------------------------ Bias.head_scaled
+def test_linear_bias_is_its_slopes_times_a_shared_pattern():
+    """ALiBi's `head_scaled` factors are exactly its dense form: ``slopes[h] * -|i - j|``."""
+    pos_q = torch.tensor([[3, 7, 8, 20], [0, 1, 5, 6]])
+    pos_k = torch.tensor([[0, 2, 7, 9, 30], [1, 1, 2, 4, 6]])
+    slopes = torch.tensor([0.5, 0.125, 2.0])
+    bias = LinearBias(slopes, pos_q, pos_k)
+    f = bias.head_scaled()
+    assert f.w is slopes
+    pattern = f.pattern(pos_q, pos_k)
+    assert pattern.shape == (2, 4, 5) and pattern[0, 0, 4] == -27 and pattern[1, 3, 0] == -5
+    assert torch.equal(f.w[None, :, None, None] * pattern[:, None], bias.materialize())
+
+
+@pytest.mark.parametrize("scenario", ["arange", "offset", "packed"])
+def test_head_scaled_tiles_equal_the_tiles_recomputed_by_rows(scenario, small_tiles, monkeypatch):
+    """rse through the factored tiles (one product per tile, the slopes' gradient a reduction) and
+    through the generic per-tile rows with their vjp: the same output and gradients (q, k, v, and
+    the penalty slopes), on positions that are not arange and tiles that do not divide N."""
+    from posenc_lightning.encodings.bias.structured import LinearBias as Linear
+    from posenc_lightning.inject import inject
+    from tests.conformance import ConfLayer, make_inputs, run_case, scenario_args
+
+    x = make_inputs(2, 23, (4, 2, 8), torch.float32)
+    args = scenario_args(scenario, 2, 23, 1)
+    res = []
+    for factored in (True, False):
+        if not factored:
+            monkeypatch.setattr(Linear, "head_scaled", lambda self: None)
+        torch.manual_seed(0)
+        m = ConfLayer(4, 8)
+        inject(m, "rse", backend="blockwise", penalty_init=0.05)
+        res.append(run_case(m, x, args, True))
+    assert len(res[0]) == 6 and res[0][-1].abs().sum() > 0  # out, q, k, v, hidden, the slopes
+    for a, b in zip(*res):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-6 * max(b.abs().max().item(), 1e-9), rtol=1e-5)

@@ -98,8 +98,8 @@ def _tile_grads(tl: Tiling, t: object, dz: Tensor, w: Tensor, qb: Tensor, kt: Te
     tile's bias gradient."""
     dzf = flat(dz)
     dq_b.add_(torch.matmul(dzf, kt))
-    tl.key_tile(dk, t).add_(torch.matmul(dzf.transpose(-1, -2), qb))
-    tl.key_tile(dv, t).add_(torch.matmul(flat(w).transpose(-1, -2), dob))
+    tl.walked_tile(dk, t).add_(torch.matmul(dzf.transpose(-1, -2), qb))
+    tl.walked_tile(dv, t).add_(torch.matmul(flat(w).transpose(-1, -2), dob))
     bt.tile_grad(t, dz)
 
 
@@ -155,12 +155,12 @@ class StickBreakingBlocks(torch.autograd.Function):
             else:
                 tails = [torch.zeros(shape, dtype=wt, device=q.device)]
                 for t in tiles[:-1]:
-                    z = _logits(qb, tl.key_tile(kw, t), shape, bt.tile(t))
+                    z = _logits(qb, tl.walked_tile(kw, t), shape, bt.tile(t))
                     tails.append(stick_breaking_tail(z, tl.keep(s, e, t, wt, q.device), tails[-1]))
             g_far = torch.zeros(shape, dtype=wt, device=q.device)
             dq_b = torch.zeros_like(qb)
             for t, tail in zip(reversed(tiles), reversed(tails)):
-                kt, vt = tl.key_tile(kw, t), tl.key_tile(vw, t)
+                kt, vt = tl.walked_tile(kw, t), tl.walked_tile(vw, t)
                 z = _logits(qb, kt, shape, bt.tile(t, grad=True))
                 vis = tl.keep(s, e, t, wt, q.device)
                 a, _ = stick_breaking_tile(z, vis, tail)
@@ -193,7 +193,6 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtyp
     b, h, n_q, _ = q.shape
     h_kv, d_v = k.shape[1], v.shape[-1]
     tl = spec.tiling
-    kw, vw = tl.walked(k, wt), tl.walked(v, wt)
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
     kept = torch.zeros((b, h, n_q, tl.max_tiles()), dtype=wt, device=q.device) if spec.keep_tails else None
     bt = spec.bias_tiles(h_kv, wt, Mode.of(q))
@@ -202,9 +201,9 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtyp
         for i, t in enumerate(tl.tiles(s, k_stop)):
             if kept is not None and i > 0:
                 kept[:, :, s:e, i] = tail.reshape(b, h, e - s)
-            z = _logits(qb, tl.key_tile(kw, t), shape, bt.tile(t))
+            z = _logits(qb, tl.key_tile(k, t, wt), shape, bt.tile(t))
             a, tail = stick_breaking_tile(z, tl.keep(s, e, t, wt, q.device), tail)
-            acc.add_(torch.matmul(flat(a), tl.key_tile(vw, t)))
+            acc.add_(torch.matmul(flat(a), tl.key_tile(v, t, wt)))
         out[:, :, s:e] = ungrouped(acc.view(*shape, d_v))
     return out, kept
 
@@ -242,7 +241,7 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
             bt.start(s, e, k_stop, grad=True)
             dq_b = torch.zeros_like(qb)
             for t in tl.tiles(s, k_stop):
-                kt, vt = tl.key_tile(kw, t), tl.key_tile(vw, t)
+                kt, vt = tl.walked_tile(kw, t), tl.walked_tile(vw, t)
                 z = _logits(qb, kt, shape, bt.tile(t, grad=True))
                 mod = _modulation(spec, s, e, t.k0, t.k1, wt)
                 # P = exp(z mod - lse) <= 1 where visible; clamped so that hidden entries stay finite
@@ -272,13 +271,12 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch
     tl = spec.tiling
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
     lse = torch.full((b, h, n_q), float("inf"), dtype=wt, device=q.device)
-    kw, vw = tl.walked(k, wt), tl.walked(v, wt)
     bt = spec.bias_tiles(h_kv, wt, Mode.of(q))
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         m = torch.full(shape, float("-inf"), dtype=wt, device=q.device)
         den = torch.zeros(shape, dtype=wt, device=q.device)
         for t in tl.tiles(s, k_stop):
-            z = _logits(qb, tl.key_tile(kw, t), shape, bt.tile(t)).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
+            z = _logits(qb, tl.key_tile(k, t, wt), shape, bt.tile(t)).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
             vis = tl.keep(s, e, t, wt, q.device)
             if vis is not None:  # hidden keys: -inf for the running max, then 0
                 z = z.add_(torch.zeros_like(vis).masked_fill_(vis == 0, float("-inf")))
@@ -289,7 +287,7 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch
                 p = p.mul_(vis)
             alpha = (m - m_safe).exp_()
             den = den.mul_(alpha).add_(p.sum(-1))
-            acc = acc.mul_(alpha.view(*shape[:2], -1, 1)).add_(torch.matmul(flat(p), tl.key_tile(vw, t)))
+            acc = acc.mul_(alpha.view(*shape[:2], -1, 1)).add_(torch.matmul(flat(p), tl.key_tile(v, t, wt)))
             m = m_new
         m_safe = m.masked_fill(torch.isneginf(m), 0.0)
         o = acc.view(*shape, d_v) / den[..., None].clamp_min(torch.finfo(wt).tiny)
