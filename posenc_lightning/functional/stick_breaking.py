@@ -92,20 +92,29 @@ def stick_breaking_tail(z: Tensor, keep: Tensor | None, tail: Tensor) -> Tensor:
     return sp.sum(-1).add_(tail)
 
 
-def stick_breaking_tile_grad(z: Tensor, a: Tensor, dp: Tensor, keep: Tensor | None,
-                             g_far: Tensor) -> tuple[Tensor, Tensor]:
-    """The gradient of the logits of a `stick_breaking_tile` (keys in descending order), and
-    ``g_far`` with the tile's ``g`` added, for tiles walked farthest first.
+def stick_breaking_tile_backward(z: Tensor, keep: Tensor | None, tail: Tensor, dp: Tensor,
+                                 g_far: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The weights of a `stick_breaking_tile` recomputed, the gradient of its logits, and ``g_far``
+    with the tile's ``g`` added, for tiles walked farthest first: ``(A, dz, g_far)``.
 
-    With ``g_ij = A_ij dp_ij`` (``dp = dO_i . v_j``): ``dz_ik = g_ik - sigmoid(z_ik) sum_{j <= k} g_ij``
-    (``d log A_ij / dz_ik = [k = j] - [k >= j] sigmoid(z_ik)``). ``g_far [..., rows]``: ``sum g``
-    over the farther tiles, so that the sum over ``j <= k`` is accumulated from the far end (no
-    cancellation against ``dO . o``, which would cost the far keys their precision).
+    With ``g_ij = A_ij dp_ij`` (``dp = dO_i . v_j``, overwritten): ``dz_ik = g_ik - sigmoid(z_ik)
+    sum_{j <= k} g_ij`` (``d log A_ij / dz_ik = [k = j] - [k >= j] sigmoid(z_ik)``). ``g_far [..., rows]``:
+    ``sum g`` over the farther tiles, so that the sum over ``j <= k`` is accumulated from the far end
+    (no cancellation against ``dO . o``, which would cost the far keys their precision).
+    ``sigmoid(z) = exp(z - softplus(z))`` reuses the weights' softplus.
     """
+    sp = tile_softplus(z)
+    beta = torch.sub(z, sp).exp_()  # sigmoid(z): z - softplus(z) <= 0
+    if keep is not None:
+        sp = sp.mul_(keep)
+    c = sp.cumsum(-1).add_(tail[..., None])
+    a = torch.sub(z, c, out=c).clamp_(EXP_FLOOR, 0.0).exp_()
+    if keep is not None:
+        a = a.mul_(keep)
     g = dp.mul_(a)
     upto = g.flip(-1).cumsum(-1).flip(-1).add_(g_far[..., None])  # sum over j <= k
     g_far = upto[..., 0].clone()
-    dz = torch.sigmoid(z).mul_(upto).neg_().add_(g)
+    dz = g.sub_(beta.mul_(upto))
     if keep is not None:
         dz = dz.mul_(keep)
-    return dz, g_far
+    return a, dz, g_far

@@ -7,7 +7,7 @@ and for softmax the output and one log-sum-exp per query row, is kept for backwa
 - `StickBreakingBlocks`: stick-breaking (Tan et al., 2024, eqs. 1-3) walked nearest key tile
   first, the log-space sum of ``softplus`` carried across tiles (as the Triton kernel does);
   backward per block: the carried sums kept by the forward, then the gradient farthest first
-  (`functional.stick_breaking.stick_breaking_tile_grad`).
+  (`functional.stick_breaking.stick_breaking_tile_backward`).
 - `ModulatedSoftmaxBlocks`: ``softmax(s * mod(i, j))`` for a distance modulation of the scaled
   logits (stage 4), an online softmax over key tiles (Milakov & Gimelshein, 2018;
   FlashAttention's forward) with the log-sum-exp kept per row, and the softmax gradient by tiles.
@@ -36,7 +36,7 @@ from posenc_lightning.functional.stick_breaking import (
     EXP_FLOOR,
     stick_breaking_tail,
     stick_breaking_tile,
-    stick_breaking_tile_grad,
+    stick_breaking_tile_backward,
 )
 
 
@@ -163,9 +163,8 @@ class StickBreakingBlocks(torch.autograd.Function):
                 kt, vt = tl.walked_tile(kw, t), tl.walked_tile(vw, t)
                 z = _logits(qb, kt, shape, bt.tile(t, grad=True))
                 vis = tl.keep(s, e, t, wt, q.device)
-                a, _ = stick_breaking_tile(z, vis, tail)
                 dp = torch.matmul(dob, vt.transpose(-1, -2)).view_as(z)
-                dz, g_far = stick_breaking_tile_grad(z, a, dp, vis, g_far)
+                a, dz, g_far = stick_breaking_tile_backward(z, vis, tail, dp, g_far)
                 _tile_grads(tl, t, dz, a, qb, kt, dob, dq_b, dk, dv, bt)
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
