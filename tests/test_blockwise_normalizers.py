@@ -265,3 +265,87 @@ def test_bidirectional_modulated_softmax(small_tiles):
     for a, b in zip(*res):
         if a is not None:
             torch.testing.assert_close(b, a, atol=2e-5 * max(a.abs().max().item(), 1e-9), rtol=0)
+
+
+# ------------------------------------------------------------------------------ Bias.head_scaled
+def test_linear_bias_is_its_slopes_times_a_shared_pattern():
+    """ALiBi's `head_scaled` factors are exactly its dense form: ``slopes[h] * -|i - j|``."""
+    pos_q = torch.tensor([[3, 7, 8, 20], [0, 1, 5, 6]])
+    pos_k = torch.tensor([[0, 2, 7, 9, 30], [1, 1, 2, 4, 6]])
+    slopes = torch.tensor([0.5, 0.125, 2.0])
+    bias = LinearBias(slopes, pos_q, pos_k)
+    f = bias.head_scaled()
+    assert f.w is slopes
+    pattern = f.pattern(pos_q, pos_k)
+    assert pattern.shape == (2, 4, 5) and pattern[0, 0, 4] == -27 and pattern[1, 3, 0] == -5
+    assert torch.equal(f.w[None, :, None, None] * pattern[:, None], bias.materialize())
+
+
+@pytest.mark.parametrize("scenario", ["arange", "offset", "packed"])
+def test_head_scaled_tiles_equal_the_tiles_recomputed_by_rows(scenario, small_tiles, monkeypatch):
+    """rse through the factored tiles (one product per tile, the slopes' gradient a reduction) and
+    through the generic per-tile rows with their vjp: the same output and gradients (q, k, v, and
+    the penalty slopes), on positions that are not arange and tiles that do not divide N."""
+    from posenc_lightning.encodings.bias.structured import LinearBias as Linear
+    from posenc_lightning.inject import inject
+    from tests.conformance import ConfLayer, make_inputs, run_case, scenario_args
+
+    x = make_inputs(2, 23, (4, 2, 8), torch.float32)
+    args = scenario_args(scenario, 2, 23, 1)
+    res = []
+    for factored in (True, False):
+        if not factored:
+            monkeypatch.setattr(Linear, "head_scaled", lambda self: None)
+        torch.manual_seed(0)
+        m = ConfLayer(4, 8)
+        inject(m, "rse", backend="blockwise", penalty_init=0.05)
+        res.append(run_case(m, x, args, True))
+    assert len(res[0]) == 6 and res[0][-1].abs().sum() > 0  # out, q, k, v, hidden, the slopes
+    for a, b in zip(*res):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-6 * max(b.abs().max().item(), 1e-9), rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ the tiles' formulas
+def test_tile_softplus_is_softplus_within_float32_rounding():
+    """`tile_softplus` against softplus in float64 from -100 to 100 (past the threshold 15 it is z
+    itself, below -17 it is 0 where softplus is under 6e-8), infinities and NaN propagated."""
+    from posenc_lightning.functional.stick_breaking import tile_softplus
+
+    z = torch.linspace(-100, 100, 400_001)
+    ref = torch.nn.functional.softplus(z.double())
+    got = tile_softplus(z).double()
+    assert ((got - ref).abs() <= 1e-6 * ref.abs() + 6e-8).all()
+    assert torch.equal(tile_softplus(z[z > 15]), z[z > 15])
+    special = tile_softplus(torch.tensor([float("inf"), float("-inf"), float("nan")]))
+    assert special[0] == float("inf") and special[1] == 0 and special[2].isnan()
+
+
+def test_tile_backward_is_autograd_of_the_formula():
+    """`stick_breaking_tile_backward` over a row split in two tiles (walked nearest first, the carried
+    sum from `stick_breaking_tile`, hidden keys in both) against autograd of eq. 3 on the whole row
+    (`stick_breaking_weights`, keys in index order); logits from -30 to 30, so softplus' threshold and
+    its vanishing end are both crossed."""
+    from posenc_lightning.functional.stick_breaking import (
+        stick_breaking_tile,
+        stick_breaking_tile_backward,
+        stick_breaking_weights,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.rand(3, 5, 14, generator=g) * 60 - 30  # walking order: key 0 is the nearest
+    keep = (torch.rand(3, 5, 14, generator=g) > 0.3).float()
+    dp = torch.randn(3, 5, 14, generator=g)
+    zi = z.flip(-1).requires_grad_(True)  # index order
+    a_ref = stick_breaking_weights(zi, keep.flip(-1).bool())
+    (dz_ref,) = torch.autograd.grad((a_ref * dp.flip(-1)).sum(), zi)
+    a_ref, dz_ref = a_ref.detach().flip(-1), dz_ref.flip(-1)
+
+    zero = torch.zeros(3, 5)
+    _, tail = stick_breaking_tile(z[..., :6], keep[..., :6], zero)
+    a_far, dz_far, g_far = stick_breaking_tile_backward(z[..., 6:], keep[..., 6:], tail, dp[..., 6:].clone(), zero)
+    a_near, dz_near, _ = stick_breaking_tile_backward(z[..., :6], keep[..., :6], zero, dp[..., :6].clone(), g_far)
+    torch.testing.assert_close(g_far, (a_far * dp[..., 6:]).sum(-1), rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(torch.cat((a_near, a_far), -1), a_ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(torch.cat((dz_near, dz_far), -1), dz_ref, rtol=1e-4, atol=1e-6)

@@ -1,12 +1,13 @@
 """The blockwise normalizers (`blockwise` backend): autograd Functions whose forward and backward
 walk query blocks x key tiles (`_tiles.Tiling`), recomputing each tile in backward: nothing larger
-than a block of rows x the keys it sees is ever built, and nothing but q, k, v (stick-breaking),
-plus the output and one log-sum-exp per query row (softmax), is kept for backward.
+than a block of rows x the keys it sees (or than the keys) is ever built, and nothing but q, k, v,
+plus for stick-breaking the carried sum before each tile of a row (no larger than q, else recomputed)
+and for softmax the output and one log-sum-exp per query row, is kept for backward.
 
 - `StickBreakingBlocks`: stick-breaking (Tan et al., 2024, eqs. 1-3) walked nearest key tile
   first, the log-space sum of ``softplus`` carried across tiles (as the Triton kernel does);
-  backward per block: the carried sums nearest first, then the gradient farthest first
-  (`functional.stick_breaking.stick_breaking_tile_grad`).
+  backward per block: the carried sums kept by the forward, then the gradient farthest first
+  (`functional.stick_breaking.stick_breaking_tile_backward`).
 - `ModulatedSoftmaxBlocks`: ``softmax(s * mod(i, j))`` for a distance modulation of the scaled
   logits (stage 4), an online softmax over key tiles (Milakov & Gimelshein, 2018;
   FlashAttention's forward) with the log-sum-exp kept per row, and the softmax gradient by tiles.
@@ -35,7 +36,7 @@ from posenc_lightning.functional.stick_breaking import (
     EXP_FLOOR,
     stick_breaking_tail,
     stick_breaking_tile,
-    stick_breaking_tile_grad,
+    stick_breaking_tile_backward,
 )
 
 
@@ -43,7 +44,9 @@ from posenc_lightning.functional.stick_breaking import (
 class TilesSpec:
     """What the Functions need besides tensors: the tiling, the bias and its inputs that need a
     gradient (``extra``), the logit scale, and for the modulated softmax the modulation
-    ``mod(q_pos, k_pos) -> [B, 1, Nq, Nk]`` and the positions."""
+    ``mod(q_pos, k_pos) -> [B, 1, Nq, Nk]`` and the positions. ``keep_tails``: stick-breaking's
+    forward keeps the tail before every tile for backward (`Tiling.max_tiles` floats per query row),
+    which then skips recomputing them."""
 
     tiling: Tiling
     bias: Bias | None
@@ -52,6 +55,7 @@ class TilesSpec:
     modulation: Callable[[Tensor, Tensor], Tensor] | None = None
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
+    keep_tails: bool = False
 
     def bias_tiles(self, h_kv: int, dtype: torch.dtype, mode: Mode, needs: tuple[bool, ...] = ()) -> BiasTiles:
         """`BiasTiles` of a pass in ``mode`` with, per bias input, whether it needs a gradient (an
@@ -81,7 +85,8 @@ def _logits(qs: Tensor, kt: Tensor, shape: tuple[int, ...], bias: Tensor | None)
 
 def _grad_buffers(ctx, spec: TilesSpec, q: Tensor, k: Tensor, v: Tensor, wt: torch.dtype
                   ) -> tuple[Tensor, Tensor, Tensor, BiasTiles]:
-    """Zeroed ``dq, dk, dv`` accumulators in ``wt`` and the bias tiles of a backward pass."""
+    """Zeroed ``dq, dk, dv`` accumulators in ``wt`` (``dk``, ``dv`` in walking order) and the bias
+    tiles of a backward pass."""
     dq, dk, dv = (torch.zeros(t.shape, dtype=wt, device=t.device) for t in (q, k, v))
     return dq, dk, dv, spec.bias_tiles(k.shape[1], wt, Mode.of(q), ctx.needs_input_grad[4:])
 
@@ -89,11 +94,12 @@ def _grad_buffers(ctx, spec: TilesSpec, q: Tensor, k: Tensor, v: Tensor, wt: tor
 def _tile_grads(tl: Tiling, t: object, dz: Tensor, w: Tensor, qb: Tensor, kt: Tensor, dob: Tensor, dq_b: Tensor,
                 dk: Tensor, dv: Tensor, bt: BiasTiles) -> None:
     """One tile's share of the gradients from ``dz`` (of the scaled logits) and its weights ``w``:
-    ``dq += dz k``, ``dk += dz^T q``, ``dv += w^T dO``, and the tile's bias gradient."""
+    ``dq += dz k``, ``dk += dz^T q``, ``dv += w^T dO`` (``dk``, ``dv`` in walking order), and the
+    tile's bias gradient."""
     dzf = flat(dz)
     dq_b.add_(torch.matmul(dzf, kt))
-    tl.add_key_tile(dk, t, torch.matmul(dzf.transpose(-1, -2), qb))
-    tl.add_key_tile(dv, t, torch.matmul(flat(w).transpose(-1, -2), dob))
+    tl.walked_tile(dk, t).add_(torch.matmul(dzf.transpose(-1, -2), qb))
+    tl.walked_tile(dv, t).add_(torch.matmul(flat(w).transpose(-1, -2), dob))
     bt.tile_grad(t, dz)
 
 
@@ -115,25 +121,27 @@ def _flushing(fn: Callable) -> Callable:
 class StickBreakingBlocks(torch.autograd.Function):
     """Stick-breaking attention by tiles: ``o_i = sum_j A_ij v_j`` (see the module docstring).
 
-    Backward per query block: the tails (softplus sums) at every tile, nearest first, then the
-    tiles farthest first, where the sum of ``g`` over the farther keys is carried exactly."""
+    Backward per query block: the tails (softplus sums) at every tile, nearest first (kept by the
+    forward when `TilesSpec.keep_tails`, else recomputed), then the tiles farthest first, where the
+    sum of ``g`` over the farther keys is carried exactly."""
 
     @staticmethod
     @_flushing
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, *extra: Tensor) -> Tensor:
-        out = _sb_forward(q, k, v, spec, _wide(q))
-        ctx.save_for_backward(q, k, v)
+        out, tails = _sb_forward(q, k, v, spec, _wide(q))
+        ctx.save_for_backward(q, k, v, *(() if tails is None else (tails,)))
         ctx.spec = spec
         return out.to(q.dtype)
 
     @staticmethod
     @_flushing
     def backward(ctx, d_out: Tensor):
-        q, k, v = ctx.saved_tensors
+        q, k, v, *kept = ctx.saved_tensors
         spec: TilesSpec = ctx.spec
         b, h, _, d = q.shape
         h_kv, g, wt = k.shape[1], h // k.shape[1], _wide(q)
         tl = spec.tiling
+        kw, vw = tl.walked(k, wt), tl.walked(v, wt)
         dq, dk, dv, bt = _grad_buffers(ctx, spec, q, k, v, wt)
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
@@ -142,22 +150,25 @@ class StickBreakingBlocks(torch.autograd.Function):
             qb, dob = flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale), flat(grouped(d_out, s, e, h_kv, wt))
             bt.start(s, e, k_stop, grad=True)
             tiles = tl.tiles(s, k_stop)
-            tails = [torch.zeros(shape, dtype=wt, device=q.device)]
-            for t in tiles[:-1]:
-                z = _logits(qb, tl.key_tile(k, t, wt), shape, bt.tile(t))
-                tails.append(stick_breaking_tail(z, tl.keep(s, e, t, wt, q.device), tails[-1]))
+            if kept:
+                tails = [kept[0][:, :, s:e, i].reshape(shape) for i in range(len(tiles))]
+            else:
+                tails = [torch.zeros(shape, dtype=wt, device=q.device)]
+                for t in tiles[:-1]:
+                    z = _logits(qb, tl.walked_tile(kw, t), shape, bt.tile(t))
+                    tails.append(stick_breaking_tail(z, tl.keep(s, e, t, wt, q.device), tails[-1]))
             g_far = torch.zeros(shape, dtype=wt, device=q.device)
             dq_b = torch.zeros_like(qb)
             for t, tail in zip(reversed(tiles), reversed(tails)):
-                kt, vt = tl.key_tile(k, t, wt), tl.key_tile(v, t, wt)
+                kt, vt = tl.walked_tile(kw, t), tl.walked_tile(vw, t)
                 z = _logits(qb, kt, shape, bt.tile(t, grad=True))
                 vis = tl.keep(s, e, t, wt, q.device)
-                a, _ = stick_breaking_tile(z, vis, tail)
                 dp = torch.matmul(dob, vt.transpose(-1, -2)).view_as(z)
-                dz, g_far = stick_breaking_tile_grad(z, a, dp, vis, g_far)
+                a, dz, g_far = stick_breaking_tile_backward(z, vis, tail, dp, g_far)
                 _tile_grads(tl, t, dz, a, qb, kt, dob, dq_b, dk, dv, bt)
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
+        dk, dv = tl.unwalked(dk), tl.unwalked(dv)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
 
 
@@ -175,20 +186,25 @@ def _forward_blocks(q: Tensor, v: Tensor, spec: TilesSpec, bt: BiasTiles, h_kv: 
                torch.zeros((b, h_kv, g * (e - s), v.shape[-1]), dtype=wt, device=q.device))
 
 
-def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtype) -> Tensor:
+def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """The output and, when `TilesSpec.keep_tails`, the tail before every tile of every row,
+    ``[B, H, Nq, tiles]`` (else None)."""
     b, h, n_q, _ = q.shape
     h_kv, d_v = k.shape[1], v.shape[-1]
     tl = spec.tiling
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
+    kept = torch.zeros((b, h, n_q, tl.max_tiles()), dtype=wt, device=q.device) if spec.keep_tails else None
     bt = spec.bias_tiles(h_kv, wt, Mode.of(q))
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         tail = torch.zeros(shape, dtype=wt, device=q.device)
-        for t in tl.tiles(s, k_stop):
+        for i, t in enumerate(tl.tiles(s, k_stop)):
+            if kept is not None and i > 0:
+                kept[:, :, s:e, i] = tail.reshape(b, h, e - s)
             z = _logits(qb, tl.key_tile(k, t, wt), shape, bt.tile(t))
             a, tail = stick_breaking_tile(z, tl.keep(s, e, t, wt, q.device), tail)
             acc.add_(torch.matmul(flat(a), tl.key_tile(v, t, wt)))
         out[:, :, s:e] = ungrouped(acc.view(*shape, d_v))
-    return out
+    return out, kept
 
 
 class ModulatedSoftmaxBlocks(torch.autograd.Function):
@@ -211,6 +227,7 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
         b, h, _, d = q.shape
         h_kv, g, wt = k.shape[1], h // k.shape[1], out.dtype
         tl = spec.tiling
+        kw, vw = tl.walked(k, wt), tl.walked(v, wt)
         dq, dk, dv, bt = _grad_buffers(ctx, spec, q, k, v, wt)
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
@@ -223,7 +240,7 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
             bt.start(s, e, k_stop, grad=True)
             dq_b = torch.zeros_like(qb)
             for t in tl.tiles(s, k_stop):
-                kt, vt = tl.key_tile(k, t, wt), tl.key_tile(v, t, wt)
+                kt, vt = tl.walked_tile(kw, t), tl.walked_tile(vw, t)
                 z = _logits(qb, kt, shape, bt.tile(t, grad=True))
                 mod = _modulation(spec, s, e, t.k0, t.k1, wt)
                 # P = exp(z mod - lse) <= 1 where visible; clamped so that hidden entries stay finite
@@ -236,6 +253,7 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
                 _tile_grads(tl, t, dz, p, qb, kt, dob, dq_b, dk, dv, bt)
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
+        dk, dv = tl.unwalked(dk), tl.unwalked(dv)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
 
 

@@ -4,7 +4,8 @@ A `Tiling` knows, from Python ints only (shapes, the mask's offset), which keys 
 rows may see and in which order the key tiles are walked, and gives each tile's keys and
 visibility mask; `BiasTiles` gives each tile's bias (any kind) and routes its gradient. Query
 heads are laid out grouped (``[B, H_kv, g, r, .]``: grouped kv heads are never repeated).
-Nothing built here is larger than one block of rows x the keys it sees.
+Nothing built here is larger than one block of rows x the keys it sees, or, in backward, than the
+keys themselves (`Tiling.walked`: the keys and values in walking order, once per pass).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Tile:
 class Tiling:
     """The blocks of one call. ``diag``: query ``i`` may see key ``j`` only if ``j <= i + diag``
     (None: any key); ``descending``: key tiles are walked nearest first, each tile's keys in
-    descending order (stick-breaking: `key_tile` flips each tile's keys)."""
+    descending order (stick-breaking: `key_tile` and `walked` flip the keys)."""
 
     def __init__(self, mask: AttentionMask, n_q: int, n_k: int, diag: int | None, rows: int, cols: int,
                  descending: bool) -> None:
@@ -52,13 +53,23 @@ class Tiling:
 
     def key_tile(self, x: Tensor, t: Tile, dtype: torch.dtype) -> Tensor:
         """The tile's keys of ``x [B, H_kv, Nk, X]`` in walking order and ``dtype`` (a tile-sized
-        copy at most: never a flipped or widened copy of all keys)."""
+        copy at most: the forward passes, which keep nothing the size of the keys)."""
         x = x[:, :, t.k0:t.k1].to(dtype)
         return x.flip(-2) if self.descending else x
 
-    def add_key_tile(self, acc: Tensor, t: Tile, x: Tensor) -> None:
-        """``acc[:, :, keys of t] += x`` for ``x`` in walking order."""
-        acc[:, :, t.k0:t.k1] += x.flip(-2) if self.descending else x
+    def walked(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """All keys of ``x [B, H_kv, Nk, X]`` in walking order and ``dtype``, once per pass (the
+        backward passes, which build key-sized gradients anyway: one flip, not three per tile)."""
+        x = x.to(dtype)
+        return x.flip(-2) if self.descending else x
+
+    def unwalked(self, x: Tensor) -> Tensor:
+        """A walked per-key ``[B, H_kv, Nk, X]`` tensor back in key order."""
+        return x.flip(-2) if self.descending else x
+
+    def walked_tile(self, xw: Tensor, t: Tile) -> Tensor:
+        """The tile's keys of a `walked` tensor (a view, in walking order)."""
+        return xw[:, :, self.span(t)]
 
     def blocks(self) -> Iterator[tuple[int, int, int]]:
         """``(start, stop, k_stop)``: query rows ``[start, stop)`` see keys ``[0, k_stop)`` at most."""
@@ -66,6 +77,11 @@ class Tiling:
             e = min(self.n_q, s + self.rows)
             k_stop = self.n_k if self.diag is None else max(0, min(self.n_k, e + self.diag))
             yield s, e, k_stop
+
+    def max_tiles(self) -> int:
+        """The most key tiles of any block."""
+        k_stop = max([0] + [k for _, _, k in self.blocks()])
+        return max(1, -(-k_stop // self.cols))
 
     def tiles(self, start: int, k_stop: int) -> list[Tile]:
         """The key tiles of a block, in walking order."""
@@ -151,6 +167,11 @@ class BiasTiles:
         self._d_rows: Tensor | None = None
         self._vjp: _Routed | None = None
         self.compiling = compiling
+        # w[h] * pattern: a tile is one broadcast product, w's gradient a reduction (`Bias.head_scaled`)
+        self.factored = bias.head_scaled() if self.per_tile else None
+        self._w_slot = -1 if self.factored is None else next(
+            (i for i, x in enumerate(self.inputs) if x is self.factored.w), -1)
+        self._pattern: Tensor | None = None
 
     @property
     def grad(self) -> bool:
@@ -187,6 +208,9 @@ class BiasTiles:
         s, e, k_stop = self._block
         if not self.per_tile:
             return self._rows[..., self.tiling.row_span(t, k_stop)]
+        if self.factored is not None:
+            self._pattern = self.factored.pattern(self.q_pos[:, s:e], self.k_pos[:, self.tiling.span(t)])
+            return self._pattern.to(self.dtype)[:, None, None] * self._head_weights()
         tb = self.bias.at(self.q_pos[:, s:e], self.k_pos[:, self.tiling.span(t)])
         if grad and self.grad:
             raw, self._vjp = self._differentiated(tb, 0, e - s, t.k1 - t.k0)
@@ -198,6 +222,9 @@ class BiasTiles:
         """Take the gradient of the tile's bias (``dz [B, H_kv, g, r, c]``, walking order)."""
         if self.bias is None or not self.grad:
             return
+        if self.factored is not None:
+            self._add_weight_grad(dz)
+            return
         if self.per_tile:
             self._vjp(ungrouped_rows(dz))
             return
@@ -205,6 +232,22 @@ class BiasTiles:
             b, h_kv, g, r, _ = dz.shape
             self._d_rows = torch.zeros((b, h_kv, g, r, self._block[2]), dtype=dz.dtype, device=dz.device)
         self._d_rows[..., self.tiling.row_span(t, self._block[2])] = dz
+
+    def _head_weights(self) -> Tensor:
+        """`HeadScaled.w` in the grouped layout ``[1, H_kv, g, 1, 1]``."""
+        w = self.factored.w.detach().to(self.dtype)
+        return w.reshape(1, self.h_kv, -1, 1, 1)
+
+    def _add_weight_grad(self, dz: Tensor) -> None:
+        """``dw[h] += sum over the tile of dz * pattern`` (``dz [B, H_kv, g, r, c]``)."""
+        if self._w_slot < 0 or not self.need[self._w_slot]:
+            return
+        b, h_kv, g, r, c = dz.shape
+        pat = self._pattern.to(dz.dtype).reshape(b, r * c, 1)
+        dw = torch.bmm(dz.reshape(b, h_kv * g, r * c), pat).sum(0).reshape(-1)  # [H]
+        if self.grads[self._w_slot] is None:
+            self.grads[self._w_slot] = wide_zeros(self.inputs[self._w_slot])
+        self.grads[self._w_slot].add_(dw.reshape(self.grads[self._w_slot].shape))
 
     def finish(self) -> None:
         """End a block (rows mode: its rows' gradient to the inputs)."""

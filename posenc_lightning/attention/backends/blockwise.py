@@ -24,7 +24,7 @@ from types import MethodType
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends._blocks import tile_rows
+from posenc_lightning.attention.backends._blocks import rows_within, tile_rows
 from posenc_lightning.attention.backends._normalizers import ModulatedSoftmaxBlocks, StickBreakingBlocks, TilesSpec
 from posenc_lightning.attention.backends._tiles import Tiling
 from posenc_lightning.attention.mask import AttentionMask
@@ -35,10 +35,14 @@ NAME = "blockwise"
 FUSES_ROTARY = False
 #: the declared normalizers (`Encoding.fused_normalizer`) this backend runs
 NORMALIZERS = ("stick_breaking", "distance_modulated_softmax")
-#: query rows per block and keys per tile; with a bias computed by rows, fewer rows (at least
-#: ``MIN_BIAS_ROWS``) as the engine's block budget gives them (`_blocks.tile_rows`)
-BLOCK_ROWS, BLOCK_KEYS = 128, 256
+#: the most query rows per block and the keys per tile; a block takes as many rows as the engine's
+#: block budget gives ``TILE_LIVE`` tile-sized tensors (`_blocks.rows_within`), with a bias computed
+#: by rows fewer (at least ``MIN_BIAS_ROWS``: `_blocks.tile_rows`)
+BLOCK_ROWS, BLOCK_KEYS = 256, 256
 MIN_BIAS_ROWS = 16
+#: the tile-sized tensors a backward tile keeps alive together (logits, softplus, sigmoid, weights,
+#: dP, the reversed sums and their flips)
+TILE_LIVE = 8
 
 
 def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:
@@ -52,9 +56,10 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
 
 
 def block_rows(bias: Bias | None, b: int, h: int, n_k: int) -> int:
-    """Query rows per block: fewer with a bias computed by blocks of rows (not `Bias.distance_only`)."""
+    """Query rows per block: within the block budget for a tile's intermediates, fewer with a bias
+    computed by blocks of rows (not `Bias.distance_only`)."""
     if bias is None or bias.distance_only:
-        return BLOCK_ROWS
+        return rows_within(BLOCK_ROWS, 4 * b * h * max(1, min(n_k, BLOCK_KEYS)), live=TILE_LIVE, least=MIN_BIAS_ROWS)
     return tile_rows(b, h, n_k, BLOCK_ROWS, MIN_BIAS_ROWS)
 
 
@@ -83,13 +88,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         if mask.causal:
             diag = min(diag, mask.q_offset)
         tiling = Tiling(mask, n_q, n_k, diag, rows, BLOCK_KEYS, descending=True)
-        spec = TilesSpec(tiling, bias, extra, scale, None, *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)))
+        spec = TilesSpec(tiling, bias, extra, scale, None, *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)),
+                         keep_tails=_keeps_tails(q, k, v, extra, tiling))
         return StickBreakingBlocks.apply(q, k, v, spec, *extra)
     if ctx is None:
         raise ValueError(f"{enc.name}: the distance-modulated softmax needs the positions (ctx)")
     tiling = Tiling(mask, n_q, n_k, mask.q_offset if mask.causal else None, rows, BLOCK_KEYS, descending=False)
     spec = TilesSpec(tiling, bias, extra, scale, enc.distance_modulation, ctx.q_pos, ctx.k_pos)
     return ModulatedSoftmaxBlocks.apply(q, k, v, spec, *extra)
+
+
+def _keeps_tails(q: Tensor, k: Tensor, v: Tensor, extra: tuple[Tensor, ...], tiling: Tiling) -> bool:
+    """Stick-breaking keeps its per-tile carried sums for backward when a gradient will be taken and
+    they are no larger than ``q`` (one float per key tile and query row against ``head_dim``)."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *extra))
+    return grad and tiling.max_tiles() <= q.shape[-1]
 
 
 def _grad_inputs(bias: Bias | None) -> tuple[Tensor, ...] | None:

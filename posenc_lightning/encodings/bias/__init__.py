@@ -11,6 +11,7 @@ method               gives                                                  aske
 ``rows_from`` & co.  rows recomputed from stand-ins for its inputs          sdpa (backward)
 ``at(q_pos, k_pos)`` the same bias at other positions (``distance_only``)   sdpa (Toeplitz)
 ``key_only(...)``    ``q_ch[h] * k_ch[b, h, j]`` + a per-row term           sdpa (1 channel)
+``head_scaled()``    ``w[h] * pattern(q_pos, k_pos)``, `HeadScaled`          blockwise (tiles)
 ``scaled(w)``        ``w * bias``, the same kind where it can be             mixture
 ``score_term(B, H)`` ``f(b, h, q_idx, kv_idx)`` for a flex ``score_mod``     flex
 ``fold_into(args)``  its part of the Triton kernels' arguments (a kind the    triton
@@ -30,6 +31,7 @@ from posenc_lightning.encodings.bias.dense import DenseBias
 from posenc_lightning.encodings.bias.kinds import (
     Bias,
     BiasSum,
+    HeadScaled,
     Index,
     KernelBias,
     KeyOnly,
@@ -43,7 +45,7 @@ from posenc_lightning.encodings.bias.opaque import rebuild_bias, register_opaque
 from posenc_lightning.encodings.bias.structured import DecayBias, LinearBias, RelativeBias
 from posenc_lightning.encodings.bias.tile import TileBias
 
-__all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "FireBias", "Index", "KernelBias", "KeyOnly", "LinearBias",
+__all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "FireBias", "HeadScaled", "Index", "KernelBias", "KeyOnly", "LinearBias",
            "OpaqueOperands", "RelativeBias", "ScaledBias", "ScoreTerm", "TileBias", "cut", "rebuild_bias", "register_opaque_kind",
            "span"]
 

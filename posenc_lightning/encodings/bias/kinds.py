@@ -19,7 +19,7 @@ from posenc_lightning.encodings.bias.tile import TileBias
 from posenc_lightning.encodings.bias.windows import Index, cut, same_positions, span
 from posenc_lightning.functional.positions import arange_offset, host_reads_ok
 
-__all__ = ["Bias", "BiasSum", "KernelBias", "KeyOnly", "OpaqueOperands", "ScaledBias", "cut", "span"]
+__all__ = ["Bias", "BiasSum", "HeadScaled", "KernelBias", "KeyOnly", "OpaqueOperands", "ScaledBias", "cut", "span"]
 
 #: ``f(b, h, q_idx, kv_idx) -> value`` (float32), one term of a flex ``score_mod``
 ScoreTerm = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -59,6 +59,19 @@ class OpaqueOperands:
     tensors: tuple[Tensor, ...]
     ints: tuple[int, ...] = ()
     floats: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class HeadScaled:
+    """A bias ``w[h] * pattern(q_pos, k_pos)`` (`Bias.head_scaled`).
+
+    Attributes:
+        w: the per-head weights ``[H]``, one of the bias's `Bias.grad_inputs`.
+        pattern: ``(q_pos [B, Nq], k_pos [B, Nk]) -> [B, Nq, Nk]`` float32, shared by the heads.
+    """
+
+    w: Tensor
+    pattern: Callable[[Tensor, Tensor], Tensor]
 
 
 @dataclass(eq=False)
@@ -296,6 +309,17 @@ class Bias(ABC):
             ``[H, T]`` float32.
         """
         raise NotImplementedError(f"{type(self).__name__} is no function of i - j")
+
+    def head_scaled(self) -> HeadScaled | None:
+        """Whether the bias is ``w[h] * pattern(q_pos, k_pos)``: one weight per head times a pattern
+        the heads share (ALiBi: the slopes and ``-|i - j|``). A blockwise engine then adds a tile as
+        one broadcast product and takes ``w``'s gradient as a reduction over the tile, with no
+        recomputed rows and no autograd graph per tile.
+
+        Returns:
+            The factors, or None (default: not of this form).
+        """
+        return None
 
     def compiled_rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
         """`rows_from` where the engine differentiates rows inside an opaque operator (its kernel

@@ -10,11 +10,16 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from posenc_lightning.encodings.bias.kinds import _WIDE, Bias, KernelBias, KeyOnly, ScoreTerm
+from posenc_lightning.encodings.bias.kinds import _WIDE, Bias, HeadScaled, KernelBias, KeyOnly, ScoreTerm
 from posenc_lightning.encodings.bias.windows import Index, pair_distance, span
 from posenc_lightning.functional.positions import host_reads_ok
 
 __all__ = ["DecayBias", "LinearBias", "RelativeBias"]
+
+
+def _negative_distance(q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """``-|i - j|`` float32 ``[B, Nq, Nk]``: ALiBi's pattern, scaled by each head's slope."""
+    return pair_distance(q_pos, k_pos).abs().to(torch.float32).neg_()
 
 
 @dataclass(eq=False)
@@ -72,6 +77,9 @@ class LinearBias(Bias):
 
     def scaled(self, w: Tensor) -> Bias:
         return LinearBias(self.slopes * w, self.q_pos, self.k_pos)
+
+    def head_scaled(self) -> HeadScaled:
+        return HeadScaled(self.slopes, _negative_distance)
 
     def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
         slopes = self.slopes.to(torch.float32)
