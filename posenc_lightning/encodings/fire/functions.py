@@ -132,8 +132,7 @@ def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Te
     if torch.compiler.is_compiling():  # data-dependent unit selection: `fire_mlp`'s compiled form
         x = fire_normalized_distance(q_pos, k_pos, c, threshold, eps)
         return fire_mlp(x.flatten(1), w1, b1, w2, b2).unflatten(-1, x.shape[1:])
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (c, threshold, w1, b1, w2, b2))
-    return _FireRows.apply(c, threshold, w1, b1, w2, b2, q_pos, k_pos, eps, shift, grad)[0]
+    return _FireRows.apply(c, threshold, w1, b1, w2, b2, q_pos, k_pos, eps, shift)[0]
 
 
 def _toeplitz(table: Tensor, rows: int, keys: int) -> Tensor:
@@ -151,12 +150,13 @@ def _distances(q_pos: Tensor, k_pos: Tensor, shift: int | None) -> Tensor:
 
 
 class _FireRows(torch.autograd.Function):
-    """`fire_rows`: outputs ``(rows, x, n, switching, on, w_aug)``, all but rows for backward (the
-    last three None without ``grad``: no backward then)."""
+    """`fire_rows`: outputs ``(rows, x, n, on, spans)``, all but rows for backward: the units
+    selected per group of keys (`_select`), the same selection forward (`_column_rows`) and
+    backward (`_column_grads`)."""
 
     @staticmethod
     def forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,  # type: ignore[override]
-                q_pos: Tensor, k_pos: Tensor, eps: float, shift: int | None, grad: bool):
+                q_pos: Tensor, k_pos: Tensor, eps: float, shift: int | None):
         qf = q_pos.to(torch.float32)
         n = fire_psi(torch.maximum(qf, thr.to(torch.float32).abs()), c) + eps  # [B, Nq]
         p = fire_psi(_distances(q_pos, k_pos, shift), c)
@@ -165,44 +165,34 @@ class _FireRows(torch.autograd.Function):
         x, w1, b1, w2, b2 = (t.to(dt) for t in (x, w1, b1, w2, b2))
         nb, nq, nk = x.shape
         if x.numel() == 0:  # nothing switches, nothing is on
-            return x.new_zeros(nb, w2.shape[0], nq, nk), x, n, x.new_zeros(0, dtype=torch.long), \
-                torch.zeros_like(w1), torch.zeros_like(w2[:, :2])
-        if not grad:
-            return _column_rows(x, w1, b1, w2, b2), x, n, None, None, None
-        # for backward: the pieces over the whole block, whose products are then matrix products
-        switching, on, w_aug = _fold(x, w1, b1, w2, b2)
-        out = _mlp_rows(x.view(nb, -1), w1[switching], b1[switching], w_aug)
-        return out.view(nb, -1, nq, nk), x, n, switching, on, w_aug
+            return x.new_zeros(nb, w2.shape[0], nq, nk), x, n, x.new_zeros(0, w1.shape[0]), \
+                torch.zeros(0, 3, dtype=torch.long)
+        on, spans = _select(x, w1, b1)
+        return _column_rows(x, w1, b1, w2, b2, on, spans), x, n, on, spans
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
-        c, thr, _w1, _b1, _w2, _b2, q_pos, k_pos, ctx.eps, ctx.shift, _ = inputs
-        _, x, n, switching, on, w_aug = output
-        ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
-        ctx.save_for_backward(c, thr, q_pos, k_pos, x, n, switching, on, w_aug, *inputs[2:6])
+        c, thr, _w1, _b1, _w2, _b2, q_pos, k_pos, ctx.eps, ctx.shift = inputs
+        _, x, n, on, spans = output
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.save_for_backward(c, thr, q_pos, k_pos, x, n, on, spans, *inputs[2:6])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor, *_):
-        c, thr, q_pos, k_pos, x, n, switching, on, w_aug, w1, b1, w2, b2 = ctx.saved_tensors
-        if switching is None:
-            raise RuntimeError("fire_rows: called without gradients, then differentiated")
-        nb, nq, nk = x.shape
+        c, thr, q_pos, k_pos, x, n, on, spans, w1, b1, w2, b2 = ctx.saved_tensors
         w1d, b1d, w2d = (t.to(x.dtype) for t in (w1, b1, w2))
-        need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        gx, gw1s, gb1s, gw = _mlp_grads(x.view(nb, -1), w1d[switching], b1d[switching], w_aug,
-                                        grad.to(x.dtype).reshape(nb, w2.shape[0], -1), need_x and x.numel() > 0)
-        ga, gb = gw[:, -2], gw[:, -1]  # of A = w2 (on w1) and B = b2 + w2 (on b1)
-        gw2 = ga[:, None] * (w1d * on) + gb[:, None] * (b1d * on)
-        gw2[:, switching] += gw[:, :-2]
-        gw1, gb1 = on * (w2d.t() @ ga), on * (w2d.t() @ gb)
-        gw1[switching] += gw1s
-        gb1[switching] += gb1s
+        need_x = (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]) and x.numel() > 0
+        if x.numel() == 0:
+            gx, gw1, gb1, gw2, gb2 = None, torch.zeros_like(w1d), torch.zeros_like(b1d), torch.zeros_like(w2d), \
+                torch.zeros_like(b2, dtype=x.dtype)
+        else:
+            gx, gw1, gb1, gw2, gb2 = _column_grads(x, grad.to(x.dtype), w1d, b1d, w2d, on, spans, need_x)
         gc, gthr = torch.zeros_like(c), torch.zeros_like(thr)
         if gx is not None:
-            gc, gthr = _ratio_grads(gx.view(nb, nq, nk), x, n, c, thr, q_pos, k_pos, ctx.shift)
-        return gc, gthr, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb.to(b2.dtype), \
-            None, None, None, None, None
+            gc, gthr = _ratio_grads(gx, x, n, c, thr, q_pos, k_pos, ctx.shift)
+        return gc, gthr, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb2.to(b2.dtype), \
+            None, None, None, None
 
 
 def _ratio_grads(gx: Tensor, x: Tensor, n: Tensor, c: Tensor, thr: Tensor, q_pos: Tensor, k_pos: Tensor,
@@ -226,15 +216,16 @@ def _ratio_grads(gx: Tensor, x: Tensor, n: Tensor, c: Tensor, thr: Tensor, q_pos
     return gc.reshape(c.shape).to(c.dtype), gthr.reshape(thr.shape).to(thr.dtype)
 
 
-def _column_rows(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
-    """``f_theta(x)`` ``[B, H, R, C]`` for a block of rows ``x`` ``[B, R, C]``, the units selected per
-    group of `FIRE_COLUMN_GROUP` keys instead of over the block (`fire_mlp`).
+def _select(x: Tensor, w1: Tensor, b1: Tensor) -> tuple[Tensor, Tensor]:
+    """The units selected per group of `FIRE_COLUMN_GROUP` keys of a block of rows ``x`` ``[B, R, C]``:
+    ``on`` ``[groups, W]`` (0/1: folded into ``A x + B`` there) and ``spans`` ``[S, 3]`` (unit, first
+    key, key past the last) where a unit is evaluated per element.
 
     Along a row ``x`` sweeps ``[0, 1]``, but down a few keys of a block of rows it spans a narrow
-    range, where nearly every unit keeps its sign: per group the on units fold into ``A x + B``
-    (two passes over the output). A unit that switches is evaluated per element over the span of
-    groups from the first to the last where it switches (and folded nowhere in that span). The
-    selection is `fire_mlp`'s: the per-element arithmetic at the group's min and max (monotone)."""
+    range, where nearly every unit keeps its sign. A unit that switches is evaluated per element
+    over the span of groups from the first to the last where it switches (and folded nowhere in
+    that span). The selection is `fire_mlp`'s: the per-element arithmetic at the group's min and
+    max (monotone)."""
     nc = x.shape[-1]
     g = FIRE_COLUMN_GROUP
     pad = -nc % g  # a ragged last group: padded with values that move neither min nor max
@@ -247,11 +238,63 @@ def _column_rows(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> T
     first = torch.where(switching, idx, switching.shape[0]).amin(0)
     last = torch.where(switching, idx, -1).amax(0)
     on = (pos_lo & pos_hi & ((idx < first) | (idx > last))).to(x.dtype)  # folded: outside the spans
-    ab = (torch.cat((w2 * w1, w2 * b1)) @ on.t()).repeat_interleave(g, 1)[:, :nc]  # [2H, C]: A; B - b2
+    spans = torch.stack((units, first[units] * g, torch.clamp((last[units] + 1) * g, max=nc)), 1)
+    return on, spans
+
+
+def _column_slopes(on: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, nc: int) -> Tensor:
+    """``[2H, C]``: per key, the slope ``A`` and the intercept ``B - b2`` of the units folded there."""
+    g = FIRE_COLUMN_GROUP
+    return (torch.cat((w2 * w1, w2 * b1)) @ on.t()).repeat_interleave(g, 1)[:, :nc]
+
+
+def _column_rows(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, on: Tensor, spans: Tensor) -> Tensor:
+    """``f_theta(x)`` ``[B, H, R, C]`` for a block of rows ``x`` ``[B, R, C]``, the units selected per
+    group of keys (`_select`) instead of over the block (`fire_mlp`): per group the on units fold
+    into ``A x + B`` (two passes over the output), a unit that switches is evaluated per element
+    over its span."""
+    ab = _column_slopes(on, w1, b1, w2, x.shape[-1])  # [2H, C]: A; B - b2
     h = w2.shape[0]
     out = torch.mul(ab[:h, None], x[:, None]).add_((ab[h:] + b2[:, None])[:, None])
     w2u = w2.t()[:, :, None, None]
-    for u, a, z in torch.stack((units, first[units], last[units] + 1), 1).tolist():
-        xs = x[..., a * g:z * g]
-        out[..., a * g:z * g].addcmul_(w2u[u], (xs * w1[u] + b1[u]).relu_()[:, None])
+    for u, a, z in spans.tolist():
+        xs = x[..., a:z]
+        out[..., a:z].addcmul_(w2u[u], (xs * w1[u] + b1[u]).relu_()[:, None])
     return out
+
+
+def _column_grads(x: Tensor, g: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, on: Tensor, spans: Tensor,
+                  need_x: bool) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of `_column_rows` (``d rows = g`` ``[B, H, R, C]``) to ``(x, w1, b1, w2, b2)``,
+    by the same selection: a folded unit's terms are sums over its groups of keys (column sums of
+    ``g`` and ``g x``, then one small product with ``on``), a switching unit's per element over its
+    span (``relu'(u) = 1`` where ``u > 0``, 0 at ``u = 0``, as torch)."""
+    nc = x.shape[-1]
+    grp = FIRE_COLUMN_GROUP
+    pad = -nc % grp
+    h = w2.shape[0]
+    s0 = g.sum((0, 2))  # [H, C]
+    s1 = (g * x[:, None]).sum((0, 2))
+    p0, p1 = (torch.nn.functional.pad(s, (0, pad)).view(h, -1, grp).sum(-1) @ on for s in (s0, s1))  # [H, W]
+    gw2 = w1 * p1 + b1 * p0
+    gw1, gb1 = (w2 * p1).sum(0), (w2 * p0).sum(0)
+    gx = None
+    if need_x:
+        slope = _column_slopes(on, w1, b1, w2, nc)[:h]  # [H, C]
+        gx = g[:, 0] * slope[0]
+        for i in range(1, h):
+            gx.addcmul_(g[:, i], slope[i])
+    for u, a, z in spans.tolist():
+        xs, gs = x[..., a:z], g[..., a:z]
+        pre = xs * w1[u] + b1[u]
+        act = (pre > 0).to(x.dtype)
+        gu = gs[:, 0] * w2[0, u]
+        for i in range(1, h):
+            gu.addcmul_(gs[:, i], w2[i, u])
+        gpre = gu.mul_(act)  # d loss / d pre-activation
+        gw2[:, u] += (gs * pre.clamp_min_(0)[:, None]).sum((0, 2, 3))
+        gw1[u] += (gpre * xs).sum()
+        gb1[u] += gpre.sum()
+        if gx is not None:
+            gx[..., a:z].addcmul_(gpre, w1[u])
+    return gx, gw1, gb1, gw2, s0.sum(1)
