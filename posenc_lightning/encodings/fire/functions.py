@@ -15,6 +15,9 @@ FIRE_MLP_CHUNK = 16384
 #: keys per unit selection in `fire_rows`'s forward (a selection costs ``W`` per group: larger groups
 #: share it, smaller ones select fewer units)
 FIRE_COLUMN_GROUP = 32
+#: spans of switching units evaluated together when their union is at most this times the wider one:
+#: (one product for the run instead of several passes per unit, over a few more elements)
+FIRE_SPAN_SLACK = 1.0
 
 
 def fire_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
@@ -225,7 +228,8 @@ def _select(x: Tensor, w1: Tensor, b1: Tensor) -> tuple[Tensor, Tensor]:
     range, where nearly every unit keeps its sign. A unit that switches is evaluated per element
     over the span of groups from the first to the last where it switches (and folded nowhere in
     that span). The selection is `fire_mlp`'s: the per-element arithmetic at the group's min and
-    max (monotone)."""
+    max (monotone). Overlapping spans are merged (`_merged`): their units are evaluated together,
+    a few products for all of them instead of several passes per unit."""
     nc = x.shape[-1]
     g = FIRE_COLUMN_GROUP
     pad = -nc % g  # a ragged last group: padded with values that move neither min nor max
@@ -233,13 +237,48 @@ def _select(x: Tensor, w1: Tensor, b1: Tensor) -> tuple[Tensor, Tensor]:
     hi = torch.nn.functional.pad(x.amax((0, 1)), (0, pad), value=float("-inf")).view(-1, g).amax(1)
     pos_lo, pos_hi = w1 * lo[:, None] + b1 > 0, w1 * hi[:, None] + b1 > 0  # [groups, W]
     switching = pos_lo ^ pos_hi
-    units = switching.any(0).nonzero().squeeze(1)
-    idx = torch.arange(switching.shape[0], device=x.device)[:, None]
-    first = torch.where(switching, idx, switching.shape[0]).amin(0)
+    groups = switching.shape[0]
+    idx = torch.arange(groups, device=x.device)[:, None]
+    first = torch.where(switching, idx, groups).amin(0)
     last = torch.where(switching, idx, -1).amax(0)
+    units = switching.any(0).nonzero().squeeze(1)
+    merged = _merged(torch.stack((units, first[units], last[units]), 1).tolist())
+    first, last = torch.full_like(first, groups), torch.full_like(last, -1)
+    spans = torch.tensor([(u, f * g, min((e + 1) * g, nc)) for u, f, e in merged], dtype=torch.long).view(-1, 3)
+    if merged:
+        sel = torch.tensor([u for u, _, _ in merged], device=x.device)
+        first[sel] = torch.tensor([f for _, f, _ in merged], device=x.device)
+        last[sel] = torch.tensor([e for _, _, e in merged], device=x.device)
     on = (pos_lo & pos_hi & ((idx < first) | (idx > last))).to(x.dtype)  # folded: outside the spans
-    spans = torch.stack((units, first[units] * g, torch.clamp((last[units] + 1) * g, max=nc)), 1)
     return on, spans
+
+
+def _merged(spans: list[list[int]]) -> list[tuple[int, int, int]]:
+    """``(unit, first group, last group)`` with nearly equal spans widened to their union, in runs
+    of equal spans (a unit evaluated per element over more groups is still exact): a span joins a
+    run when the union is at most `FIRE_SPAN_SLACK` times the wider of the two."""
+    out: list[tuple[int, int, int]] = []
+    run: list[int] = []
+    lo = hi = -1
+    for u, f, e in sorted(spans, key=lambda s: (s[1], -s[2])):
+        width = max(hi, e) - lo + 1
+        if run and width > FIRE_SPAN_SLACK * max(hi - lo + 1, e - f + 1):
+            out += [(v, lo, hi) for v in run]
+            run = []
+        lo, hi = (f, e) if not run else (lo, max(hi, e))
+        run.append(u)
+    return out + [(v, lo, hi) for v in run]
+
+
+def _runs(spans: Tensor) -> list[tuple[list[int], int, int]]:
+    """The spans as ``(units, first key, key past the last)`` runs (`_merged`)."""
+    out: list[tuple[list[int], int, int]] = []
+    for u, a, z in spans.tolist():
+        if out and out[-1][1:] == (a, z):
+            out[-1][0].append(u)
+        else:
+            out.append(([u], a, z))
+    return out
 
 
 def _column_slopes(on: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, nc: int) -> Tensor:
@@ -248,18 +287,25 @@ def _column_slopes(on: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, nc: int) -> T
     return (torch.cat((w2 * w1, w2 * b1)) @ on.t()).repeat_interleave(g, 1)[:, :nc]
 
 
+def _span_hidden(x: Tensor, w1: Tensor, b1: Tensor, units: list[int], a: int, z: int) -> tuple[Tensor, Tensor]:
+    """``(relu(w1 x + b1), index of the units)`` ``[U, B R S]`` over keys ``[a, z)`` of ``x``."""
+    us = torch.tensor(units, device=x.device)
+    w, b = w1.index_select(0, us)[:, None, None, None], b1.index_select(0, us)[:, None, None, None]
+    return torch.addcmul(b, w, x[None, ..., a:z]).relu_().view(len(units), -1), us
+
+
 def _column_rows(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, on: Tensor, spans: Tensor) -> Tensor:
     """``f_theta(x)`` ``[B, H, R, C]`` for a block of rows ``x`` ``[B, R, C]``, the units selected per
     group of keys (`_select`) instead of over the block (`fire_mlp`): per group the on units fold
-    into ``A x + B`` (two passes over the output), a unit that switches is evaluated per element
-    over its span."""
+    into ``A x + B`` (two passes over the output), the units that switch are evaluated per element
+    over their span, one product for a run of them."""
     ab = _column_slopes(on, w1, b1, w2, x.shape[-1])  # [2H, C]: A; B - b2
+    nb, nr = x.shape[:2]
     h = w2.shape[0]
     out = torch.mul(ab[:h, None], x[:, None]).add_((ab[h:] + b2[:, None])[:, None])
-    w2u = w2.t()[:, :, None, None]
-    for u, a, z in spans.tolist():
-        xs = x[..., a:z]
-        out[..., a:z].addcmul_(w2u[u], (xs * w1[u] + b1[u]).relu_()[:, None])
+    for units, a, z in _runs(spans):
+        hid, us = _span_hidden(x, w1, b1, units, a, z)
+        out[..., a:z] += (w2.index_select(1, us) @ hid).view(h, nb, nr, z - a).transpose(0, 1)
     return out
 
 
@@ -269,7 +315,7 @@ def _column_grads(x: Tensor, g: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, on: 
     by the same selection: a folded unit's terms are sums over its groups of keys (column sums of
     ``g`` and ``g x``, then one small product with ``on``), a switching unit's per element over its
     span (``relu'(u) = 1`` where ``u > 0``, 0 at ``u = 0``, as torch)."""
-    nc = x.shape[-1]
+    nb, nr, nc = x.shape
     grp = FIRE_COLUMN_GROUP
     pad = -nc % grp
     h = w2.shape[0]
@@ -284,17 +330,13 @@ def _column_grads(x: Tensor, g: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, on: 
         gx = g[:, 0] * slope[0]
         for i in range(1, h):
             gx.addcmul_(g[:, i], slope[i])
-    for u, a, z in spans.tolist():
-        xs, gs = x[..., a:z], g[..., a:z]
-        pre = xs * w1[u] + b1[u]
-        act = (pre > 0).to(x.dtype)
-        gu = gs[:, 0] * w2[0, u]
-        for i in range(1, h):
-            gu.addcmul_(gs[:, i], w2[i, u])
-        gpre = gu.mul_(act)  # d loss / d pre-activation
-        gw2[:, u] += (gs * pre.clamp_min_(0)[:, None]).sum((0, 2, 3))
-        gw1[u] += (gpre * xs).sum()
-        gb1[u] += gpre.sum()
+    for units, a, z in _runs(spans):
+        hid, us = _span_hidden(x, w1, b1, units, a, z)  # [U, E]
+        gs = g[..., a:z].transpose(0, 1).reshape(h, -1)  # [H, E]
+        gw2.index_add_(1, us, gs @ hid.t())
+        gpre = (w2.index_select(1, us).t() @ gs).mul_(hid > 0)  # d loss / d pre-activation  [U, E]
+        gw1.index_add_(0, us, gpre @ x[..., a:z].reshape(-1))
+        gb1.index_add_(0, us, gpre.sum(1))
         if gx is not None:
-            gx[..., a:z].addcmul_(gpre, w1[u])
+            gx[..., a:z] += (w1.index_select(0, us) @ gpre).view(nb, nr, z - a)
     return gx, gw1, gb1, gw2, s0.sum(1)
