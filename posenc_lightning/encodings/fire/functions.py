@@ -15,9 +15,9 @@ FIRE_MLP_CHUNK = 16384
 #: keys per unit selection in `fire_rows`'s forward (a selection costs ``W`` per group: larger groups
 #: share it, smaller ones select fewer units)
 FIRE_COLUMN_GROUP = 32
-#: spans of switching units evaluated together when their union is at most this times the wider one:
-#: (one product for the run instead of several passes per unit, over a few more elements)
-FIRE_SPAN_SLACK = 1.0
+#: the most elements a unit's span may widen by to join a run of units evaluated together (one
+#: product for the run instead of a few dozen operations per run, over a few more elements)
+FIRE_SPAN_SLACK = 32768
 
 
 def fire_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
@@ -242,7 +242,7 @@ def _select(x: Tensor, w1: Tensor, b1: Tensor) -> tuple[Tensor, Tensor]:
     first = torch.where(switching, idx, groups).amin(0)
     last = torch.where(switching, idx, -1).amax(0)
     units = switching.any(0).nonzero().squeeze(1)
-    merged = _merged(torch.stack((units, first[units], last[units]), 1).tolist())
+    merged = _merged(torch.stack((units, first[units], last[units]), 1).tolist(), x.shape[0] * x.shape[1])
     first, last = torch.full_like(first, groups), torch.full_like(last, -1)
     spans = torch.tensor([(u, f * g, min((e + 1) * g, nc)) for u, f, e in merged], dtype=torch.long).view(-1, 3)
     if merged:
@@ -253,19 +253,22 @@ def _select(x: Tensor, w1: Tensor, b1: Tensor) -> tuple[Tensor, Tensor]:
     return on, spans
 
 
-def _merged(spans: list[list[int]]) -> list[tuple[int, int, int]]:
-    """``(unit, first group, last group)`` with nearly equal spans widened to their union, in runs
-    of equal spans (a unit evaluated per element over more groups is still exact): a span joins a
-    run when the union is at most `FIRE_SPAN_SLACK` times the wider of the two."""
+def _merged(spans: list[list[int]], rows: int) -> list[tuple[int, int, int]]:
+    """``(unit, first group, last group)`` with spans widened to their union, in runs of equal spans
+    (a unit evaluated per element over more groups is still exact): a span joins the run before it
+    when the elements this adds (``rows`` per key of each widened span) stay under
+    `FIRE_SPAN_SLACK`, as a run costs a fixed number of operations."""
+    g = FIRE_COLUMN_GROUP
     out: list[tuple[int, int, int]] = []
     run: list[int] = []
     lo = hi = -1
     for u, f, e in sorted(spans, key=lambda s: (s[1], -s[2])):
-        width = max(hi, e) - lo + 1
-        if run and width > FIRE_SPAN_SLACK * max(hi - lo + 1, e - f + 1):
+        top = max(hi, e)
+        extra = ((top - hi) * len(run) + (top - lo) - (e - f)) * g * rows
+        if run and extra > FIRE_SPAN_SLACK:
             out += [(v, lo, hi) for v in run]
             run = []
-        lo, hi = (f, e) if not run else (lo, max(hi, e))
+        lo, hi = (f, e) if not run else (lo, top)
         run.append(u)
     return out + [(v, lo, hi) for v in run]
 
