@@ -300,12 +300,12 @@ def _span_hidden(x: Tensor, w1: Tensor, b1: Tensor, units: list[int], a: int, z:
 def _column_rows(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, on: Tensor, spans: Tensor) -> Tensor:
     """``f_theta(x)`` ``[B, H, R, C]`` for a block of rows ``x`` ``[B, R, C]``, the units selected per
     group of keys (`_select`) instead of over the block (`fire_mlp`): per group the on units fold
-    into ``A x + B`` (two passes over the output), the units that switch are evaluated per element
+    into ``A x + B`` (one pass over the output), the units that switch are evaluated per element
     over their span, one product for a run of them."""
     ab = _column_slopes(on, w1, b1, w2, x.shape[-1])  # [2H, C]: A; B - b2
     nb, nr = x.shape[:2]
     h = w2.shape[0]
-    out = torch.mul(ab[:h, None], x[:, None]).add_((ab[h:] + b2[:, None])[:, None])
+    out = torch.addcmul((ab[h:] + b2[:, None])[:, None], ab[:h, None], x[:, None])  # one pass
     for units, a, z in _runs(spans):
         hid, us = _span_hidden(x, w1, b1, units, a, z)
         out[..., a:z] += (w2.index_select(1, us) @ hid).view(h, nb, nr, z - a).transpose(0, 1)
