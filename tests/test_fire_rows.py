@@ -1,5 +1,5 @@
 """FIRE's rows (`FireBias.rows_from` through `fire_rows`: one autograd Function, backward written
-out; without gradients the units selected per group of keys; a Toeplitz table of ``psi(i - j)`` at
+out; the units selected per group of keys, forward and backward; a Toeplitz table of ``psi(i - j)`` at
 ``start + arange`` positions; one row of positions shared by the batch) equal the straight
 formula (`FIRE.bias_tensor`, eq. 3) forward and backward
 in every parameter: ragged blocks, offsets below and beyond ``L`` in one block, a query exactly at

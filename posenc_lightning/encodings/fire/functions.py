@@ -123,10 +123,12 @@ class _SwitchingReluMLP(torch.autograd.Function):
 def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Tensor, b1: Tensor, w2: Tensor,
               b2: Tensor, eps: float = 1e-6, shift: int | None = None) -> Tensor:
     """FIRE's bias ``[B, H, Nq, Nk]`` (eq. 3): `fire_mlp` of `fire_normalized_distance`, the same
-    arithmetic, as one autograd Function. Without gradients the units are selected per group of keys
-    (`_column_rows`, the cheaper forward); with them as in `fire_mlp`, over the block, whose pieces
-    the backward (eq. 3 differentiated by hand) reuses for its matrix products. No autograd graph
-    of the ``[B, Nq, Nk]`` intermediates; saved: ``x``.
+    arithmetic, as one autograd Function. The units are selected per group of keys (`_select`): the
+    forward folds those on throughout a group into ``A x + B`` (`_column_rows`), the backward (eq. 3
+    differentiated by hand, `_column_grads`) takes the same selection, so a folded unit's gradient
+    is a sum over its groups and only the units that switch are evaluated per element, in runs over
+    their spans. No autograd graph of the ``[B, Nq, Nk]`` intermediates; saved: ``x`` and the
+    selection.
 
     ``shift``: the positions are known to be ``a + arange`` in one row (shared by the batch) with
     ``q_pos[0, r] - k_pos[0, j] = shift + r - j``; ``psi(i - j)`` is then a Toeplitz view of a table
