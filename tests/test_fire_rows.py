@@ -1,5 +1,5 @@
 """FIRE's rows (`FireBias.rows_from` through `fire_rows`: one autograd Function, backward written
-out; without gradients the units selected per group of keys; a Toeplitz table of ``psi(i - j)`` at
+out; the units selected per group of keys, forward and backward; a Toeplitz table of ``psi(i - j)`` at
 ``start + arange`` positions; one row of positions shared by the batch) equal the straight
 formula (`FIRE.bias_tensor`, eq. 3) forward and backward
 in every parameter: ragged blocks, offsets below and beyond ``L`` in one block, a query exactly at
@@ -127,3 +127,17 @@ def test_empty_rows():
     assert rows.shape == (1, 3, 4, 0)
     grads = torch.autograd.grad(rows.sum(), list(enc.bias_params()), allow_unused=True)
     assert all(g is None or not g.any() for g in grads)
+
+
+@pytest.mark.parametrize("slack", [0, 10**9])  # every span its own run / every span in one run
+@pytest.mark.parametrize("group", [4, 32])
+def test_runs_of_switching_units_forward_and_backward(slack, group, monkeypatch):
+    """The units that switch within a block are evaluated per element in runs over the union of
+    their spans (`functions._merged`); a unit evaluated over keys where it does not switch, and
+    not folded there, gives the same rows and gradients whatever the runs."""
+    monkeypatch.setattr(ffire, "FIRE_COLUMN_GROUP", group)
+    monkeypatch.setattr(ffire, "FIRE_SPAN_SLACK", slack)
+    enc = _fire()
+    pos = (torch.arange(151) + 60).expand(2, -1)
+    bias = enc.bias(None, None, AttentionContext(pos, pos, q_start=60, k_start=60))
+    _check(enc, bias, pos, pos, shared=True)

@@ -15,6 +15,9 @@ FIRE_MLP_CHUNK = 16384
 #: keys per unit selection in `fire_rows`'s forward (a selection costs ``W`` per group: larger groups
 #: share it, smaller ones select fewer units)
 FIRE_COLUMN_GROUP = 32
+#: the most elements a unit's span may widen by to join a run of units evaluated together (one
+#: product for the run instead of a few dozen operations per run, over a few more elements)
+FIRE_SPAN_SLACK = 32768
 
 
 def fire_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
@@ -120,10 +123,12 @@ class _SwitchingReluMLP(torch.autograd.Function):
 def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Tensor, b1: Tensor, w2: Tensor,
               b2: Tensor, eps: float = 1e-6, shift: int | None = None) -> Tensor:
     """FIRE's bias ``[B, H, Nq, Nk]`` (eq. 3): `fire_mlp` of `fire_normalized_distance`, the same
-    arithmetic, as one autograd Function. Without gradients the units are selected per group of keys
-    (`_column_rows`, the cheaper forward); with them as in `fire_mlp`, over the block, whose pieces
-    the backward (eq. 3 differentiated by hand) reuses for its matrix products. No autograd graph
-    of the ``[B, Nq, Nk]`` intermediates; saved: ``x``.
+    arithmetic, as one autograd Function. The units are selected per group of keys (`_select`): the
+    forward folds those on throughout a group into ``A x + B`` (`_column_rows`), the backward (eq. 3
+    differentiated by hand, `_column_grads`) takes the same selection, so a folded unit's gradient
+    is a sum over its groups and only the units that switch are evaluated per element, in runs over
+    their spans. No autograd graph of the ``[B, Nq, Nk]`` intermediates; saved: ``x`` and the
+    selection.
 
     ``shift``: the positions are known to be ``a + arange`` in one row (shared by the batch) with
     ``q_pos[0, r] - k_pos[0, j] = shift + r - j``; ``psi(i - j)`` is then a Toeplitz view of a table
@@ -132,8 +137,7 @@ def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Te
     if torch.compiler.is_compiling():  # data-dependent unit selection: `fire_mlp`'s compiled form
         x = fire_normalized_distance(q_pos, k_pos, c, threshold, eps)
         return fire_mlp(x.flatten(1), w1, b1, w2, b2).unflatten(-1, x.shape[1:])
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (c, threshold, w1, b1, w2, b2))
-    return _FireRows.apply(c, threshold, w1, b1, w2, b2, q_pos, k_pos, eps, shift, grad)[0]
+    return _FireRows.apply(c, threshold, w1, b1, w2, b2, q_pos, k_pos, eps, shift)[0]
 
 
 def _toeplitz(table: Tensor, rows: int, keys: int) -> Tensor:
@@ -151,12 +155,13 @@ def _distances(q_pos: Tensor, k_pos: Tensor, shift: int | None) -> Tensor:
 
 
 class _FireRows(torch.autograd.Function):
-    """`fire_rows`: outputs ``(rows, x, n, switching, on, w_aug)``, all but rows for backward (the
-    last three None without ``grad``: no backward then)."""
+    """`fire_rows`: outputs ``(rows, x, n, on, spans)``, all but rows for backward: the units
+    selected per group of keys (`_select`), the same selection forward (`_column_rows`) and
+    backward (`_column_grads`)."""
 
     @staticmethod
     def forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,  # type: ignore[override]
-                q_pos: Tensor, k_pos: Tensor, eps: float, shift: int | None, grad: bool):
+                q_pos: Tensor, k_pos: Tensor, eps: float, shift: int | None):
         qf = q_pos.to(torch.float32)
         n = fire_psi(torch.maximum(qf, thr.to(torch.float32).abs()), c) + eps  # [B, Nq]
         p = fire_psi(_distances(q_pos, k_pos, shift), c)
@@ -165,44 +170,34 @@ class _FireRows(torch.autograd.Function):
         x, w1, b1, w2, b2 = (t.to(dt) for t in (x, w1, b1, w2, b2))
         nb, nq, nk = x.shape
         if x.numel() == 0:  # nothing switches, nothing is on
-            return x.new_zeros(nb, w2.shape[0], nq, nk), x, n, x.new_zeros(0, dtype=torch.long), \
-                torch.zeros_like(w1), torch.zeros_like(w2[:, :2])
-        if not grad:
-            return _column_rows(x, w1, b1, w2, b2), x, n, None, None, None
-        # for backward: the pieces over the whole block, whose products are then matrix products
-        switching, on, w_aug = _fold(x, w1, b1, w2, b2)
-        out = _mlp_rows(x.view(nb, -1), w1[switching], b1[switching], w_aug)
-        return out.view(nb, -1, nq, nk), x, n, switching, on, w_aug
+            return x.new_zeros(nb, w2.shape[0], nq, nk), x, n, x.new_zeros(0, w1.shape[0]), \
+                torch.zeros(0, 3, dtype=torch.long)
+        on, spans = _select(x, w1, b1)
+        return _column_rows(x, w1, b1, w2, b2, on, spans), x, n, on, spans
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
-        c, thr, _w1, _b1, _w2, _b2, q_pos, k_pos, ctx.eps, ctx.shift, _ = inputs
-        _, x, n, switching, on, w_aug = output
-        ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
-        ctx.save_for_backward(c, thr, q_pos, k_pos, x, n, switching, on, w_aug, *inputs[2:6])
+        c, thr, _w1, _b1, _w2, _b2, q_pos, k_pos, ctx.eps, ctx.shift = inputs
+        _, x, n, on, spans = output
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.save_for_backward(c, thr, q_pos, k_pos, x, n, on, spans, *inputs[2:6])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor, *_):
-        c, thr, q_pos, k_pos, x, n, switching, on, w_aug, w1, b1, w2, b2 = ctx.saved_tensors
-        if switching is None:
-            raise RuntimeError("fire_rows: called without gradients, then differentiated")
-        nb, nq, nk = x.shape
+        c, thr, q_pos, k_pos, x, n, on, spans, w1, b1, w2, b2 = ctx.saved_tensors
         w1d, b1d, w2d = (t.to(x.dtype) for t in (w1, b1, w2))
-        need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        gx, gw1s, gb1s, gw = _mlp_grads(x.view(nb, -1), w1d[switching], b1d[switching], w_aug,
-                                        grad.to(x.dtype).reshape(nb, w2.shape[0], -1), need_x and x.numel() > 0)
-        ga, gb = gw[:, -2], gw[:, -1]  # of A = w2 (on w1) and B = b2 + w2 (on b1)
-        gw2 = ga[:, None] * (w1d * on) + gb[:, None] * (b1d * on)
-        gw2[:, switching] += gw[:, :-2]
-        gw1, gb1 = on * (w2d.t() @ ga), on * (w2d.t() @ gb)
-        gw1[switching] += gw1s
-        gb1[switching] += gb1s
+        need_x = (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]) and x.numel() > 0
+        if x.numel() == 0:
+            gx, gw1, gb1, gw2, gb2 = None, torch.zeros_like(w1d), torch.zeros_like(b1d), torch.zeros_like(w2d), \
+                torch.zeros_like(b2, dtype=x.dtype)
+        else:
+            gx, gw1, gb1, gw2, gb2 = _column_grads(x, grad.to(x.dtype), w1d, b1d, w2d, on, spans, need_x)
         gc, gthr = torch.zeros_like(c), torch.zeros_like(thr)
         if gx is not None:
-            gc, gthr = _ratio_grads(gx.view(nb, nq, nk), x, n, c, thr, q_pos, k_pos, ctx.shift)
-        return gc, gthr, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb.to(b2.dtype), \
-            None, None, None, None, None
+            gc, gthr = _ratio_grads(gx, x, n, c, thr, q_pos, k_pos, ctx.shift)
+        return gc, gthr, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb2.to(b2.dtype), \
+            None, None, None, None
 
 
 def _ratio_grads(gx: Tensor, x: Tensor, n: Tensor, c: Tensor, thr: Tensor, q_pos: Tensor, k_pos: Tensor,
@@ -226,15 +221,17 @@ def _ratio_grads(gx: Tensor, x: Tensor, n: Tensor, c: Tensor, thr: Tensor, q_pos
     return gc.reshape(c.shape).to(c.dtype), gthr.reshape(thr.shape).to(thr.dtype)
 
 
-def _column_rows(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
-    """``f_theta(x)`` ``[B, H, R, C]`` for a block of rows ``x`` ``[B, R, C]``, the units selected per
-    group of `FIRE_COLUMN_GROUP` keys instead of over the block (`fire_mlp`).
+def _select(x: Tensor, w1: Tensor, b1: Tensor) -> tuple[Tensor, Tensor]:
+    """The units selected per group of `FIRE_COLUMN_GROUP` keys of a block of rows ``x`` ``[B, R, C]``:
+    ``on`` ``[groups, W]`` (0/1: folded into ``A x + B`` there) and ``spans`` ``[S, 3]`` (unit, first
+    key, key past the last) where a unit is evaluated per element.
 
     Along a row ``x`` sweeps ``[0, 1]``, but down a few keys of a block of rows it spans a narrow
-    range, where nearly every unit keeps its sign: per group the on units fold into ``A x + B``
-    (two passes over the output). A unit that switches is evaluated per element over the span of
-    groups from the first to the last where it switches (and folded nowhere in that span). The
-    selection is `fire_mlp`'s: the per-element arithmetic at the group's min and max (monotone)."""
+    range, where nearly every unit keeps its sign. A unit that switches is evaluated per element
+    over the span of groups from the first to the last where it switches (and folded nowhere in
+    that span). The selection is `fire_mlp`'s: the per-element arithmetic at the group's min and
+    max (monotone). Overlapping spans are merged (`_merged`): their units are evaluated together,
+    a few products for all of them instead of several passes per unit."""
     nc = x.shape[-1]
     g = FIRE_COLUMN_GROUP
     pad = -nc % g  # a ragged last group: padded with values that move neither min nor max
@@ -242,16 +239,112 @@ def _column_rows(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> T
     hi = torch.nn.functional.pad(x.amax((0, 1)), (0, pad), value=float("-inf")).view(-1, g).amax(1)
     pos_lo, pos_hi = w1 * lo[:, None] + b1 > 0, w1 * hi[:, None] + b1 > 0  # [groups, W]
     switching = pos_lo ^ pos_hi
-    units = switching.any(0).nonzero().squeeze(1)
-    idx = torch.arange(switching.shape[0], device=x.device)[:, None]
-    first = torch.where(switching, idx, switching.shape[0]).amin(0)
+    groups = switching.shape[0]
+    idx = torch.arange(groups, device=x.device)[:, None]
+    first = torch.where(switching, idx, groups).amin(0)
     last = torch.where(switching, idx, -1).amax(0)
+    fl = torch.stack((first, last)).tolist()  # read on the host once: the spans are a few lists
+    merged = _merged([[u, f, e] for u, (f, e) in enumerate(zip(*fl)) if e >= 0], x.shape[0] * x.shape[1])
+    spans = torch.tensor([(u, f * g, min((e + 1) * g, nc)) for u, f, e in merged], dtype=torch.long).view(-1, 3)
+    bounds = [[groups] * len(fl[0]), [-1] * len(fl[0])]
+    for u, f, e in merged:
+        bounds[0][u], bounds[1][u] = f, e
+    first, last = torch.tensor(bounds, device=x.device)
     on = (pos_lo & pos_hi & ((idx < first) | (idx > last))).to(x.dtype)  # folded: outside the spans
-    ab = (torch.cat((w2 * w1, w2 * b1)) @ on.t()).repeat_interleave(g, 1)[:, :nc]  # [2H, C]: A; B - b2
-    h = w2.shape[0]
-    out = torch.mul(ab[:h, None], x[:, None]).add_((ab[h:] + b2[:, None])[:, None])
-    w2u = w2.t()[:, :, None, None]
-    for u, a, z in torch.stack((units, first[units], last[units] + 1), 1).tolist():
-        xs = x[..., a * g:z * g]
-        out[..., a * g:z * g].addcmul_(w2u[u], (xs * w1[u] + b1[u]).relu_()[:, None])
+    return on, spans
+
+
+def _merged(spans: list[list[int]], rows: int) -> list[tuple[int, int, int]]:
+    """``(unit, first group, last group)`` with spans widened to their union, in runs of equal spans
+    (a unit evaluated per element over more groups is still exact): a span joins the run before it
+    when the elements this adds (``rows`` per key of each widened span) stay under
+    `FIRE_SPAN_SLACK`, as a run costs a fixed number of operations."""
+    g = FIRE_COLUMN_GROUP
+    out: list[tuple[int, int, int]] = []
+    run: list[int] = []
+    lo = hi = -1
+    for u, f, e in sorted(spans, key=lambda s: (s[1], -s[2])):
+        top = max(hi, e)
+        extra = ((top - hi) * len(run) + (top - lo) - (e - f)) * g * rows
+        if run and extra > FIRE_SPAN_SLACK:
+            out += [(v, lo, hi) for v in run]
+            run = []
+        lo, hi = (f, e) if not run else (lo, top)
+        run.append(u)
+    return out + [(v, lo, hi) for v in run]
+
+
+def _runs(spans: Tensor) -> list[tuple[list[int], int, int]]:
+    """The spans as ``(units, first key, key past the last)`` runs (`_merged`)."""
+    out: list[tuple[list[int], int, int]] = []
+    for u, a, z in spans.tolist():
+        if out and out[-1][1:] == (a, z):
+            out[-1][0].append(u)
+        else:
+            out.append(([u], a, z))
     return out
+
+
+def _column_slopes(on: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, nc: int) -> Tensor:
+    """``[2H, C]``: per key, the slope ``A`` and the intercept ``B - b2`` of the units folded there."""
+    g = FIRE_COLUMN_GROUP
+    return (torch.cat((w2 * w1, w2 * b1)) @ on.t()).repeat_interleave(g, 1)[:, :nc]
+
+
+def _span_hidden(x: Tensor, w1: Tensor, b1: Tensor, units: list[int], a: int,
+                 z: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(relu(w1 x + b1) [U, B R S], index of the units, x [B R S])`` over keys ``[a, z)`` of ``x``:
+    the pre-activations as one outer product (``addmm``, as ``nn.Linear``; faster than a broadcast)."""
+    us = torch.tensor(units, device=x.device)
+    xs = x[..., a:z].reshape(-1)
+    return torch.addmm(b1.index_select(0, us)[:, None], w1.index_select(0, us)[:, None], xs[None]).relu_(), us, xs
+
+
+def _column_rows(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, on: Tensor, spans: Tensor) -> Tensor:
+    """``f_theta(x)`` ``[B, H, R, C]`` for a block of rows ``x`` ``[B, R, C]``, the units selected per
+    group of keys (`_select`) instead of over the block (`fire_mlp`): per group the on units fold
+    into ``A x + B`` (one pass over the output), the units that switch are evaluated per element
+    over their span, one product for a run of them."""
+    ab = _column_slopes(on, w1, b1, w2, x.shape[-1])  # [2H, C]: A; B - b2
+    nb, nr = x.shape[:2]
+    h = w2.shape[0]
+    out = torch.addcmul((ab[h:] + b2[:, None])[:, None], ab[:h, None], x[:, None])  # one pass
+    for units, a, z in _runs(spans):
+        hid, us, _ = _span_hidden(x, w1, b1, units, a, z)
+        out[..., a:z] += (w2.index_select(1, us) @ hid).view(h, nb, nr, z - a).transpose(0, 1)
+    return out
+
+
+def _column_grads(x: Tensor, g: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, on: Tensor, spans: Tensor,
+                  need_x: bool) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of `_column_rows` (``d rows = g`` ``[B, H, R, C]``) to ``(x, w1, b1, w2, b2)``,
+    by the same selection: a folded unit's terms are sums over its groups of keys (column sums of
+    ``g`` and ``g x``, then one small product with ``on``), a switching unit's per element over its
+    span (``relu'(u) = 1`` where ``u > 0``, 0 at ``u = 0``, as torch)."""
+    nb, nr, nc = x.shape
+    grp = FIRE_COLUMN_GROUP
+    pad = -nc % grp
+    h = w2.shape[0]
+    s0 = g.sum((0, 2))  # [H, C]
+    s1 = (g * x[:, None]).sum((0, 2))
+    p0, p1 = (torch.nn.functional.pad(s, (0, pad)).view(h, -1, grp).sum(-1) @ on for s in (s0, s1))  # [H, W]
+    gw2 = w1 * p1 + b1 * p0
+    gw1, gb1 = (w2 * p1).sum(0), (w2 * p0).sum(0)
+    gx = None
+    if need_x:
+        slope = _column_slopes(on, w1, b1, w2, nc)[:h]  # [H, C]
+        gx = g[:, 0] * slope[0]
+        for i in range(1, h):
+            gx.addcmul_(g[:, i], slope[i])
+    for units, a, z in _runs(spans):
+        hid, us, xs = _span_hidden(x, w1, b1, units, a, z)  # [U, E]
+        gs = g[..., a:z].transpose(0, 1).reshape(h, -1)  # [H, E]
+        gw2.index_add_(1, us, gs @ hid.t())
+        # d loss / d pre-activation [U, E]: relu' = sign(relu(u)) (0 at u = 0, as torch; a float
+        # multiplier, several times faster here than a boolean mask)
+        gpre = (w2.index_select(1, us).t() @ gs).mul_(hid.sign())
+        gw1.index_add_(0, us, gpre @ xs)
+        gb1.index_add_(0, us, gpre.sum(1))
+        if gx is not None:
+            gx[..., a:z] += (w1.index_select(0, us) @ gpre).view(nb, nr, z - a)
+    return gx, gw1, gb1, gw2, s0.sum(1)
