@@ -304,14 +304,19 @@ def _column_rows(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, on: 
     """``f_theta(x)`` ``[B, H, R, C]`` for a block of rows ``x`` ``[B, R, C]``, the units selected per
     group of keys (`_select`) instead of over the block (`fire_mlp`): per group the on units fold
     into ``A x + B`` (one pass over the output), the units that switch are evaluated per element
-    over their span, one product for a run of them."""
+    over their span, one product for a run of them, by chunks of keys whose hidden units and product
+    stay within 1/16 of the output (the forward's peak memory stays the output's)."""
     ab = _column_slopes(on, w1, b1, w2, x.shape[-1])  # [2H, C]: A; B - b2
     nb, nr = x.shape[:2]
     h = w2.shape[0]
     out = torch.addcmul((ab[h:] + b2[:, None])[:, None], ab[:h, None], x[:, None])  # one pass
+    budget = max(1, out.numel() // 16)  # a run's hidden units and their product: 1/16 of the output's size
     for units, a, z in _runs(spans):
-        hid, us, _ = _span_hidden(x, w1, b1, units, a, z)
-        out[..., a:z] += (w2.index_select(1, us) @ hid).view(h, nb, nr, z - a).transpose(0, 1)
+        step = max(1, budget // (max(len(units), h) * nb * nr))
+        for a0 in range(a, z, step):
+            z0 = min(z, a0 + step)
+            hid, us, _ = _span_hidden(x, w1, b1, units, a0, z0)
+            out[..., a0:z0] += (w2.index_select(1, us) @ hid).view(h, nb, nr, z0 - a0).transpose(0, 1)
     return out
 
 
