@@ -1,7 +1,7 @@
-"""The bias base class, what backends receive from it (`KeyOnly`, `KernelBias`, `OpaqueOperands`),
-and the generic kinds that combine others: `ScaledBias`, `BiasSum`. `DenseBias` (a tensor, or rows by
-a function) is in `dense`, the kinds with O(N) data in `structured` (see the package docstring for
-what a kind answers)."""
+"""The bias base class, the Triton kernels' arguments (`KernelBias`; the other forms a kind gives
+backends are in `forms`), and the generic kinds that combine others: `ScaledBias`, `BiasSum`.
+`DenseBias` (a tensor, or rows by a function) is in `dense`, the kinds with O(N) data in `structured`
+(see the package docstring for what a kind answers)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.encodings.bias._distance_table import DistanceTable, accumulate
+from posenc_lightning.encodings.bias.forms import HeadScaled, KeyOnly, OpaqueOperands
 from posenc_lightning.encodings.bias.tile import TileBias
 from posenc_lightning.encodings.bias.windows import Index, cut, same_positions, span
 from posenc_lightning.functional.positions import arange_offset, host_reads_ok
@@ -24,54 +25,6 @@ __all__ = ["Bias", "BiasSum", "HeadScaled", "KernelBias", "KeyOnly", "OpaqueOper
 #: ``f(b, h, q_idx, kv_idx) -> value`` (float32), one term of a flex ``score_mod``
 ScoreTerm = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 _WIDE = (torch.float32, torch.float64)
-
-
-@dataclass(eq=False)
-class KeyOnly:
-    """A bias that, where a query may see a key, is ``q_ch[h] * k_ch[b, h, j]`` plus a term of the
-    query alone, which softmax drops: SDPA takes it as one extra q/k channel (`Bias.key_only`).
-
-    ``q_ch``: ``[H]`` (None: 1 for every head); ``k_ch``: ``[B|1, H|1, Nk]`` in the activations'
-    dtype (one head: the same for every head, so grouped kv heads stay grouped)."""
-
-    q_ch: Tensor | None
-    k_ch: Tensor
-
-    def key_bias(self) -> Tensor:
-        """``[B|1, H, Nk]``: the bias of key j, as every query sees it up to its own constant."""
-        return self.k_ch if self.q_ch is None else self.q_ch[None, :, None] * self.k_ch
-
-
-@dataclass(frozen=True, eq=False)
-class OpaqueOperands:
-    """A bias as an opaque operator takes it (`Bias.opaque_operands`): tensors and constants only.
-
-    Attributes:
-        kind: the name the kind is registered under (`register_opaque_kind`); the operator rebuilds
-            the bias with that kind's `Bias.from_operands`, never importing its class.
-        tensors: every tensor the bias is computed from (positions, parameters); those that
-            require a gradient get one.
-        ints: its integer constants (e.g. known position starts).
-        floats: its float constants (e.g. an epsilon).
-    """
-
-    kind: str
-    tensors: tuple[Tensor, ...]
-    ints: tuple[int, ...] = ()
-    floats: tuple[float, ...] = ()
-
-
-@dataclass(frozen=True, eq=False)
-class HeadScaled:
-    """A bias ``w[h] * pattern(q_pos, k_pos)`` (`Bias.head_scaled`).
-
-    Attributes:
-        w: the per-head weights ``[H]``, one of the bias's `Bias.grad_inputs`.
-        pattern: ``(q_pos [B, Nq], k_pos [B, Nk]) -> [B, Nq, Nk]`` float32, shared by the heads.
-    """
-
-    w: Tensor
-    pattern: Callable[[Tensor, Tensor], Tensor]
 
 
 @dataclass(eq=False)
