@@ -184,15 +184,18 @@ class CoPE(Encoding):
                 last[s, e, ke] = j
             return last[s, e, ke]
 
-        def rows(s: int, e: int, ke: int, q_rows: Tensor, k_keys: Tensor, pos_emb: Tensor) -> Tensor:
-            clamped = keys(e, ke) - k_keys.shape[-2]
+        def past(s: int, e: int, k0: int, ke: int, q_rows: Tensor, k_keys: Tensor, pos_emb: Tensor) -> Tensor:
+            clamped = keys(e, ke) - k_keys.shape[-2] - k0  # the window's keys start at first(s, e, ke) >= k0
             found = counted.pop((s, e, ke), None)
             if found is not None and found[0].shape[-2:] != (q_rows.shape[-2], k_keys.shape[-2]):
                 found = None  # not the window the search was for
             out = self.bias_rows(q_rows, k_keys, causal, n_k - n_q + s, pos_emb, clamped, found)
             # a view only where keys are cut: new rows take sdpa's mask in place (`owned_rows`)
-            return out if out.shape[-1] == ke else out[..., :ke]
+            return out if out.shape[-1] == ke - k0 else out[..., :ke - k0]
+
+        def rows(s: int, e: int, ke: int, q_rows: Tensor, k_keys: Tensor, pos_emb: Tensor) -> Tensor:
+            return past(s, e, 0, ke, q_rows, k_keys, pos_emb)
 
         return DenseBias.lazy(rows, n_q, n_k, inputs=(q, k, self.pos_emb),
                               window=lambda s, e, ke: (span(s, e, -2), span(first(s, e, ke), keys(e, ke), -2), None),
-                              backward_share=self.BACKWARD_SHARE)
+                              backward_share=self.BACKWARD_SHARE, constant_before=first, rows_past=past)

@@ -20,7 +20,7 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
                                  add_bias: Callable[[int, int, int, Tensor], None],
                                  on_ds: Callable[[int, int, int, Tensor], None] | None = None,
                                  reverse_rows: bool = False, dq: Tensor | None = None,
-                                 dk: Tensor | None = None, empty_rows: bool = False,
+                                 dk: Tensor | None = None, dv: Tensor | None = None, empty_rows: bool = False,
                                  scratch: Scratch | None = None, compiling: bool = False
                                  ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the dtypes of q, k, v, computed ``rows`` query rows at a time.
@@ -30,8 +30,9 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
     ``on_ds(start, stop, k_stop, ds)`` receives that block's ``dS`` in the same layout. Causal
     blocks stop at the keys their last query sees. ``reverse_rows``: each block's rows come in
     reverse order (``rr = stop - 1 - i``), for biases that are zero-copy views only that way.
-    ``dq``/``dk``: zero-filled accumulators to add into (float32 or wider, the shapes of q and k),
-    so that ``on_ds`` can add a bias's own gradients for q and k to them without more buffers.
+    ``dq``/``dk``/``dv``: zero-filled accumulators to add into (float32 or wider, the shapes of q,
+    k and v), so that ``on_ds`` can add a bias's own gradients for q and k to them without more
+    buffers, and a caller running some blocks itself can sum them unrounded.
     ``empty_rows``: a query may see no key at all (key padding): its weights are 0, not NaN.
     ``scratch``: the blocks' buffers (`Scratch`, two of a block's size at least); buffer 1 is free
     while ``on_ds`` runs (a caller may use it there). ``compiling``: traced by ``torch.compile``
@@ -49,7 +50,7 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
     add_dq = dq is not None
     dq = torch.empty_like(q, dtype=wt) if dq is None else dq  # q's layout: returned without a copy
     dk = torch.zeros_like(kf) if dk is None else dk
-    dv = torch.zeros_like(vf)
+    dv = torch.zeros_like(vf) if dv is None else dv
     block = b * h * min(rows, n_q) * n_k
     scratch = Scratch((block, block), wt, q.device, compiling) if scratch is None else scratch
 

@@ -81,9 +81,9 @@ class BlockRows:
 
     @classmethod
     def of(cls, bias: Bias, inputs: Sequence[Tensor], need: Sequence[bool], start: int, stop: int, k_stop: int,
-           compiling: bool) -> BlockRows:
-        """The rows ``[start, stop) x [0, k_stop)`` of ``bias`` from detached windows of its ``inputs``
-        (`Bias.grad_inputs`), differentiable to those where ``need``.
+           compiling: bool, k_start: int = 0) -> BlockRows:
+        """The rows ``[start, stop) x [k_start, k_stop)`` of ``bias`` from detached windows of its
+        ``inputs`` (`Bias.grad_inputs`), differentiable to those where ``need``.
 
         Args:
             bias: the bias (`Bias.recomputable`).
@@ -93,6 +93,7 @@ class BlockRows:
             stop: query row past the last.
             k_stop: keys ``0..k_stop-1``.
             compiling: traced by ``torch.compile`` (`_block_grad.block_vjp`).
+            k_start: first key (`Bias.rows_past`; the windows are those of keys ``[0, k_stop)``).
 
         Returns:
             The block.
@@ -105,6 +106,8 @@ class BlockRows:
             vs = list(views)
             for i, d in zip(live, diff):
                 vs[i] = d
+            if k_start:
+                return bias.rows_past(start, stop, k_start, k_stop, vs)  # [B|1, H|1, r, K - k_start]
             return bias.rows_from(start, stop, k_stop, vs)  # [B|1, H|1, r, K]
 
         if not live:

@@ -51,6 +51,9 @@ class Call:
         grads: q, k, v or a bias input that is not q or k needs a gradient (the same).
         grad_mode: autograd records.
         opaque: compiled, with a context, and the kind declares `Bias.opaque_operands`.
+        kernel_runs: float32, no key padding and no documents, a kind that recomputes its rows from
+            its inputs: a block of rows whose bias has a constant run may run on SDPA's CPU
+            kernel, forward and backward (`_runs`).
     """
 
     batch: int
@@ -67,17 +70,21 @@ class Call:
     grads: bool = False
     grad_mode: bool = False
     opaque: bool = False
+    kernel_runs: bool = False
 
 
 @dataclass(frozen=True)
 class Plan:
     """The form a call runs in; ``rows``: query rows per block (the row forms); ``fallback``: the
     plan when the form declines at run time (an opaque operator that does not apply, a kind
-    with no value at the Toeplitz distances)."""
+    with no value at the Toeplitz distances); ``kernel_runs``: blocks of rows may run on SDPA's
+    CPU kernel (`Call.kernel_runs`, eagerly: the own backward's form, and the rows form without
+    grad mode)."""
 
     form: Form
     rows: int = 0
     fallback: Plan | None = None
+    kernel_runs: bool = False
 
 
 def choose(call: Call, mode: Mode, one_block_bytes: int = 0) -> Plan:
@@ -98,7 +105,7 @@ def choose(call: Call, mode: Mode, one_block_bytes: int = 0) -> Plan:
         if call.offset_causal and 4 * call.batch * call.n_q * call.n_k > _blocks.BIAS_BLOCK_BYTES:
             # an offset SDPA's is_causal cannot express, with a mask larger than a bias block:
             # its rows a block at a time (a zero bias)
-            return _rows(call)
+            return _rows(call, mode)
         return Plan(Form.MASK)
     if (not call.key_only and mode.compiling and mode.device == "cpu"
             and 4 * call.batch * call.heads * call.n_q * call.n_k <= one_block_bytes):
@@ -108,13 +115,15 @@ def choose(call: Call, mode: Mode, one_block_bytes: int = 0) -> Plan:
     if call.key_only:
         return Plan(Form.KEY_MASK if call.plain_mask and call.key_mask else Form.KEY_CHANNEL)
     if call.toeplitz and not mode.compiling:  # strided views of storage offsets do not trace
-        return Plan(Form.TOEPLITZ, fallback=_rows(call))
-    return _rows(call)
+        return Plan(Form.TOEPLITZ, fallback=_rows(call, mode))
+    return _rows(call, mode)
 
 
-def _rows(call: Call) -> Plan:
+def _rows(call: Call, mode: Mode) -> Plan:
     """Blocks of query rows: the engine's own backward when the bias recomputes its rows and
     something needs a gradient, else each block checkpointed under grad mode."""
     if call.grad_mode and call.recomputable and call.grads:
-        return Plan(Form.OWN_BACKWARD, rows=_blocks.forward_rows(call.heads, call.n_q, call.n_k))
-    return Plan(Form.ROWS, rows=_blocks.forward_rows(call.heads, call.n_q, call.n_k))
+        return Plan(Form.OWN_BACKWARD, rows=_blocks.forward_rows(call.heads, call.n_q, call.n_k),
+                    kernel_runs=call.kernel_runs and mode.host_reads)
+    return Plan(Form.ROWS, rows=_blocks.forward_rows(call.heads, call.n_q, call.n_k),
+                kernel_runs=call.kernel_runs and mode.host_reads and not call.grad_mode)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from posenc_lightning.attention.backends._block_grad import attention_backward_by_blocks
 from posenc_lightning.attention.backends._blocks import BlockRows, backward_rows, wide_zeros
+from posenc_lightning.attention.backends._runs import run_backward, run_of
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias
 
@@ -46,6 +47,9 @@ class RowsSpec:
     scale: float
     inputs: tuple[Tensor, ...]
     targets: tuple[Target, ...]
+    #: the forward keeps its rows' log-sum-exp, so that blocks whose bias is one value per row over
+    #: a run of keys run on SDPA's CPU kernel, forward and backward (`_runs`)
+    kernel_runs: bool = False
 
     @classmethod
     def route(cls, bias: Bias, mask: AttentionMask, scale: float, inputs: Sequence[Tensor], q: Tensor, k: Tensor,
@@ -86,16 +90,22 @@ class _InFlight:
 
 
 def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, spec: RowsSpec,
-                  needs_input_grad: tuple[bool, ...], compiling: bool = False
+                  needs_input_grad: tuple[bool, ...], compiling: bool = False, lse: Tensor | None = None
                   ) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
     """The backward of the rows form (`sdpa._RowsAttention`): ``dq, dk, dv`` and the gradients of
     its extra inputs, by blocks of query rows; each block's bias rows recomputed (`BlockRows`).
+
+    With the forward's log-sum-exp (``lse``, `RowsSpec.kernel_runs`), a block whose bias is one
+    value per row before key ``c`` (`Bias.constant_before`) runs on SDPA's CPU kernel, with ``dS``
+    for the keys from ``c`` on only (`_runs.run_backward`). Other blocks run the engine's own
+    backward (`_block_grad.attention_backward_by_blocks`).
 
     Args:
         q, k, v, out, d_out: the forward's tensors and the output's gradient.
         spec: the bias and where its inputs' gradients go.
         needs_input_grad: as the Function's: q, k, v, spec, then the extra inputs.
         compiling: traced by ``torch.compile`` (`_mode.Mode`; a custom operator's kernel runs eagerly).
+        lse: the forward's ``logsumexp`` of each query's logits ``[B, H, Nq]`` (float32), or None.
 
     Returns:
         ``(dq, dk, dv, extra gradients)``.
@@ -131,10 +141,27 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
         block.backward(ds.reshape(b, h, stop - start, k_stop), into)
 
     rows = backward_rows(b, h, n_q, n_k, spec.bias.backward_share)
-    dq, dk, dv = attention_backward_by_blocks(
-        q, k, v, out, d_out, scale=spec.scale, causal=spec.mask.causal, q_offset=spec.mask.q_offset, rows=rows,
-        add_bias=add_bias, on_ds=to_inputs if any(live) else None, dq=dq, dk=dk,
-        empty_rows=spec.mask.k_valid is not None, compiling=compiling)
+    if lse is None:
+        dq, dk, dv = attention_backward_by_blocks(
+            q, k, v, out, d_out, scale=spec.scale, causal=spec.mask.causal, q_offset=spec.mask.q_offset, rows=rows,
+            add_bias=add_bias, on_ds=to_inputs if any(live) else None, dq=dq, dk=dk,
+            empty_rows=spec.mask.k_valid is not None, compiling=compiling)
+    else:
+        dv = torch.zeros(v.shape, dtype=wt, device=v.device)
+        for start in range(0, n_q, rows):
+            stop = min(n_q, start + rows)
+            k_stop = min(n_k, spec.mask.q_offset + stop) if spec.mask.causal else n_k
+            c = run_of(spec.bias, start, stop, k_stop)
+            if c:
+                run_backward(q, k, v, out, d_out, lse, spec.bias, spec.inputs, live, spec.mask, spec.scale, start,
+                             stop, k_stop, c, (dq, dk, dv), into, compiling)
+                continue
+            attention_backward_by_blocks(
+                q[:, :, start:stop], k, v, out[:, :, start:stop], d_out[:, :, start:stop], scale=spec.scale,
+                causal=spec.mask.causal, q_offset=spec.mask.q_offset + start, rows=stop - start,
+                add_bias=lambda s0, s1, ks, s, a=start: add_bias(a + s0, a + s1, ks, s),
+                on_ds=(lambda s0, s1, ks, ds, a=start: to_inputs(a + s0, a + s1, ks, ds)) if any(live) else None,
+                dq=dq[:, :, start:stop], dk=dk, dv=dv, compiling=compiling)
     firsts = [next(i for i, tg in enumerate(spec.targets) if tg.slot == s) for s in range(len(need_extra))]
     g_all = [None if g is None else g.to(spec.inputs[i].dtype) for g, i in zip(g_extra, firsts)]
     return dq, dk, dv, g_all

@@ -9,7 +9,7 @@ and the `_plan.Mode`), then run here (`_run`). See docs/architecture.md, section
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ from posenc_lightning.attention.backends._rows import (
     owned_rows,
     rows_backward,
 )
+from posenc_lightning.attention.backends._runs import attend_run, run_of
 from posenc_lightning.attention.backends._toeplitz import template_at, toeplitz_backward, toeplitz_shift
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KeyOnly
@@ -141,7 +142,9 @@ def _declared(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, 
     call = Call(q.shape[0], q.shape[1], n_q, n_k, plain_mask=plain, key_only=key_only is not None,
                 key_mask=key_bias is not None and plain and _key_mask_works(q, k, key_bias),
                 toeplitz=shift is not None, recomputable=recomputable, grads=grads, grad_mode=grad_mode,
-                opaque=opaque)
+                opaque=opaque,
+                kernel_runs=q.dtype == torch.float32 and mask.k_valid is None and mask.q_segments is None
+                and bias.recomputable)
     return call, _Found(key_only, key_bias, shift)
 
 
@@ -170,11 +173,13 @@ def _run(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attentio
         return _attend_toeplitz(q, k, v, u.to(q.dtype), mask, scale, gqa)
     if form is Form.OWN_BACKWARD:
         spec, extra = RowsSpec.route(bias, mask, scale, bias.grad_inputs(), q, k, given)
-        return _RowsAttention.apply(q, k, v, spec, *extra)
+        return _RowsAttention.apply(q, k, v, replace(spec, kernel_runs=plan.kernel_runs), *extra)
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32) if plan.kernel_runs else None  # no backward reads it
     if plan.rows >= n_q:
-        return _attend_rows(q, k, v, bias, mask, scale, gqa, 0, n_q, mode.compiling)
+        return _attend_rows(q, k, v, bias, mask, scale, gqa, 0, n_q, mode.compiling, lse)
     return _attend_by_rows(q, k, v, bias, mask, scale, gqa, plan.rows,
-                           checkpointed=CHECKPOINT_BLOCKS and torch.is_grad_enabled(), compiling=mode.compiling)
+                           checkpointed=CHECKPOINT_BLOCKS and torch.is_grad_enabled(), compiling=mode.compiling,
+                           lse=lse)
 
 
 def _toeplitz_template(bias: Bias, mask: AttentionMask, n_q: int, n_k: int,
@@ -240,11 +245,16 @@ class _ToeplitzAttention(torch.autograd.Function):
 
 
 def _attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,
-                 start: int, stop: int, compiling: bool) -> Tensor:
+                 start: int, stop: int, compiling: bool, lse: Tensor | None = None) -> Tensor:
     """SDPA for the queries ``[start, stop)`` with their bias rows as its float mask; ``compiling``:
-    traced by ``torch.compile`` (the mask is then never written into the rows in place)."""
+    traced by ``torch.compile`` (the mask is then never written into the rows in place); ``lse``:
+    ``[B, H, Nq]`` to write the rows' log-sum-exp into, from SDPA's CPU kernel (eagerly, no key
+    padding: `RowsSpec.kernel_runs`)."""
     # causal by index: the queries [start, stop) see keys [0, q_offset + stop) only
     k_stop = min(k.shape[-2], mask.q_offset + stop) if mask.causal else k.shape[-2]
+    c = 0 if lse is None else run_of(bias, start, stop, k_stop)
+    if c:  # one value per row before key c: that run with no mask (`_runs`)
+        return attend_run(q, k, v, bias, mask, scale, start, stop, k_stop, c, lse)
     attn_mask = bias.rows(start, stop, k_stop).to(q.dtype)
     attn_mask = masked(attn_mask, mask, start, stop, k_stop,
                        inplace=owned_rows(attn_mask, bias, mask, q.shape[0], compiling))
@@ -254,23 +264,28 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMas
         # would give SDPA's backward NaN gradients; open the row, then zero its output
         empty = torch.isneginf(attn_mask).all(-1, keepdim=True)
         attn_mask = attn_mask.masked_fill(empty, 0.0)
+    if lse is not None:
+        out, lse[:, :, start:stop] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[:, :, start:stop], k[:, :, :k_stop], v[:, :, :k_stop], 0.0, False, attn_mask=attn_mask, scale=scale)
+        return out
     out = F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :k_stop], v[:, :, :k_stop],
                                          attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
     return out if empty is None else out.masked_fill(empty, 0.0)
 
 
 def _attend_by_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,
-                    rows: int, checkpointed: bool = False, compiling: bool = False) -> Tensor:
+                    rows: int, checkpointed: bool = False, compiling: bool = False, lse: Tensor | None = None
+                    ) -> Tensor:
     """`_attend_rows` over consecutive blocks of ``rows`` queries, each recomputed in backward
     when ``checkpointed``; ``compiling``: traced by ``torch.compile`` (`_mode.Mode`; a custom
-    operator's kernel runs eagerly)."""
+    operator's kernel runs eagerly); ``lse``: written with the rows' log-sum-exp (`_attend_rows`)."""
     from torch.utils.checkpoint import checkpoint
 
     n_q = q.shape[-2]
 
     def block(start: int) -> tuple[int, int, Tensor]:
         stop = min(n_q, start + rows)
-        args = (q, k, v, bias, mask, scale, gqa, start, stop, compiling)
+        args = (q, k, v, bias, mask, scale, gqa, start, stop, compiling, lse)
         return start, stop, checkpoint(_attend_rows, *args, use_reentrant=False) if checkpointed else _attend_rows(*args)
 
     starts = range(0, n_q, rows)
@@ -291,15 +306,17 @@ class _RowsAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: RowsSpec, *extra: Tensor) -> Tensor:
         gqa = k.shape[1] != q.shape[1]
         rows = block_rows(q.shape[1], q.shape[-2], k.shape[-2])
-        out = _attend_by_rows(q, k, v, spec.bias, spec.mask, spec.scale, gqa, rows, compiling=Mode.of(q).compiling)
-        ctx.save_for_backward(q, k, v, out)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32) if spec.kernel_runs else None
+        out = _attend_by_rows(q, k, v, spec.bias, spec.mask, spec.scale, gqa, rows, compiling=Mode.of(q).compiling,
+                              lse=lse)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec = spec
         return out
 
     @staticmethod
     def backward(ctx, d_out: Tensor):
-        q, k, v, out = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv, g_extra = rows_backward(q, k, v, out, d_out, ctx.spec, ctx.needs_input_grad,
-                                            Mode.of(q).compiling)
+                                            Mode.of(q).compiling, lse)
         return (dq, dk, dv, None, *g_extra)
 

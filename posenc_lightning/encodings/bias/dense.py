@@ -26,6 +26,10 @@ class DenseBias(Bias):
         inputs: the tensors ``fn`` is computed from (its `grad_inputs`).
         window: ``window(start, stop, k_stop)``: the parts of ``inputs`` those rows read.
         share: the share of the engine's backward blocks of rows its rows take (`backward_share`).
+        constant: ``constant(start, stop, k_stop)``: the run of leading keys whose rows are one value
+            per row (`constant_before`).
+        past: ``past(start, stop, k_start, k_stop, *inputs)``: the rows of keys from ``k_start`` on
+            (`rows_past`).
 
     Raises:
         ValueError: neither or both of ``tensor`` and ``fn``, or ``fn`` without ``shape_qk``.
@@ -37,6 +41,8 @@ class DenseBias(Bias):
     inputs: tuple[Tensor, ...] | None = field(default=None, repr=False)  # what ``fn`` is computed from
     window: Callable[[int, int, int], tuple[Index, ...]] | None = field(default=None, repr=False)
     share: float = 1.0
+    constant: Callable[[int, int, int], int] | None = field(default=None, repr=False)
+    past: Callable[..., Tensor] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if (self.tensor is None) == (self.fn is None) or (self.fn is not None and self.shape_qk is None):
@@ -48,7 +54,8 @@ class DenseBias(Bias):
     @classmethod
     def lazy(cls, fn: Callable[..., Tensor], n_q: int, n_k: int, inputs: Sequence[Tensor] | None = None,
              window: Callable[[int, int, int], tuple[Index, ...]] | None = None,
-             backward_share: float = 1.0) -> DenseBias:
+             backward_share: float = 1.0, constant_before: Callable[[int, int, int], int] | None = None,
+             rows_past: Callable[..., Tensor] | None = None) -> DenseBias:
         """A bias computed only for the rows asked for (``materialize()`` = all rows).
 
         Without ``inputs``: ``fn(start, stop, k_stop) -> [B|1, H, stop - start, k_stop]``; the SDPA
@@ -61,10 +68,14 @@ class DenseBias(Bias):
         the parts. The SDPA backend's own backward calls ``fn`` on detached parts and
         differentiates to them: no ``N x N`` kept, gradients only as large as the parts.
         ``backward_share``: below 1 for rows whose recomputation keeps more row-sized state alive
-        (smaller backward blocks, `Bias.backward_share`).
+        (smaller backward blocks, `Bias.backward_share`). ``constant_before(start, stop, k_stop)``:
+        how many leading keys of those rows hold one value per row (`Bias.constant_before`);
+        ``rows_past(start, stop, k_start, k_stop, *inputs)``: the rows of keys ``[k_start, k_stop)``
+        only (`Bias.rows_past`), from the same parts of the inputs as ``fn``.
         """
         ins = None if inputs is None else tuple(inputs)
-        return cls(fn=fn, shape_qk=(int(n_q), int(n_k)), inputs=ins, window=window, share=backward_share)
+        return cls(fn=fn, shape_qk=(int(n_q), int(n_k)), inputs=ins, window=window, share=backward_share,
+                   constant=constant_before, past=rows_past)
 
     def grad_inputs(self) -> tuple[Tensor, ...] | None:
         return (self.tensor,) if self.tensor is not None else self.inputs
@@ -96,6 +107,14 @@ class DenseBias(Bias):
     def backward_share(self) -> float:
         return self.share
 
+    def constant_before(self, start: int, stop: int, k_stop: int) -> int:
+        return 0 if self.constant is None else self.constant(start, stop, k_stop)
+
+    def rows_past(self, start: int, stop: int, k_start: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
+        if self.past is None or self.inputs is None:
+            return super().rows_past(start, stop, k_start, k_stop, views)
+        return self.past(start, stop, k_start, k_stop, *views).to(torch.float32)
+
     def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
         if self.tensor is not None:
             return views[0].to(torch.float32)
@@ -122,9 +141,10 @@ class DenseBias(Bias):
         ins = self.grad_inputs()
         if ins is None:
             return DenseBias.lazy(lambda s, e, ke: self.rows(s, e, ke) * w, *self.shape_qk)
+        past = None if self.past is None else lambda s, e, k0, ke, *v: self.rows_past(s, e, k0, ke, v[:-1]) * v[-1]
         return DenseBias.lazy(lambda s, e, ke, *v: self.rows_from(s, e, ke, v[:-1]) * v[-1], *self.shape_qk,
                               inputs=(*ins, w), window=lambda s, e, ke: (*self.input_windows(s, e, ke), None),
-                              backward_share=self.share)
+                              backward_share=self.share, constant_before=self.constant, rows_past=past)
 
     def fold_into(self, args: KernelBias) -> None:
         args.add_dense(self.tensor if self.tensor is not None else self.materialize())

@@ -1,0 +1,107 @@
+"""sdpa's rows of a block whose bias is one value per query row before some key ``c``
+(`Bias.constant_before`: a clamped count), on SDPA's CPU kernel: the keys of that run with no
+mask at all, their bias added to the kernel's log-sum-exp; the keys from ``c`` on with their rows as
+the mask; the two parts joined by their log-sum-exps. No tensor as wide as the block's keys is
+written, so the run costs what the same keys cost without a bias.
+
+Backward, the kernel gives each part's ``dq, dk, dv`` from the joined output and log-sum-exp (the
+softmax's normalizer is the whole row's), and the bias gets ``dS = P * (dO v^T - rowsum(dO * O))``
+for the keys from ``c`` on only: each row of ``dS`` sums to 0, so the run's value gets minus their
+sum (`Bias.rows_past` from ``c - 1``: the run's value, then the keys past it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from posenc_lightning.attention.backends._blocks import BlockRows
+from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings.base import Bias, cut
+
+#: a block runs in this form where the keys past its bias's constant run are at most this share of
+#: its keys: the run's keys then save more than the second kernel call and the ``dS`` of the rest cost
+RUN_SHARE = 0.5
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def run_of(bias: Bias, start: int, stop: int, k_stop: int) -> int:
+    """The key ``c`` where the keys past the constant run of rows ``[start, stop)`` begin, where this
+    form pays (`RUN_SHARE`); 0 where it does not."""
+    c = bias.constant_before(start, stop, k_stop)
+    return c if 0 < c < k_stop and k_stop - c <= RUN_SHARE * k_stop else 0
+
+
+def _band_mask(rows: Tensor, mask: AttentionMask, start: int, stop: int, c: int, k_stop: int) -> Tensor:
+    """The rows of keys ``[c, k_stop)`` as the kernel's float mask: a copy, ``-inf`` where the causal
+    mask hides key ``c + j`` from query ``start + i`` (at key ``start + q_offset + i``)."""
+    first = start + mask.q_offset
+    if not mask.causal or k_stop - 1 <= first:
+        return rows.clone()
+    hide = torch.full((stop - start, k_stop - c), float("-inf"), dtype=rows.dtype, device=rows.device)
+    return rows + hide.triu_(first - c + 1)
+
+
+def attend_run(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, start: int,
+               stop: int, k_stop: int, c: int, lse: Tensor) -> Tensor:
+    """The output of queries ``[start, stop)`` over keys ``[0, k_stop)`` whose bias is one value per row
+    before key ``c`` (`run_of`), with their log-sum-exp written into ``lse [B, H, Nq]``.
+
+    Args:
+        q, k, v: the attention's inputs (float32).
+        bias: the bias (recomputable); mask: causal or none, no segments or padding; scale: logit scale.
+        start, stop: the query rows; k_stop: keys ``0..k_stop-1``; c: the run's end.
+        lse: written at ``[:, :, start:stop]``.
+
+    Returns:
+        ``[B, H, stop - start, D]``.
+    """
+    views = cut(bias.grad_inputs(), bias.input_windows(start, stop, k_stop))
+    rows = bias.rows_past(start, stop, c - 1, k_stop, views).to(q.dtype)
+    qb = q[:, :, start:stop]
+    o_run, l_run = _flash(qb, k[:, :, :c], v[:, :, :c], 0.0, False, scale=scale)
+    o_band, l_band = _flash(qb, k[:, :, c:k_stop], v[:, :, c:k_stop], 0.0, False,
+                            attn_mask=_band_mask(rows[..., 1:], mask, start, stop, c, k_stop), scale=scale)
+    l_run = l_run + rows[..., 0]
+    joint = torch.logaddexp(l_run, l_band)
+    lse[:, :, start:stop] = joint
+    return torch.addcmul(o_run * (l_run - joint).exp_().unsqueeze(-1), o_band, (l_band - joint).exp_().unsqueeze(-1))
+
+
+def run_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, lse: Tensor, bias: Bias,
+                 inputs: Sequence[Tensor], live: Sequence[bool], mask: AttentionMask, scale: float, start: int,
+                 stop: int, k_stop: int, c: int, grads: tuple[Tensor, Tensor, Tensor], into: Callable[[int], Tensor],
+                 compiling: bool = False) -> None:
+    """The backward of `attend_run`: ``dq, dk, dv`` added to ``grads`` (float32 accumulators of the
+    shapes of q, k, v), the bias's inputs' gradients to ``into(i)`` (`BlockRows.backward`).
+
+    Args:
+        q, k, v, out, d_out: the forward's tensors and the output's gradient; lse: the forward's.
+        bias, inputs, live: the bias, its `Bias.grad_inputs` and which need a gradient.
+        mask, scale, start, stop, k_stop, c: as `attend_run`'s.
+        grads: ``(dq, dk, dv)``; into: the accumulator of input ``i``'s gradient.
+        compiling: as `BlockRows.of`'s.
+    """
+    block = BlockRows.of(bias, inputs, live, start, stop, k_stop, compiling, k_start=c - 1)
+    m = _band_mask(block.rows[..., 1:].to(q.dtype), mask, start, stop, c, k_stop)
+    qb, dob, ob, lb = q[:, :, start:stop], d_out[:, :, start:stop], out[:, :, start:stop], lse[:, :, start:stop]
+    dq, dk, dv = grads
+    # the run's logits carry their bias in the normalizer: exp(s + run - lse) = exp(s - (lse - run))
+    for k0, k1, attn_mask, norm in ((0, c, None, lb - block.rows[..., 0]), (c, k_stop, m, lb)):
+        gq, gk, gv = _flash_backward(dob, qb, k[:, :, k0:k1], v[:, :, k0:k1], ob, norm.expand_as(lb).contiguous(),
+                                     0.0, False, attn_mask=attn_mask, scale=scale)
+        dq[:, :, start:stop] += gq
+        dk[:, :, k0:k1] += gk
+        dv[:, :, k0:k1] += gv
+    if block.pullback is None:
+        return
+    kb, vb = k[:, :, c:k_stop], v[:, :, c:k_stop]
+    if kb.shape[1] != qb.shape[1]:  # GQA: the keys past the run, repeated per query head
+        kb, vb = (t.repeat_interleave(qb.shape[1] // t.shape[1], dim=1) for t in (kb, vb))
+    p = torch.matmul(qb * scale, kb.mT).add_(m).sub_(lb.unsqueeze(-1)).exp_()
+    ds = torch.matmul(dob, vb.mT).sub_((dob * ob).sum(-1, keepdim=True)).mul_(p)
+    block.backward(torch.cat([ds.sum(-1, keepdim=True).neg_(), ds], dim=-1), into)

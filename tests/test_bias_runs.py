@@ -1,0 +1,135 @@
+"""A bias that is one value per query row before some key (`Bias.constant_before`, `Bias.rows_past`)
+runs those keys on SDPA's CPU kernel with no mask (`_runs`): forward and every gradient equal the
+dense formula in float64, with a kind defined here (a clipped relative bias plus a content term)
+and with CoPE past its clamp; cached keys, GQA, batches, lengths that divide no block."""
+
+import pytest
+import torch
+
+from posenc_lightning import inject
+from posenc_lightning.attention.backends import _blocks, _rows, _runs, sdpa
+from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings.base import DenseBias, span
+from tests.helpers import Attn
+
+R = 9  # distances from R on share one table entry: the bias is q_i . w_h + t_h[min(i - j, R)]
+
+
+def clipped(q, w, t, q_offset, s, e, k0, ke):
+    """Rows ``[s, e)`` x keys ``[k0, ke)`` of ``q_i . w_h + t_h[min(i - j, R)]`` (0 past the query)."""
+    i = torch.arange(s, e)[:, None] + q_offset
+    d = (i - torch.arange(k0, ke)[None, :]).clamp(0, R)
+    return (q @ w[..., None]) + t[:, d]
+
+
+def clipped_bias(q, w, t, q_offset):
+    n_q, n_k = q.shape[-2], q_offset + q.shape[-2]
+
+    def past(s, e, k0, ke, qs, w_, t_):
+        return clipped(qs, w_, t_, q_offset, s, e, k0, ke)
+
+    return DenseBias.lazy(lambda s, e, ke, *v: past(s, e, 0, ke, *v), n_q, n_k, inputs=(q, w, t),
+                          window=lambda s, e, ke: (span(s, e, -2), None, None),
+                          constant_before=lambda s, e, ke: max(0, s + q_offset - R + 1), rows_past=past)
+
+
+def counted(monkeypatch):
+    """Count the blocks that ran in the run form, forward and backward (the real functions)."""
+    calls = {"forward": 0, "backward": 0}
+
+    def wrap(module, name, key):
+        real = getattr(module, name)
+
+        def f(*a, **kw):
+            calls[key] += 1
+            return real(*a, **kw)
+
+        monkeypatch.setattr(module, name, f)
+
+    wrap(sdpa, "attend_run", "forward")
+    wrap(_rows, "run_backward", "backward")
+    return calls
+
+
+@pytest.mark.parametrize("hkv", [4, 2])
+@pytest.mark.parametrize("q_offset", [0, 13])
+def test_runs_equal_the_dense_formula(hkv, q_offset, monkeypatch):
+    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 1)  # the minimum blocks: 16 query rows, 8 in backward
+    calls = counted(monkeypatch)
+    torch.manual_seed(0)
+    b, h, n, d = 2, 4, 75, 8
+    q = torch.randn(b, h, n, d, requires_grad=True)
+    k = torch.randn(b, hkv, n + q_offset, d, requires_grad=True)
+    v = torch.randn(b, hkv, n + q_offset, d, requires_grad=True)
+    w = torch.randn(h, d, requires_grad=True)
+    t = torch.randn(h, R + 1, requires_grad=True)
+    mask = AttentionMask(True, q_offset, n, n + q_offset)
+    out = sdpa.attend(q, k, v, bias=clipped_bias(q, w, t, q_offset), mask=mask, scale=0.3)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad((out * g).sum(), [q, k, v, w, t])
+    assert calls["forward"] > 0 and calls["backward"] > 0
+
+    q64, k64, v64, w64, t64 = (x.double() for x in (q, k, v, w, t))
+    kr, vr = (x.repeat_interleave(h // hkv, dim=1) for x in (k64, v64))
+    s = q64 @ kr.mT * 0.3 + clipped(q64, w64, t64, q_offset, 0, n, 0, n + q_offset)
+    s = s.masked_fill(~mask.materialize(q.device), float("-inf"))
+    ref = torch.softmax(s, -1) @ vr
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    for a, b_ in zip(got, torch.autograd.grad((ref * g.double()).sum(), [q64, k64, v64, w64, t64])):
+        torch.testing.assert_close(a.double(), b_, rtol=1e-4, atol=1e-5)
+    before = calls["forward"]
+    with torch.no_grad():  # inference: the rows form, with runs too
+        out = sdpa.attend(q, k, v, bias=clipped_bias(q, w, t, q_offset), mask=mask, scale=0.3)
+    assert calls["forward"] > before
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_past_are_the_rows_from_their_first_key():
+    torch.manual_seed(0)
+    q, w, t = torch.randn(1, 4, 30, 8), torch.randn(4, 8), torch.randn(4, R + 1)
+    bias = clipped_bias(q, w, t, 5)
+    views = [q[:, :, 16:30], w, t]
+    c = bias.constant_before(16, 30, 35)
+    assert c == 16 + 5 - R + 1
+    full = bias.rows_from(16, 30, 35, views)
+    torch.testing.assert_close(bias.rows_past(16, 30, c - 1, 35, views), full[..., c - 1:])
+    assert (full[..., :c] == full[..., :1]).all()  # one value per row before c
+    scaled = bias.scaled(torch.tensor(0.5))
+    assert scaled.constant_before(16, 30, 35) == c
+    torch.testing.assert_close(scaled.rows_past(16, 30, c - 1, 35, [*views, torch.tensor(0.5)]), full[..., c - 1:] * 0.5)
+
+
+def test_cope_past_its_clamp_runs_on_the_kernel(monkeypatch):
+    """CoPE with few positions on long rows: most keys are clamped, so most blocks run in the run
+    form; the attention and all its gradients equal the eager backend's in float64."""
+    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 2**14)
+    calls = counted(monkeypatch)
+    n, h, d = 203, 4, 8
+    attn = Attn(n_heads=h, head_dim=d)
+    enc = inject(attn, "cope", backend="sdpa", max_position=5, init_std=0.5)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, d, requires_grad=True) for _ in range(3))
+    kw = {"positions": torch.arange(n)[None], "causal": True}
+    out = attn(q, k, v, **kw)
+    g = torch.randn_like(out)
+    params = [q, k, v, enc.pos_emb]
+    got = torch.autograd.grad((out * g).sum(), params)
+    assert calls["forward"] > 0 and calls["backward"] > 0
+    attn.posenc_backend = "eager"
+    enc.double()
+    ref = attn(*(x.double() for x in (q, k, v)), **kw)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    for a, b in zip(got, torch.autograd.grad((ref * g.double()).sum(), params)):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-5)
+
+
+def test_run_form_needs_a_run_that_pays():
+    """A block runs in the run form only where the keys past the run are at most `RUN_SHARE` of its
+    keys; no run (0) or one over all of them (`k_stop`) leaves the block to the engine."""
+    bias = DenseBias.lazy(lambda s, e, ke: torch.zeros(1, 1, e - s, ke), 10, 100,
+                          constant_before=lambda s, e, ke: ke - 40)
+    assert _runs.run_of(bias, 0, 10, 100) == 60
+    assert _runs.run_of(bias, 0, 10, 60) == 0  # 40 of 60 keys past the run
+    assert _runs.run_of(DenseBias.lazy(lambda s, e, ke: torch.zeros(1, 1, e - s, ke), 10, 100), 0, 10, 100) == 0
+    full = DenseBias.lazy(lambda s, e, ke: torch.zeros(1, 1, e - s, ke), 10, 100, constant_before=lambda s, e, ke: ke)
+    assert _runs.run_of(full, 0, 10, 100) == 0
