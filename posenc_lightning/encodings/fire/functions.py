@@ -121,7 +121,7 @@ class _SwitchingReluMLP(torch.autograd.Function):
 
 
 def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Tensor, b1: Tensor, w2: Tensor,
-              b2: Tensor, eps: float = 1e-6, shift: int | None = None) -> Tensor:
+              b2: Tensor, eps: float = 1e-6, shift: int | None = None, table: Tensor | None = None) -> Tensor:
     """FIRE's bias ``[B, H, Nq, Nk]`` (eq. 3): `fire_mlp` of `fire_normalized_distance`, the same
     arithmetic, as one autograd Function. The units are selected per group of keys (`_select`): the
     forward folds those on throughout a group into ``A x + B`` (`_column_rows`), the backward (eq. 3
@@ -131,14 +131,18 @@ def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Te
     selection.
 
     ``shift``: the positions are known to be ``a + arange`` in one row (shared by the batch) with
-    ``q_pos[0, r] - k_pos[0, j] = shift + r - j``; ``psi(i - j)`` is then a Toeplitz view of a table
-    of the ``Nq + Nk - 1`` distances instead of a log per element.
+    ``q_pos[0, r] - k_pos[0, j] = shift + r - j``; the rows are then computed by distance
+    (`_FireDiagonalRows`). ``table`` (with ``shift``): ``[H, Nq + Nk - 1]`` values of a
+    distance-only term added to the rows, ``table[h, Nq - 1 - r + j]`` at row r, key j.
     """
+    diagonal = shift is not None and q_pos.shape[0] == k_pos.shape[0] == 1 and q_pos.shape[1] and k_pos.shape[1]
+    if table is not None and (not diagonal or torch.compiler.is_compiling()):
+        raise ValueError("fire_rows: a table is added by distance only (known arange positions, eagerly)")
     if torch.compiler.is_compiling():  # data-dependent unit selection: `fire_mlp`'s compiled form
         x = fire_normalized_distance(q_pos, k_pos, c, threshold, eps)
         return fire_mlp(x.flatten(1), w1, b1, w2, b2).unflatten(-1, x.shape[1:])
-    if shift is not None and q_pos.shape[0] == k_pos.shape[0] == 1 and q_pos.shape[1] and k_pos.shape[1]:
-        return _FireDiagonalRows.apply(c, threshold, w1, b1, w2, b2, q_pos, k_pos, eps, shift)[0]
+    if diagonal:
+        return _FireDiagonalRows.apply(c, threshold, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift)[0]
     return _FireRows.apply(c, threshold, w1, b1, w2, b2, q_pos, k_pos, eps, shift)[0]
 
 
@@ -448,7 +452,8 @@ def _run_steps(units: list[int], a: int, z: int, rows: int, heads: int, budget: 
 
 
 def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
-                   on: Tensor, runs: list[tuple[list[int], int, int]], n_keys: int) -> Tensor:
+                   on: Tensor, runs: list[tuple[list[int], int, int]], n_keys: int,
+                   table: Tensor | None = None) -> Tensor:
     """The block ``[1, H, R, C]`` of ``x = p / n``: computed in the distance layout ``[H, R, T]`` of
     its own buffer (`_padded`), per column the folded units' ``A x + B`` (one pass a head, ``x``
     written once into head 0's place, never a tensor of its own), then the runs' units per element
@@ -458,7 +463,10 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
     h = w2.shape[0]
     rows, dist = _padded(h, nr, n_keys, dt, p.device)
     ab = _group_coef(on, w1, b1, w2, nt)
-    a, b = ab[:h, None], (ab[h:] + b2[:, None])[:, None]  # [H, 1, T]
+    b = ab[h:] + b2[:, None]
+    if table is not None:  # a distance-only term: one more intercept per column
+        b = b + table.to(dt)
+    a, b = ab[:h, None], b[:, None]  # [H, 1, T]
     x0 = dist[0]
     if p.dtype == dt and n.dtype == dt:
         torch.div(p[None, :], n[:, None], out=x0)
@@ -515,36 +523,39 @@ class _FireDiagonalRows(torch.autograd.Function):
 
     @staticmethod
     def forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,  # type: ignore[override]
-                q_pos: Tensor, k_pos: Tensor, eps: float, shift: int):
+                table: Tensor | None, q_pos: Tensor, k_pos: Tensor, eps: float, shift: int):
         n, p = _diagonal_inputs(c, thr, q_pos, k_pos, shift)
         n = n + eps
         dt = torch.promote_types(torch.promote_types(n.dtype, p.dtype), w2.dtype)
         w1, b1, w2, b2 = (t.to(dt) for t in (w1, b1, w2, b2))
         on, runs = _diagonal_select(p, n, dt, w1, b1)
         spans = torch.tensor([(u, a, z) for units, a, z in runs for u in units], dtype=torch.long).view(-1, 3)
-        return _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1]), n, p, on, spans
+        rows = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], table)
+        return rows, n, p, on, spans
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
-        c, thr, _w1, _b1, _w2, _b2, q_pos, k_pos, ctx.eps, ctx.shift = inputs
+        c, thr, _w1, _b1, _w2, _b2, table, q_pos, k_pos, ctx.eps, ctx.shift = inputs
         _, n, p, on, spans = output
         ctx.mark_non_differentiable(*output[1:])
-        ctx.save_for_backward(c, thr, q_pos, k_pos, n, p, on, spans, *inputs[2:6])
+        ctx.table = table is not None
+        ctx.save_for_backward(c, thr, q_pos, k_pos, n, p, on, spans, *inputs[2:6], table)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor, *_):
-        c, thr, q_pos, k_pos, n, p, on, spans, w1, b1, w2, b2 = ctx.saved_tensors
+        c, thr, q_pos, k_pos, n, p, on, spans, w1, b1, w2, b2, table = ctx.saved_tensors
         dt = on.dtype
         w1d, b1d, w2d = (t.to(dt) for t in (w1, b1, w2))
         need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        gw1, gb1, gw2, gb2, gcx, gn = _diagonal_grads(grad[0].to(dt), p, n, w1d, b1d, w2d, on, _runs(spans),
-                                                      _distances(q_pos, k_pos, ctx.shift).to(dt) if need_x else None,
-                                                      c.to(dt))
+        gw1, gb1, gw2, gb2, gcx, gn, s0 = _diagonal_grads(
+            grad[0].to(dt), p, n, w1d, b1d, w2d, on, _runs(spans),
+            _distances(q_pos, k_pos, ctx.shift).to(dt) if need_x else None, c.to(dt))
         gc, gthr = torch.zeros_like(c), torch.zeros_like(thr)
         if need_x:
             gc, gthr = _normalizer_grads(gcx, gn, c, thr, q_pos[0])
-        return gc, gthr, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb2.to(b2.dtype), \
+        gt = s0.to(table.dtype) if ctx.table and ctx.needs_input_grad[6] else None  # the table: per column
+        return gc, gthr, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb2.to(b2.dtype), gt, \
             None, None, None, None
 
 
@@ -594,7 +605,7 @@ def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2:
                 gxr = (w1u @ gpre).view(nr, z0 - a0)  # d loss / d x  [R, S]
                 gcx = gcx + (gxr @ dpsi[a0:z0]) @ inv_n
                 gn = gn - (gxr * xs).sum(1) * inv_n
-    return gw1, gb1, gw2, s0.sum(1), gcx, gn
+    return gw1, gb1, gw2, s0.sum(1), gcx, gn, s0
 
 
 def _normalizer_grads(gcx: Tensor, gn: Tensor, c: Tensor, thr: Tensor, q_pos: Tensor) -> tuple[Tensor, Tensor]:
