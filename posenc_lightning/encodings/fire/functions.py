@@ -392,18 +392,18 @@ def _diagonal_select(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tens
     nowhere inside a run of its own."""
     nc = p.shape[-1]
     g = FIRE_COLUMN_GROUP
-    pad = -nc % g
-    n_lo, n_hi = torch.aminmax(n)
-    lo = torch.nn.functional.pad((p / n_hi).to(dt), (0, pad), value=float("inf")).view(-1, g).amin(1)
-    hi = torch.nn.functional.pad((p / n_lo).to(dt), (0, pad), value=float("-inf")).view(-1, g).amax(1)
-    pos_lo, pos_hi = w1 * lo[:, None] + b1 > 0, w1 * hi[:, None] + b1 > 0  # [groups, W]
-    edges = torch.nn.functional.pad((pos_lo ^ pos_hi).t().to(torch.int8), (1, 1)).diff(dim=1)  # [W, groups + 1]
-    starts, stops = (edges == 1).nonzero(), (edges == -1).nonzero()  # (unit, group), unit-major: paired
-    runs = _merge_spans(torch.cat((starts, stops[:, 1:]), 1).tolist(), n.shape[0])
-    on = (pos_lo & pos_hi).to(dt)
+    groups = -(-nc // g)
+    pg = torch.nn.functional.pad(p, (0, groups * g - nc), value=float(p[-1])).view(groups, g)  # repeats: no new extremes
+    # x's extremes per group: p's, divided by n's (a positive divisor keeps the order)
+    ends = torch.stack(torch.aminmax(pg, dim=1)) / torch.stack(torch.aminmax(n)).flip(0)[:, None]  # [2, groups]
+    pos = w1 * ends.to(dt)[:, :, None] + b1 > 0  # [2, groups, W]: at the min, at the max
+    edges = torch.nn.functional.pad((pos[0] ^ pos[1]).t().to(torch.int8), (1, 1)).diff(dim=1)  # [W, groups + 1]
+    flips = edges.nonzero().tolist()  # (unit, group) where a span starts, then where it stops
+    runs = _merge_spans([[u, f, e] for (u, f), (_, e) in zip(flips[::2], flips[1::2])], n.shape[0])
+    on = pos[0] & pos[1]
     for units, a, z in runs:  # evaluated per element there: folded nowhere in the run
-        on[a:z, units] = 0
-    return on, [(units, a * g, min(z * g, nc)) for units, a, z in runs]
+        on[a:z, units] = False
+    return on.to(dt), [(units, a * g, min(z * g, nc)) for units, a, z in runs]
 
 
 def _merge_spans(spans: list[list[int]], rows: int) -> list[tuple[list[int], int, int]]:
@@ -510,6 +510,46 @@ def _distance_layout(g: Tensor) -> Tensor:
     return buf.as_strided((h, r, r + k - 1), (buf.stride(0), k + r + 1, 1))
 
 
+class _Diagonals:
+    """``g`` ``[H, R, C]`` read in the distance layout (`_distance_layout`) without copying most of
+    it: columns ``m`` in ``[R - 1, C)`` see every row, ``g[h, r, m - (R - 1) + r]``, a strided view
+    of ``g`` itself (rows one element further apart); the two triangles at either end (the first
+    and the last ``R - 1`` keys) are laid out on their own. `pieces` are ``(first column, [H, R,
+    width])`` covering ``[0, R + C - 1)`` in order."""
+
+    def __init__(self, g: Tensor) -> None:
+        h, r, k = g.shape
+        g = g if g.stride(-1) == 1 else g.contiguous()
+        if k < r - 1:  # the triangles would overlap: one layout of the whole
+            self.pieces = [(0, _distance_layout(g))]
+            return
+        mid = g.as_strided((h, r, k - r + 1), (g.stride(0), g.stride(1) + 1, 1), g.storage_offset())
+        if r == 1:
+            self.pieces = [(0, mid)]
+            return
+        left = _distance_layout(g[..., :r - 1])[..., :r - 1]  # columns [0, R - 1)
+        right = _distance_layout(g[..., k - r + 1:])[..., r - 1:]  # columns [C, C + R - 1)
+        self.pieces = [(0, left), (r - 1, mid), (k, right)]
+
+    def columns(self, a: int, z: int) -> Tensor:
+        """Columns ``[a, z)`` ``[H, R, z - a]`` (a copy)."""
+        parts = [v[..., max(a - c, 0):min(z - c, v.shape[-1])] for c, v in self.pieces
+                 if c < z and c + v.shape[-1] > a]
+        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, -1)
+
+    def matmul_left(self, m: Tensor) -> Tensor:
+        """``m @ layout`` ``[H, X, T]`` for ``m`` ``[X, R]``."""
+        return torch.cat([torch.matmul(m, v) for _, v in self.pieces], -1)
+
+    def matmul_right(self, u: Tensor) -> Tensor:
+        """``layout @ u`` ``[H, R, Y]`` for ``u`` ``[H, T, Y]``."""
+        out = None
+        for c, v in self.pieces:
+            t = torch.matmul(v, u[:, c:c + v.shape[-1]])
+            out = t if out is None else out.add_(t)
+        return out
+
+
 def _diagonal_inputs(c: Tensor, thr: Tensor, q_pos: Tensor, k_pos: Tensor, shift: int) -> tuple[Tensor, Tensor]:
     """``(n [R], p [T])``: the rows' normalizers and ``psi`` of the block's descending distances."""
     n = fire_psi(torch.maximum(q_pos[0].to(torch.float32), thr.to(torch.float32).abs()), c)
@@ -564,39 +604,37 @@ def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2:
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """The gradients of `_diagonal_rows` (``d rows = g`` ``[H, R, C]``) to ``(w1, b1, w2, b2)``, and
     with ``dist`` (the block's descending distances) the direct part of ``c``'s (through ``p``)
-    and the rows' normalizers' ``gn`` ``[R]``. With ``g`` in the distance layout the folded units
-    need two products: its column sums (of ``g`` and ``g / n``: ``sum_r g x = p * sum_r g / n``)
+    and the rows' normalizers' ``gn`` ``[R]``. With ``g`` read in the distance layout
+    (`_Diagonals`) the folded units need two products: its column sums (of ``g`` and ``g / n``: ``sum_r g x = p * sum_r g / n``)
     and its row sums against ``A p`` (``sum_m g A x``, for ``n``); the runs' units per element."""
     dt = g.dtype
-    h, nr, _ = g.shape
-    gd = _distance_layout(g)  # [H, R, T]
-    nt = gd.shape[-1]
+    h, nr, nk = g.shape
+    gd = _Diagonals(g)  # [H, R, T]
+    nt = nr + nk - 1
     pd, inv_n = p.to(dt), 1 / n.to(dt)
-    s0, sn = torch.matmul(torch.stack((torch.ones_like(inv_n), inv_n)), gd).unbind(1)  # [H, T] each
+    s0, sn = gd.matmul_left(torch.stack((torch.ones_like(inv_n), inv_n))).unbind(1)  # [H, T] each
     s1 = sn * pd
     grp = FIRE_COLUMN_GROUP
     pad = -nt % grp
     p0, p1 = (torch.nn.functional.pad(s, (0, pad)).view(h, -1, grp).sum(-1) @ on for s in (s0, s1))  # [H, W]
     gw2 = w1 * p1 + b1 * p0
     gw1, gb1 = (w2 * p1).sum(0), (w2 * p0).sum(0)
-    gcx = gn = dpsi = x = None
+    gcx = gn = dpsi = None
     if dist is not None:
         a = _group_coef(on, w1, b1, w2, nt)[:h]  # [H, T]
         cz = c * dist
         dpsi = cz.sgn() * dist / (1 + cz.abs())  # d psi(d) / d c  [T]
         gcx = (a * sn).sum(0) @ dpsi
-        gn = -torch.matmul(gd, (a * pd)[:, :, None]).sum(0)[:, 0] * inv_n * inv_n  # [R]
-    if runs:
-        x = _distance_x(p, n, dt)
-        budget = _run_budget(h * nr * nt)
+        gn = -gd.matmul_right((a * pd)[:, :, None]).sum(0)[:, 0] * inv_n * inv_n  # [R]
+    budget = _run_budget(h * nr * nt)
     for units, a, z in runs:
         us = torch.tensor(units, device=g.device)
         w1u, b1u, w2u = w1.index_select(0, us), b1.index_select(0, us), w2.index_select(1, us)
         for a0, z0 in _run_steps(units, a, z, nr, h, budget):
-            xs = x[:, a0:z0]
-            xf = xs.reshape(-1)
+            xs = _distance_x(p[a0:z0], n, dt)  # [R, S]: the forward's division
+            xf = xs.view(-1)
             hid = torch.addmm(b1u[:, None], w1u[:, None], xf[None]).relu_()  # [U, R S]
-            gs = gd[..., a0:z0].reshape(h, -1)  # [H, R S]
+            gs = gd.columns(a0, z0).view(h, -1)  # [H, R S]
             gw2.index_add_(1, us, gs @ hid.t())
             gpre = (w2u.t() @ gs).mul_(hid.sign())  # relu' = sign(relu(u)): 0 at u = 0, as torch
             gw1.index_add_(0, us, gpre @ xf)
