@@ -455,33 +455,27 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
                    on: Tensor, runs: list[tuple[list[int], int, int]], n_keys: int,
                    table: Tensor | None = None) -> Tensor:
     """The block ``[1, H, R, C]`` of ``x = p / n``: computed in the distance layout ``[H, R, T]`` of
-    its own buffer (`_padded`), per column the folded units' ``A x + B`` (one pass a head, ``x``
-    written once into head 0's place, never a tensor of its own), then the runs' units per element
-    (``x`` of their columns recomputed, the same division). No skewed copy: the rows are the
-    buffer's other view."""
+    its own buffer (`_padded`), per column the folded units' ``A x + B`` (one pass), then the runs'
+    units per element. No skewed copy: the rows are the buffer's other view."""
     nr, nt = n.shape[0], p.shape[0]
     h = w2.shape[0]
     rows, dist = _padded(h, nr, n_keys, dt, p.device)
     ab = _group_coef(on, w1, b1, w2, nt)
-    b = ab[h:] + b2[:, None]
-    if table is not None:  # a distance-only term: one more intercept per column
-        b = b + table.to(dt)
-    a, b = ab[:h, None], b[:, None]  # [H, 1, T]
-    x0 = dist[0]
-    if p.dtype == dt and n.dtype == dt:
-        torch.div(p[None, :], n[:, None], out=x0)
-    else:
-        x0.copy_(_distance_x(p, n, dt))
-    for i in range(h - 1, -1, -1):  # head 0 last: its place holds x until then
-        torch.addcmul(b[i], a[i], x0, out=dist[i])
+    b = ab[h:] + b2[:, None] if table is None else ab[h:] + b2[:, None] + table.to(dt)  # a table: per column
+    x = _distance_x(p, n, dt)  # [R, T]
+    torch.addcmul(b[:, None], ab[:h, None], x, out=dist)
+    if not runs:
+        return rows
     budget = _run_budget(h * nr * nt)
-    for units, a0_, z in runs:
-        us = torch.tensor(units, device=p.device)
-        w1u, b1u, w2u = w1.index_select(0, us)[:, None], b1.index_select(0, us)[:, None], w2.index_select(1, us)
-        for a0, z0 in _run_steps(units, a0_, z, nr, h, budget):
-            xs = _distance_x(p[a0:z0], n, dt)
-            hid = torch.addmm(b1u, w1u, xs.view(1, -1)).relu_()
-            dist[..., a0:z0] += (w2u @ hid).view(h, nr, z0 - a0)
+    units = torch.tensor([u for us, _, _ in runs for u in us], device=p.device)
+    packed = torch.cat((w1[:, None], b1[:, None], w2.t()), 1).index_select(0, units)  # [S, 2 + H]: w1, b1, w2
+    i = 0
+    for us, a, z in runs:
+        w = packed[i:i + len(us)]
+        i += len(us)
+        for a0, z0 in _run_steps(us, a, z, nr, h, budget):
+            hid = torch.addmm(w[:, 1:2], w[:, :1], x[:, a0:z0].reshape(1, -1)).relu_()
+            dist[..., a0:z0] += (w[:, 2:].t() @ hid).view(h, nr, z0 - a0)
     return rows
 
 
