@@ -453,10 +453,11 @@ def _run_steps(units: list[int], a: int, z: int, rows: int, heads: int, budget: 
 
 def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
                    on: Tensor, runs: list[tuple[list[int], int, int]], n_keys: int,
-                   table: Tensor | None = None) -> Tensor:
-    """The block ``[1, H, R, C]`` of ``x = p / n``: computed in the distance layout ``[H, R, T]`` of
-    its own buffer (`_padded`), per column the folded units' ``A x + B`` (one pass), then the runs'
-    units per element. No skewed copy: the rows are the buffer's other view."""
+                   table: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The block ``[1, H, R, C]`` of ``x = p / n`` and the folded units' per-column slope and
+    intercept ``[2H, T]``: computed in the distance layout ``[H, R, T]`` of its own buffer
+    (`_padded`), per column the folded units' ``A x + B`` (one pass), then the runs' units per
+    element. No skewed copy: the rows are the buffer's other view."""
     nr, nt = n.shape[0], p.shape[0]
     h = w2.shape[0]
     rows, dist = _padded(h, nr, n_keys, dt, p.device)
@@ -465,7 +466,7 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
     x = _distance_x(p, n, dt)  # [R, T]
     torch.addcmul(b[:, None], ab[:h, None], x, out=dist)
     if not runs:
-        return rows
+        return rows, ab
     budget = _run_budget(h * nr * nt)
     units = torch.tensor([u for us, _, _ in runs for u in us], device=p.device)
     packed = torch.cat((w1[:, None], b1[:, None], w2.t()), 1).index_select(0, units)  # [S, 2 + H]: w1, b1, w2
@@ -476,7 +477,7 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
         for a0, z0 in _run_steps(us, a, z, nr, h, budget):
             hid = torch.addmm(w[:, 1:2], w[:, :1], x[:, a0:z0].reshape(1, -1)).relu_()
             dist[..., a0:z0] += (w[:, 2:].t() @ hid).view(h, nr, z0 - a0)
-    return rows
+    return rows, ab
 
 
 def _padded(h: int, r: int, k: int, dt: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -552,7 +553,7 @@ def _diagonal_inputs(c: Tensor, thr: Tensor, q_pos: Tensor, k_pos: Tensor, shift
 
 class _FireDiagonalRows(torch.autograd.Function):
     """`fire_rows` at ``start + arange`` positions (one row of positions), in the distance layout:
-    outputs ``(rows, n, p, on, spans)``, all but rows for backward (the selection of
+    outputs ``(rows, n, p, on, spans, ab)``, all but rows for backward (the selection of
     `_diagonal_select`, the same forward and backward)."""
 
     @staticmethod
@@ -564,26 +565,29 @@ class _FireDiagonalRows(torch.autograd.Function):
         w1, b1, w2, b2 = (t.to(dt) for t in (w1, b1, w2, b2))
         on, runs = _diagonal_select(p, n, dt, w1, b1)
         spans = torch.tensor([(u, a, z) for units, a, z in runs for u in units], dtype=torch.long).view(-1, 3)
-        rows = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], table)
-        return rows, n, p, on, spans
+        rows, ab = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], table)
+        return rows, n, p, on, spans, ab
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
         c, thr, _w1, _b1, _w2, _b2, table, q_pos, k_pos, ctx.eps, ctx.shift = inputs
-        _, n, p, on, spans = output
+        _, n, p, on, spans, ab = output
         ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # no zeros for the outputs kept for backward
         ctx.table = table is not None
-        ctx.save_for_backward(c, thr, q_pos, k_pos, n, p, on, spans, *inputs[2:6], table)
+        ctx.save_for_backward(c, thr, q_pos, k_pos, n, p, on, spans, ab, *inputs[2:6], table)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor, *_):
-        c, thr, q_pos, k_pos, n, p, on, spans, w1, b1, w2, b2, table = ctx.saved_tensors
+        c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table = ctx.saved_tensors
+        if grad is None:
+            return (None,) * 11
         dt = on.dtype
         w1d, b1d, w2d = (t.to(dt) for t in (w1, b1, w2))
         need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         gw1, gb1, gw2, gb2, gcx, gn, s0 = _diagonal_grads(
-            grad[0].to(dt), p, n, w1d, b1d, w2d, on, _runs(spans),
+            grad[0].to(dt), p, n, w1d, b1d, w2d, on, ab, spans,
             _distances(q_pos, k_pos, ctx.shift).to(dt) if need_x else None, c.to(dt))
         gc, gthr = torch.zeros_like(c), torch.zeros_like(thr)
         if need_x:
@@ -593,48 +597,53 @@ class _FireDiagonalRows(torch.autograd.Function):
             None, None, None, None
 
 
-def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, on: Tensor,
-                    runs: list[tuple[list[int], int, int]], dist: Tensor | None, c: Tensor
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, on: Tensor, ab: Tensor,
+                    spans: Tensor, dist: Tensor | None, c: Tensor
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor]:
     """The gradients of `_diagonal_rows` (``d rows = g`` ``[H, R, C]``) to ``(w1, b1, w2, b2)``, and
-    with ``dist`` (the block's descending distances) the direct part of ``c``'s (through ``p``)
-    and the rows' normalizers' ``gn`` ``[R]``. With ``g`` read in the distance layout
-    (`_Diagonals`) the folded units need two products: its column sums (of ``g`` and ``g / n``: ``sum_r g x = p * sum_r g / n``)
-    and its row sums against ``A p`` (``sum_m g A x``, for ``n``); the runs' units per element."""
+    with ``dist`` (the block's descending distances) the direct part of ``c``'s (through ``p``),
+    the rows' normalizers' ``gn`` ``[R]`` and the column sums of ``g`` ``[H, T]`` (a table's). With
+    ``g`` read in the distance layout (`_Diagonals`) the folded units need two products: its
+    column sums (of ``g`` and ``g / n``: ``sum_r g x = p * sum_r g / n``) and its row sums against
+    ``A p`` (``sum_m g A x``, for ``n``); the runs' units per element."""
     dt = g.dtype
     h, nr, nk = g.shape
     gd = _Diagonals(g)  # [H, R, T]
     nt = nr + nk - 1
     pd, inv_n = p.to(dt), 1 / n.to(dt)
     s0, sn = gd.matmul_left(torch.stack((torch.ones_like(inv_n), inv_n))).unbind(1)  # [H, T] each
-    s1 = sn * pd
     grp = FIRE_COLUMN_GROUP
-    pad = -nt % grp
-    p0, p1 = (torch.nn.functional.pad(s, (0, pad)).view(h, -1, grp).sum(-1) @ on for s in (s0, s1))  # [H, W]
+    s01 = torch.nn.functional.pad(torch.stack((s0, sn * pd)), (0, -nt % grp))  # [2, H, groups * grp]
+    p0, p1 = s01.view(2, h, -1, grp).sum(-1) @ on  # [H, W] each: sum of g, of g x over the folded
     gw2 = w1 * p1 + b1 * p0
-    gw1, gb1 = (w2 * p1).sum(0), (w2 * p0).sum(0)
+    gw1, gb1 = (w2 * torch.stack((p1, p0))).sum(1)
     gcx = gn = dpsi = None
     if dist is not None:
-        a = _group_coef(on, w1, b1, w2, nt)[:h]  # [H, T]
+        a = ab[:h]  # [H, T]
         cz = c * dist
         dpsi = cz.sgn() * dist / (1 + cz.abs())  # d psi(d) / d c  [T]
         gcx = (a * sn).sum(0) @ dpsi
-        gn = -gd.matmul_right((a * pd)[:, :, None]).sum(0)[:, 0] * inv_n * inv_n  # [R]
+        gn = gd.matmul_right((a * pd)[:, :, None]).sum(0)[:, 0] * (-inv_n * inv_n)  # [R]
+    if not spans.numel():
+        return gw1, gb1, gw2, s0.sum(1), gcx, gn, s0
     budget = _run_budget(h * nr * nt)
-    for units, a, z in runs:
-        us = torch.tensor(units, device=g.device)
-        w1u, b1u, w2u = w1.index_select(0, us), b1.index_select(0, us), w2.index_select(1, us)
-        for a0, z0 in _run_steps(units, a, z, nr, h, budget):
+    units = spans[:, 0]
+    packed = torch.cat((w1[:, None], b1[:, None], w2.t()), 1).index_select(0, units)  # [S, 2 + H]: w1, b1, w2
+    i = 0
+    for us, a, z in _runs(spans):
+        w, idx = packed[i:i + len(us)], units[i:i + len(us)]
+        i += len(us)
+        for a0, z0 in _run_steps(us, a, z, nr, h, budget):
             xs = _distance_x(p[a0:z0], n, dt)  # [R, S]: the forward's division
             xf = xs.view(-1)
-            hid = torch.addmm(b1u[:, None], w1u[:, None], xf[None]).relu_()  # [U, R S]
+            hid = torch.addmm(w[:, 1:2], w[:, :1], xf[None]).relu_()  # [U, R S]
             gs = gd.columns(a0, z0).view(h, -1)  # [H, R S]
-            gw2.index_add_(1, us, gs @ hid.t())
-            gpre = (w2u.t() @ gs).mul_(hid.sign())  # relu' = sign(relu(u)): 0 at u = 0, as torch
-            gw1.index_add_(0, us, gpre @ xf)
-            gb1.index_add_(0, us, gpre.sum(1))
+            gw2.index_add_(1, idx, gs @ hid.t())
+            gpre = (w[:, 2:] @ gs).mul_(hid.sign())  # relu' = sign(relu(u)): 0 at u = 0, as torch
+            gw1.index_add_(0, idx, gpre @ xf)
+            gb1.index_add_(0, idx, gpre.sum(1))
             if dist is not None:
-                gxr = (w1u @ gpre).view(nr, z0 - a0)  # d loss / d x  [R, S]
+                gxr = (w[:, 0] @ gpre).view(nr, z0 - a0)  # d loss / d x  [R, S]
                 gcx = gcx + (gxr @ dpsi[a0:z0]) @ inv_n
                 gn = gn - (gxr * xs).sum(1) * inv_n
     return gw1, gb1, gw2, s0.sum(1), gcx, gn, s0
