@@ -1,7 +1,8 @@
 """FIRE's autograd Functions, their backwards written out (Li et al., 2024, eq. 3 differentiated by
 hand): `fire_mlp` (the MLP over the units that switch, `_SwitchingReluMLP`) and `fire_rows` (a block
-of the bias, `_FireRows`), with no autograd graph of their ``[B, Nq, Nk]`` intermediates. The
-formulas they compute are `posenc_lightning.functional.fire`'s."""
+of the bias: `_FireDiagonalRows` by distance at known ``start + arange`` positions, `_FireRows` by
+key elsewhere), with no autograd graph of their ``[B, Nq, Nk]`` intermediates. The formulas they
+compute are `posenc_lightning.functional.fire`'s."""
 
 from __future__ import annotations
 
