@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from posenc_lightning.encodings.alibi import ALiBi
 from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, span
+from posenc_lightning.encodings.fire.bias import FireTableSum
 from posenc_lightning.encodings.registry import build_encoding, register
 from posenc_lightning.encodings.rope import RoPE
 
@@ -191,4 +192,4 @@ class Mixture(CompositeEncoding):
             b = self._member_bias(m, q, k, ctx)
             if b is not None:
                 parts.append(b.scaled(w[i]))  # the same kind where it can be
-        return _sum(parts)
+        return FireTableSum.of(_sum(parts))  # FIRE's rows then take the distance-only terms' table

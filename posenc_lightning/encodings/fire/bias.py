@@ -13,14 +13,15 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from posenc_lightning.encodings.bias.kinds import Bias, KernelBias, OpaqueOperands, ScoreTerm
+from posenc_lightning.encodings.bias.kinds import Bias, BiasSum, KernelBias, OpaqueOperands, ScoreTerm
 from posenc_lightning.encodings.bias.opaque import register_opaque_kind
 from posenc_lightning.encodings.bias.tile import TileBias
+from posenc_lightning.encodings.bias.windows import same_positions
 from posenc_lightning.encodings.fire import compiled, template
 from posenc_lightning.encodings.fire.functions import fire_rows
 from posenc_lightning.functional.positions import arange_offset
 
-__all__ = ["FireBias"]
+__all__ = ["FireBias", "FireTableSum"]
 
 
 @register_opaque_kind("fire")
@@ -74,7 +75,12 @@ class FireBias(Bias):
         qp, kp = self.q_pos[:, start:stop], self.k_pos[:, :k_stop]
         return (qp[:1], kp[:1]) if self._one_row else (qp, kp)  # rows shared by the batch: computed once
 
-    def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
+    def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor],
+                  table: Tensor | None = None) -> Tensor:
+        """The rows from ``views`` of `grad_inputs`; ``table``: a distance-only term's window ``[H,
+        rows + k_stop - 1]`` (``table[h, rows - 1 - r + j]`` at row r, key j) added to them, inside
+        the MLP's per-distance intercept (`FireTableSum`; only at known ``start + arange``
+        positions)."""
         c, l_mult, w1, b1 = views[:4]
         w2, b2 = self._mlp_out(views)
         qp, kp = self._positions(start, stop, k_stop)
@@ -83,7 +89,8 @@ class FireBias(Bias):
             return compiled.traced_rows(qp, kp, c, l_mult * self.init_L, w1, b1, w2, b2, self.eps)
         arange = self.q_start is not None and self.k_start is not None  # psi(i - j) then by distance
         shift = self.q_start + start - self.k_start if arange else None
-        return fire_rows(qp, kp, c, (l_mult * self.init_L).abs(), w1[:, 0], b1, w2, b2, self.eps, shift).float()
+        return fire_rows(qp, kp, c, (l_mult * self.init_L).abs(), w1[:, 0], b1, w2, b2, self.eps, shift,
+                         table).float()
 
     def compiled_rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
         """The traced formula compiled by inductor (`compiled.compiled_rows`)."""
@@ -213,3 +220,49 @@ class FireBias(Bias):
     def width(self) -> int:
         return self.w1.shape[0]
 
+
+
+@dataclass(eq=False)
+class FireTableSum(BiasSum):
+    """FIRE's bias plus distance-only terms (a mixture's ALiBi and T5 buckets): a `BiasSum` whose
+    rows, at known ``start + arange`` positions, add the terms' table of distances inside FIRE's
+    per-distance intercept (`FireBias.rows_from`'s ``table``; FIRE computes its rows by distance,
+    so the table is one more value per column) instead of as a block of its own, and whose
+    table gradient is FIRE's column sums. Every other form (score terms, kernels, compiled) is the
+    `BiasSum`'s."""
+
+    @classmethod
+    def of(cls, bias: Bias | None) -> Bias | None:
+        """``bias`` as a `FireTableSum` where it is a sum of one `FireBias` and distance-only terms."""
+        if type(bias) is not BiasSum or sum(isinstance(p, FireBias) for p in bias.parts) != 1:
+            return bias
+        if not all(isinstance(p, FireBias) or p.distance_only for p in bias.parts):
+            return bias
+        return cls(list(bias.parts))
+
+    def _fire_term(self) -> int | None:
+        """The index of the FIRE term whose rows take the table, or None (no table, positions not
+        a known ``start + arange``, or another term left beside it)."""
+        g = self._group
+        if g is None or not g.arange:
+            return None
+        rest = [i for i in range(len(self.parts)) if i not in g.terms]
+        if len(rest) != 1:
+            return None
+        f = self.parts[rest[0]]
+        if not isinstance(f, FireBias) or f.q_start is None or f.k_start is None or not f._one_row:
+            return None
+        return rest[0] if same_positions(f.q_pos, g.q_pos) and same_positions(f.k_pos, g.k_pos) else None
+
+    def _rows(self, start: int, stop: int, k_stop: int, u: Tensor | None,
+              views: Sequence[Sequence[Tensor] | None]) -> Tensor:
+        i = self._fire_term() if stop > start and k_stop > 0 else None
+        if i is None:
+            return super()._rows(start, stop, k_stop, u, views)
+        f, v = self.parts[i], views[i]
+        if u is None:  # the table's own window (`BiasSum.rows`)
+            g = self._group
+            u = g.u[g.window(start, stop, k_stop)]
+        rows = f.rows_from(start, stop, k_stop, f.grad_inputs() if v is None else v, table=u)
+        b = self._group.q_pos.shape[0]  # as the table's rows: one row of positions, expanded
+        return rows if b == rows.shape[0] else rows.expand(b, *rows.shape[1:])

@@ -1,0 +1,90 @@
+"""FIRE's rows by distance (`functions._FireDiagonalRows`, at known ``start + arange`` positions):
+long rows past ``L`` with the paper's width, blocks that do not divide the length, keys beyond the
+queries (negative distances: a unit switching on both sides of distance 0), against the float64
+formula forward and in every parameter; the runs of switching units (`functions._merge_spans`);
+a mixture's distance-only terms taken into FIRE's rows (`FireTableSum`), end to end through sdpa."""
+
+import copy
+
+import pytest
+import torch
+
+from posenc_lightning import build_encoding
+from posenc_lightning.attention.backends import _blocks, eager, sdpa
+from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings.base import AttentionContext
+from posenc_lightning.encodings.bias import DenseBias, FireBias
+from posenc_lightning.encodings.fire import functions as ffire
+from posenc_lightning.encodings.fire.bias import FireTableSum
+
+
+def _fire(width: int = 32, init_l: float = 64.0, seed: int = 0):
+    torch.manual_seed(seed)
+    enc = build_encoding("fire", init_L=init_l, init_c=0.1, mlp_width=width).bind(n_heads=4)
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return enc
+
+
+@pytest.mark.parametrize("offset", [0, 1000])
+def test_long_rows_by_distance_equal_the_formula(offset):
+    enc = _fire()
+    n = 700
+    qp = (torch.arange(n) + offset)[None]
+    kp = (torch.arange(n + 5) + offset - 3)[None]  # 3 keys before the queries, 2 after the last one
+    bias = enc.bias(None, None, AttentionContext(qp, kp, q_start=offset, k_start=offset - 3))
+    assert type(bias) is FireBias and bias.q_start == offset
+    exact = copy.deepcopy(enc).double()
+    leaves, exact_leaves = list(enc.bias_params()), list(exact.bias_params())
+    full, full64 = enc.bias_tensor(qp, kp), exact.bias_tensor(qp, kp)
+    for s, e, ke in [(0, 97, 100), (97, 394, 400), (600, 700, 705), (350, 351, 705)]:
+        new = bias.rows(s, e, ke)
+        torch.testing.assert_close(new, full[..., s:e, :ke], rtol=1e-5, atol=1e-6)
+        g = torch.randn_like(full64[..., s:e, :ke])
+        got = torch.autograd.grad((new * g.float()).sum(), leaves)
+        want = torch.autograd.grad((full64[..., s:e, :ke] * g).sum(), exact_leaves, retain_graph=True)
+        for a, b in zip(got, want):
+            assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max() + 1e-4, (a, b)
+
+
+def test_spans_merge_into_disjoint_runs(monkeypatch):
+    monkeypatch.setattr(ffire, "FIRE_COLUMN_GROUP", 1)
+    monkeypatch.setattr(ffire, "FIRE_SPAN_SLACK", 0)
+    # overlapping spans share a run over their union; a unit with two spans in it is listed once
+    runs = ffire._merge_spans([[0, 0, 4], [1, 2, 6], [0, 5, 7], [2, 9, 10]], rows=8)
+    assert runs == [([0, 1], 0, 7), ([2], 9, 10)]
+    monkeypatch.setattr(ffire, "FIRE_SPAN_SLACK", 10**9)  # a disjoint span joins within the slack
+    assert ffire._merge_spans([[0, 0, 4], [2, 9, 10]], rows=8) == [([0, 2], 0, 10)]
+    assert ffire._merge_spans([], rows=8) == []
+
+
+@pytest.mark.parametrize("members", [("alibi", "relative_bias", "fire"), ("alibi", "fire")])
+def test_mixture_table_in_fire_rows_end_to_end(members, monkeypatch):
+    """sdpa's blocks of 16 rows (37 = 16 + 16 + 5) and its own backward, with the distance-only
+    terms added inside FIRE's rows, against eager attention on the dense sum."""
+    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 1)
+    torch.manual_seed(1)
+    h, d, n = 4, 8, 37
+    enc = build_encoding("mixture", members=members, member_cfgs={"fire": {"init_L": 4.0}})
+    enc.bind(n_heads=h, head_dim=d, d_model=h * d)
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    pos = (torch.arange(n) + 7)[None].expand(2, n)
+    q, k, v = (torch.randn(2, h, n, d, requires_grad=True) for _ in range(3))
+    ctx = AttentionContext(pos, pos, True)
+    bias = enc.bias(q, k, ctx)
+    assert type(bias) is FireTableSum and bias._fire_term() is not None
+    leaves = [q, k, v, *enc.parameters()]
+    mask = AttentionMask(True, 0, n, n)
+    out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx)
+    got = torch.autograd.grad(out.square().sum(), leaves, allow_unused=True, retain_graph=True)
+    dense = sum(p.materialize() for p in bias.parts)
+    ref = eager.attend(q, k, v, bias=DenseBias(dense), mask=mask, scale=d ** -0.5, ctx=ctx)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for a, b in zip(got, torch.autograd.grad(ref.square().sum(), leaves, allow_unused=True)):
+        if b is None:
+            assert a is None or not a.any()
+        else:
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5 * max(1.0, b.abs().max().item()))
