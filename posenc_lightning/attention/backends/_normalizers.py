@@ -30,7 +30,7 @@ from torch import Tensor
 
 from posenc_lightning.attention.backends._denormals import _flush_denormals
 from posenc_lightning.attention.backends._mode import Mode
-from posenc_lightning.attention.backends._tiles import BiasTiles, Tiling, flat, grouped, ungrouped
+from posenc_lightning.attention.backends._tiles import BiasTiles, Tile, Tiling, flat, grouped, ungrouped
 from posenc_lightning.encodings.base import Bias
 from posenc_lightning.functional.stick_breaking import (
     EXP_FLOOR,
@@ -76,11 +76,28 @@ class TilesSpec:
         return out
 
 
-def _logits(qs: Tensor, kt: Tensor, shape: tuple[int, ...], bias: Tensor | None) -> Tensor:
+def _logits(qs: Tensor, kt: Tensor, shape: tuple[int, ...], bt: BiasTiles, t: Tile, grad: bool = False,
+            out: Tensor | None = None) -> Tensor:
     """``(q s) k^T (+ bias)`` of a tile, ``[B, H_kv, g, r, c]``, from the block's scaled queries
-    ``qs`` (the scale applied once per block, not once per tile)."""
-    z = torch.matmul(qs, kt.transpose(-1, -2)).view(*shape[:4], kt.shape[-2])
-    return z if bias is None else z.add_(bias)
+    ``qs`` (the scale applied once per block, not once per tile), into ``out`` when given (a
+    `TileBuffers` view)."""
+    z = torch.matmul(qs, kt.transpose(-1, -2), out=None if out is None else flat(out))
+    return bt.add_tile(z.view(*shape[:4], kt.shape[-2]), t, grad)
+
+
+class TileBuffers:
+    """``n`` tile-sized buffers reused by every tile of a pass (each op writing a fresh multi-MiB
+    tensor costs its page faults): `view` gives buffer ``i`` shaped ``[B, H_kv, g, r, c]``."""
+
+    def __init__(self, n: int, tl: Tiling, b: int, h: int, dtype: torch.dtype, device: torch.device) -> None:
+        size = b * h * min(tl.rows, tl.n_q) * min(tl.cols, tl.n_k)
+        self.flat = [torch.empty(size, dtype=dtype, device=device) for _ in range(n)]
+
+    def view(self, i: int, shape: tuple[int, ...], cols: int) -> Tensor:
+        n = cols
+        for x in shape:
+            n *= x
+        return self.flat[i][:n].view(*shape, cols)
 
 
 def _grad_buffers(ctx, spec: TilesSpec, q: Tensor, k: Tensor, v: Tensor, wt: torch.dtype
@@ -96,11 +113,16 @@ def _tile_grads(tl: Tiling, t: object, dz: Tensor, w: Tensor, qb: Tensor, kt: Te
     """One tile's share of the gradients from ``dz`` (of the scaled logits) and its weights ``w``:
     ``dq += dz k``, ``dk += dz^T q``, ``dv += w^T dO`` (``dk``, ``dv`` in walking order), and the
     tile's bias gradient."""
-    dzf = flat(dz)
-    dq_b.add_(torch.matmul(dzf, kt))
-    tl.walked_tile(dk, t).add_(torch.matmul(dzf.transpose(-1, -2), qb))
-    tl.walked_tile(dv, t).add_(torch.matmul(flat(w).transpose(-1, -2), dob))
+    dzf = _batched(flat(dz))
+    _batched(dq_b).baddbmm_(dzf, _batched(kt))
+    _batched(tl.walked_tile(dk, t)).baddbmm_(dzf.transpose(-1, -2), _batched(qb))
+    _batched(tl.walked_tile(dv, t)).baddbmm_(_batched(flat(w)).transpose(-1, -2), _batched(dob))
     bt.tile_grad(t, dz)
+
+
+def _batched(x: Tensor) -> Tensor:
+    """``[B, H_kv, m, n]`` as ``[B * H_kv, m, n]`` (a view: ``baddbmm_`` accumulates a product in place)."""
+    return x.flatten(0, 1)
 
 
 def _wide(q: Tensor) -> torch.dtype:
@@ -143,6 +165,7 @@ class StickBreakingBlocks(torch.autograd.Function):
         tl = spec.tiling
         kw, vw = tl.walked(k, wt), tl.walked(v, wt)
         dq, dk, dv, bt = _grad_buffers(ctx, spec, q, k, v, wt)
+        buf = TileBuffers(4, tl, b, h, wt, q.device)  # logits, dP (then dz), softplus (then A), sigmoid
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
                 continue
@@ -155,16 +178,17 @@ class StickBreakingBlocks(torch.autograd.Function):
             else:
                 tails = [torch.zeros(shape, dtype=wt, device=q.device)]
                 for t in tiles[:-1]:
-                    z = _logits(qb, tl.walked_tile(kw, t), shape, bt.tile(t))
+                    z = _logits(qb, tl.walked_tile(kw, t), shape, bt, t, out=buf.view(0, shape, t.k1 - t.k0))
                     tails.append(stick_breaking_tail(z, tl.keep(s, e, t, wt, q.device), tails[-1]))
             g_far = torch.zeros(shape, dtype=wt, device=q.device)
             dq_b = torch.zeros_like(qb)
             for t, tail in zip(reversed(tiles), reversed(tails)):
-                kt, vt = tl.walked_tile(kw, t), tl.walked_tile(vw, t)
-                z = _logits(qb, kt, shape, bt.tile(t, grad=True))
-                vis = tl.keep(s, e, t, wt, q.device)
-                dp = torch.matmul(dob, vt.transpose(-1, -2)).view_as(z)
-                a, dz, g_far = stick_breaking_tile_backward(z, vis, tail, dp, g_far)
+                kt, vt, c = tl.walked_tile(kw, t), tl.walked_tile(vw, t), t.k1 - t.k0
+                z = _logits(qb, kt, shape, bt, t, grad=True, out=buf.view(0, shape, c))
+                dp = buf.view(1, shape, c)
+                torch.matmul(dob, vt.transpose(-1, -2), out=flat(dp))
+                a, dz, g_far = stick_breaking_tile_backward(z, tl.keep(s, e, t, wt, q.device), tail, dp, g_far,
+                                                            sp=buf.view(2, shape, c), beta=buf.view(3, shape, c))
                 _tile_grads(tl, t, dz, a, qb, kt, dob, dq_b, dk, dv, bt)
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
@@ -195,14 +219,16 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtyp
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
     kept = torch.zeros((b, h, n_q, tl.max_tiles()), dtype=wt, device=q.device) if spec.keep_tails else None
     bt = spec.bias_tiles(h_kv, wt, Mode.of(q))
+    buf = TileBuffers(2, tl, b, h, wt, q.device)  # logits (then A), softplus sums
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         tail = torch.zeros(shape, dtype=wt, device=q.device)
         for i, t in enumerate(tl.tiles(s, k_stop)):
             if kept is not None and i > 0:
                 kept[:, :, s:e, i] = tail.reshape(b, h, e - s)
-            z = _logits(qb, tl.key_tile(k, t, wt), shape, bt.tile(t))
-            a, tail = stick_breaking_tile(z, tl.keep(s, e, t, wt, q.device), tail)
-            acc.add_(torch.matmul(flat(a), tl.key_tile(v, t, wt)))
+            c = t.k1 - t.k0
+            z = _logits(qb, tl.key_tile(k, t, wt), shape, bt, t, out=buf.view(0, shape, c))
+            a, tail = stick_breaking_tile(z, tl.keep(s, e, t, wt, q.device), tail, sp=buf.view(1, shape, c), out=z)
+            _batched(acc).baddbmm_(_batched(flat(a)), _batched(tl.key_tile(v, t, wt)))
         out[:, :, s:e] = ungrouped(acc.view(*shape, d_v))
     return out, kept
 
@@ -241,7 +267,7 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
             dq_b = torch.zeros_like(qb)
             for t in tl.tiles(s, k_stop):
                 kt, vt = tl.walked_tile(kw, t), tl.walked_tile(vw, t)
-                z = _logits(qb, kt, shape, bt.tile(t, grad=True))
+                z = _logits(qb, kt, shape, bt, t, grad=True)
                 mod = _modulation(spec, s, e, t.k0, t.k1, wt)
                 # P = exp(z mod - lse) <= 1 where visible; clamped so that hidden entries stay finite
                 p = z.mul_(mod).sub_(lse_b).clamp_(EXP_FLOOR, 0.0).exp_()
@@ -275,7 +301,7 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch
         m = torch.full(shape, float("-inf"), dtype=wt, device=q.device)
         den = torch.zeros(shape, dtype=wt, device=q.device)
         for t in tl.tiles(s, k_stop):
-            z = _logits(qb, tl.key_tile(k, t, wt), shape, bt.tile(t)).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
+            z = _logits(qb, tl.key_tile(k, t, wt), shape, bt, t).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
             vis = tl.keep(s, e, t, wt, q.device)
             if vis is not None:  # hidden keys: -inf for the running max, then 0
                 z = z.add_(torch.zeros_like(vis).masked_fill_(vis == 0, float("-inf")))

@@ -218,6 +218,17 @@ class BiasTiles:
             raw = tb.rows(0, e - s, t.k1 - t.k0)
         return self._grouped(raw)
 
+    def add_tile(self, z: Tensor, t: Tile, grad: bool = False) -> Tensor:
+        """``z`` (a tile's logits ``[B, H_kv, g, r, c]``) plus the tile's bias, in place (a
+        `Bias.head_scaled` bias as one fused ``w[h] * pattern`` pass, no product tensor)."""
+        if self.bias is None:
+            return z
+        if self.factored is None:
+            return z.add_(self.tile(t, grad))
+        s, e, _ = self._block
+        self._pattern = self.factored.pattern(self.q_pos[:, s:e], self.k_pos[:, self.tiling.span(t)])
+        return z.addcmul_(self._pattern.to(self.dtype)[:, None, None], self._head_weights())
+
     def tile_grad(self, t: Tile, dz: Tensor) -> None:
         """Take the gradient of the tile's bias (``dz [B, H_kv, g, r, c]``, walking order)."""
         if self.bias is None or not self.grad:
