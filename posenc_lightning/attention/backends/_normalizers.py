@@ -76,28 +76,31 @@ class TilesSpec:
         return out
 
 
-def _logits(qs: Tensor, kt: Tensor, shape: tuple[int, ...], bt: BiasTiles, t: Tile, grad: bool = False,
-            out: Tensor | None = None) -> Tensor:
+def _logits(qs: Tensor, kt: Tensor, shape: tuple[int, ...], bt: BiasTiles, t: Tile, grad: bool = False) -> Tensor:
     """``(q s) k^T (+ bias)`` of a tile, ``[B, H_kv, g, r, c]``, from the block's scaled queries
-    ``qs`` (the scale applied once per block, not once per tile), into ``out`` when given (a
-    `TileBuffers` view)."""
-    z = torch.matmul(qs, kt.transpose(-1, -2), out=None if out is None else flat(out))
+    ``qs`` (the scale applied once per block, not once per tile)."""
+    z = torch.matmul(qs, kt.transpose(-1, -2))
     return bt.add_tile(z.view(*shape[:4], kt.shape[-2]), t, grad)
 
 
 class TileBuffers:
-    """``n`` tile-sized buffers reused by every tile of a pass (each op writing a fresh multi-MiB
-    tensor costs its page faults): `view` gives buffer ``i`` shaped ``[B, H_kv, g, r, c]``."""
+    """``n`` tile-sized buffers reused by every tile of a pass (an op writing a fresh multi-MiB
+    tensor pays its page faults): `views` gives buffer ``i`` as a tile ``[B, H_kv, g, r, c]`` and
+    as ``[B * H_kv, g * r, c]`` for ``bmm``, the views made once per shape."""
 
     def __init__(self, n: int, tl: Tiling, b: int, h: int, dtype: torch.dtype, device: torch.device) -> None:
         size = b * h * min(tl.rows, tl.n_q) * min(tl.cols, tl.n_k)
         self.flat = [torch.empty(size, dtype=dtype, device=device) for _ in range(n)]
+        self._views: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}
 
-    def view(self, i: int, shape: tuple[int, ...], cols: int) -> Tensor:
-        n = cols
-        for x in shape:
-            n *= x
-        return self.flat[i][:n].view(*shape, cols)
+    def views(self, i: int, shape: tuple[int, ...], cols: int) -> tuple[Tensor, Tensor]:
+        key = (i, *shape, cols)
+        v = self._views.get(key)
+        if v is None:
+            b, h_kv, g, r = shape
+            tile = self.flat[i][:b * h_kv * g * r * cols].view(b, h_kv, g, r, cols)
+            v = self._views[key] = (tile, tile.view(b * h_kv, g * r, cols))
+        return v
 
 
 def _grad_buffers(ctx, spec: TilesSpec, q: Tensor, k: Tensor, v: Tensor, wt: torch.dtype
@@ -163,14 +166,17 @@ class StickBreakingBlocks(torch.autograd.Function):
         b, h, _, d = q.shape
         h_kv, g, wt = k.shape[1], h // k.shape[1], _wide(q)
         tl = spec.tiling
-        kw, vw = tl.walked(k, wt), tl.walked(v, wt)
+        kw, vw = _batched(tl.walked(k, wt)), _batched(tl.walked(v, wt))
+        kwt, vwt = kw.transpose(1, 2), vw.transpose(1, 2)
         dq, dk, dv, bt = _grad_buffers(ctx, spec, q, k, v, wt)
+        dk3, dv3 = _batched(dk), _batched(dv)
         buf = TileBuffers(4, tl, b, h, wt, q.device)  # logits, dP (then dz), softplus (then A), sigmoid
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
                 continue
             shape = (b, h_kv, g, e - s)
-            qb, dob = flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale), flat(grouped(d_out, s, e, h_kv, wt))
+            qb = _batched(flat(grouped(q, s, e, h_kv, wt))).mul(spec.scale)
+            dob = _batched(flat(grouped(d_out, s, e, h_kv, wt)))
             bt.start(s, e, k_stop, grad=True)
             tiles = tl.tiles(s, k_stop)
             if kept:
@@ -178,18 +184,25 @@ class StickBreakingBlocks(torch.autograd.Function):
             else:
                 tails = [torch.zeros(shape, dtype=wt, device=q.device)]
                 for t in tiles[:-1]:
-                    z = _logits(qb, tl.walked_tile(kw, t), shape, bt, t, out=buf.view(0, shape, t.k1 - t.k0))
+                    z, z3 = buf.views(0, shape, t.k1 - t.k0)
+                    torch.bmm(qb, kwt[:, :, tl.span(t)], out=z3)
+                    z = bt.add_tile(z, t)
                     tails.append(stick_breaking_tail(z, tl.keep(s, e, t, wt, q.device), tails[-1]))
             g_far = torch.zeros(shape, dtype=wt, device=q.device)
             dq_b = torch.zeros_like(qb)
             for t, tail in zip(reversed(tiles), reversed(tails)):
-                kt, vt, c = tl.walked_tile(kw, t), tl.walked_tile(vw, t), t.k1 - t.k0
-                z = _logits(qb, kt, shape, bt, t, grad=True, out=buf.view(0, shape, c))
-                dp = buf.view(1, shape, c)
-                torch.matmul(dob, vt.transpose(-1, -2), out=flat(dp))
-                a, dz, g_far = stick_breaking_tile_backward(z, tl.keep(s, e, t, wt, q.device), tail, dp, g_far,
-                                                            sp=buf.view(2, shape, c), beta=buf.view(3, shape, c))
-                _tile_grads(tl, t, dz, a, qb, kt, dob, dq_b, dk, dv, bt)
+                span, c = tl.span(t), t.k1 - t.k0
+                (z, z3), (dp, dp3), (sp, a3), (beta, _) = (buf.views(i, shape, c) for i in range(4))
+                torch.bmm(qb, kwt[:, :, span], out=z3)
+                z = bt.add_tile(z, t, grad=True)
+                torch.bmm(dob, vwt[:, :, span], out=dp3)
+                _, dz, g_far = stick_breaking_tile_backward(z, tl.keep(s, e, t, wt, q.device), tail, dp, g_far,
+                                                            sp=sp, beta=beta)
+                # dq += dz k, dk += dz^T q, dv += A^T dO (dz in dP's buffer, A in the softplus one)
+                dq_b.baddbmm_(dp3, kw[:, span])
+                dk3[:, span].baddbmm_(dp3.transpose(1, 2), qb)
+                dv3[:, span].baddbmm_(a3.transpose(1, 2), dob)
+                bt.tile_grad(t, dz)
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
         dk, dv = tl.unwalked(dk), tl.unwalked(dv)
@@ -222,13 +235,15 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtyp
     buf = TileBuffers(2, tl, b, h, wt, q.device)  # logits (then A), softplus sums
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         tail = torch.zeros(shape, dtype=wt, device=q.device)
+        qb, acc3 = _batched(qb), _batched(acc)
         for i, t in enumerate(tl.tiles(s, k_stop)):
             if kept is not None and i > 0:
-                kept[:, :, s:e, i] = tail.reshape(b, h, e - s)
-            c = t.k1 - t.k0
-            z = _logits(qb, tl.key_tile(k, t, wt), shape, bt, t, out=buf.view(0, shape, c))
-            a, tail = stick_breaking_tile(z, tl.keep(s, e, t, wt, q.device), tail, sp=buf.view(1, shape, c), out=z)
-            _batched(acc).baddbmm_(_batched(flat(a)), _batched(tl.key_tile(v, t, wt)))
+                kept[:, :, s:e, i] = tail.view(b, h, e - s)
+            (z, z3), (sp, _) = buf.views(0, shape, t.k1 - t.k0), buf.views(1, shape, t.k1 - t.k0)
+            torch.bmm(qb, _batched(tl.key_tile(k, t, wt)).transpose(1, 2), out=z3)
+            z = bt.add_tile(z, t)
+            _, tail = stick_breaking_tile(z, tl.keep(s, e, t, wt, q.device), tail, sp=sp, out=z)  # A in z's buffer
+            acc3.baddbmm_(z3, _batched(tl.key_tile(v, t, wt)))
         out[:, :, s:e] = ungrouped(acc.view(*shape, d_v))
     return out, kept
 

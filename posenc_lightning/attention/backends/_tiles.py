@@ -167,11 +167,13 @@ class BiasTiles:
         self._d_rows: Tensor | None = None
         self._vjp: _Routed | None = None
         self.compiling = compiling
-        # w[h] * pattern: a tile is one broadcast product, w's gradient a reduction (`Bias.head_scaled`)
+        # w[h] * pattern: a tile is one broadcast product, w's gradient a reduction (`Bias.head_scaled`);
+        # ``_w``: w in the grouped layout ``[1, H_kv, g, 1, 1]``
         self.factored = bias.head_scaled() if self.per_tile else None
         self._w_slot = -1 if self.factored is None else next(
             (i for i, x in enumerate(self.inputs) if x is self.factored.w), -1)
         self._pattern: Tensor | None = None
+        self._w = None if self.factored is None else self.factored.w.detach().to(dtype).reshape(1, h_kv, -1, 1, 1)
 
     @property
     def grad(self) -> bool:
@@ -210,7 +212,7 @@ class BiasTiles:
             return self._rows[..., self.tiling.row_span(t, k_stop)]
         if self.factored is not None:
             self._pattern = self.factored.pattern(self.q_pos[:, s:e], self.k_pos[:, self.tiling.span(t)])
-            return self._pattern.to(self.dtype)[:, None, None] * self._head_weights()
+            return self._pattern.to(self.dtype)[:, None, None] * self._w
         tb = self.bias.at(self.q_pos[:, s:e], self.k_pos[:, self.tiling.span(t)])
         if grad and self.grad:
             raw, self._vjp = self._differentiated(tb, 0, e - s, t.k1 - t.k0)
@@ -227,7 +229,7 @@ class BiasTiles:
             return z.add_(self.tile(t, grad))
         s, e, _ = self._block
         self._pattern = self.factored.pattern(self.q_pos[:, s:e], self.k_pos[:, self.tiling.span(t)])
-        return z.addcmul_(self._pattern.to(self.dtype)[:, None, None], self._head_weights())
+        return z.addcmul_(self._pattern.to(self.dtype)[:, None, None], self._w)
 
     def tile_grad(self, t: Tile, dz: Tensor) -> None:
         """Take the gradient of the tile's bias (``dz [B, H_kv, g, r, c]``, walking order)."""
@@ -243,11 +245,6 @@ class BiasTiles:
             b, h_kv, g, r, _ = dz.shape
             self._d_rows = torch.zeros((b, h_kv, g, r, self._block[2]), dtype=dz.dtype, device=dz.device)
         self._d_rows[..., self.tiling.row_span(t, self._block[2])] = dz
-
-    def _head_weights(self) -> Tensor:
-        """`HeadScaled.w` in the grouped layout ``[1, H_kv, g, 1, 1]``."""
-        w = self.factored.w.detach().to(self.dtype)
-        return w.reshape(1, self.h_kv, -1, 1, 1)
 
     def _add_weight_grad(self, dz: Tensor) -> None:
         """``dw[h] += sum over the tile of dz * pattern`` (``dz [B, H_kv, g, r, c]``)."""
