@@ -281,6 +281,22 @@ def test_linear_bias_is_its_slopes_times_a_shared_pattern():
     assert torch.equal(f.w[None, :, None, None] * pattern[:, None], bias.materialize())
 
 
+def test_linear_bias_pattern_equals_the_integer_distance_at_large_positions():
+    """The pattern subtracts integer positions in float64 into float32: the same values as the
+    int64 difference converted, also where float32 rounds them (past 2^24) and with a batch of 1
+    broadcast against B."""
+    from posenc_lightning.encodings.bias.windows import pair_distance
+
+    g = torch.Generator().manual_seed(0)
+    for hi in (100, 2**25, 2**40):
+        q = torch.randint(-hi, hi, (3, 37), generator=g)
+        k = torch.randint(-hi, hi, (3, 41), generator=g)
+        for qq in (q, q[:1]):
+            got = LinearBias(torch.ones(2), qq, k).head_scaled().pattern(qq, k)
+            assert got.dtype == torch.float32
+            assert torch.equal(got, pair_distance(qq, k).abs().to(torch.float32).neg_())
+
+
 @pytest.mark.parametrize("scenario", ["arange", "offset", "packed"])
 def test_head_scaled_tiles_equal_the_tiles_recomputed_by_rows(scenario, small_tiles, monkeypatch):
     """rse through the factored tiles (one product per tile, the slopes' gradient a reduction) and
