@@ -91,8 +91,12 @@ class ExpoSB(RotaryEncoding):
 
     def distance_modulation(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """``0.7 + 0.3 exp(-0.005 |m - n|)``: ``[B, 1, Nq, Nk]``."""
-        dist = (q_pos[:, :, None] - k_pos[:, None, :]).abs().to(torch.float32)
-        return (self.distance_floor + (1 - self.distance_floor) * torch.exp(-self.distance_decay * dist))[:, None]
+        if q_pos.is_floating_point() or k_pos.is_floating_point():
+            dist = (q_pos[:, :, None] - k_pos[:, None, :]).abs().to(torch.float32)
+        else:  # integers subtracted in float64 (exact), the same float32 values: int64's abs is a scalar loop
+            dist = (q_pos.double()[:, :, None] - k_pos.double()[:, None, :]).abs_().to(torch.float32)
+        mod = dist.mul_(-self.distance_decay).exp_().mul_(1 - self.distance_floor).add_(self.distance_floor)
+        return mod[:, None]
 
     def normalize(self, logits: Tensor, mask: Tensor | None, ctx: AttentionContext) -> Tensor:
         logits = logits * self.distance_modulation(ctx.q_pos, ctx.k_pos)

@@ -76,11 +76,13 @@ class TilesSpec:
         return out
 
 
-def _logits(qs: Tensor, kt: Tensor, shape: tuple[int, ...], bt: BiasTiles, t: Tile, grad: bool = False) -> Tensor:
-    """``(q s) k^T (+ bias)`` of a tile, ``[B, H_kv, g, r, c]``, from the block's scaled queries
-    ``qs`` (the scale applied once per block, not once per tile)."""
-    z = torch.matmul(qs, kt.transpose(-1, -2))
-    return bt.add_tile(z.view(*shape[:4], kt.shape[-2]), t, grad)
+def _logits(qb: Tensor, keys_t: Tensor, bt: BiasTiles, t: Tile, views: tuple[Tensor, Tensor], grad: bool = False
+            ) -> Tensor:
+    """``(q s) k^T (+ bias)`` of a tile in the buffer ``views`` (`TileBuffers.views`), from the
+    block's scaled queries ``qb [B * H_kv, g * r, d]`` (the scale applied once per block, not once
+    per tile) and the tile's keys transposed ``[B * H_kv, d, c]``: the tile ``[B, H_kv, g, r, c]``."""
+    torch.bmm(qb, keys_t, out=views[1])
+    return bt.add_tile(views[0], t, grad)
 
 
 class TileBuffers:
@@ -111,15 +113,15 @@ def _grad_buffers(ctx, spec: TilesSpec, q: Tensor, k: Tensor, v: Tensor, wt: tor
     return dq, dk, dv, spec.bias_tiles(k.shape[1], wt, Mode.of(q), ctx.needs_input_grad[4:])
 
 
-def _tile_grads(tl: Tiling, t: object, dz: Tensor, w: Tensor, qb: Tensor, kt: Tensor, dob: Tensor, dq_b: Tensor,
-                dk: Tensor, dv: Tensor, bt: BiasTiles) -> None:
-    """One tile's share of the gradients from ``dz`` (of the scaled logits) and its weights ``w``:
-    ``dq += dz k``, ``dk += dz^T q``, ``dv += w^T dO`` (``dk``, ``dv`` in walking order), and the
-    tile's bias gradient."""
-    dzf = _batched(flat(dz))
-    _batched(dq_b).baddbmm_(dzf, _batched(kt))
-    _batched(tl.walked_tile(dk, t)).baddbmm_(dzf.transpose(-1, -2), _batched(qb))
-    _batched(tl.walked_tile(dv, t)).baddbmm_(_batched(flat(w)).transpose(-1, -2), _batched(dob))
+def _tile_grads(t: Tile, span: slice, dz: Tensor, w3: Tensor, dz3: Tensor, qb: Tensor, kw: Tensor, dob: Tensor,
+                dq_b: Tensor, dk3: Tensor, dv3: Tensor, bt: BiasTiles) -> None:
+    """One tile's share of the gradients from ``dz`` (of the scaled logits; ``dz3`` its ``bmm``
+    view) and its weights ``w3``: ``dq += dz k``, ``dk += dz^T q``, ``dv += w^T dO`` accumulated in
+    place (``dk3``, ``dv3``, ``kw``: ``[B * H_kv, N, d]`` in walking order, ``span`` the tile's
+    keys there), and the tile's bias gradient."""
+    dq_b.baddbmm_(dz3, kw[:, span])
+    dk3[:, span].baddbmm_(dz3.transpose(1, 2), qb)
+    dv3[:, span].baddbmm_(w3.transpose(1, 2), dob)
     bt.tile_grad(t, dz)
 
 
@@ -171,6 +173,7 @@ class StickBreakingBlocks(torch.autograd.Function):
         dq, dk, dv, bt = _grad_buffers(ctx, spec, q, k, v, wt)
         dk3, dv3 = _batched(dk), _batched(dv)
         buf = TileBuffers(4, tl, b, h, wt, q.device)  # logits, dP (then dz), softplus (then A), sigmoid
+        made: dict = {}  # the pass's masks (`Tiling.keep`)
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
                 continue
@@ -184,25 +187,19 @@ class StickBreakingBlocks(torch.autograd.Function):
             else:
                 tails = [torch.zeros(shape, dtype=wt, device=q.device)]
                 for t in tiles[:-1]:
-                    z, z3 = buf.views(0, shape, t.k1 - t.k0)
-                    torch.bmm(qb, kwt[:, :, tl.span(t)], out=z3)
-                    z = bt.add_tile(z, t)
-                    tails.append(stick_breaking_tail(z, tl.keep(s, e, t, wt, q.device), tails[-1]))
+                    z = _logits(qb, kwt[:, :, tl.span(t)], bt, t, buf.views(0, shape, t.k1 - t.k0))
+                    tails.append(stick_breaking_tail(z, tl.keep(s, e, t, wt, q.device, made), tails[-1]))
             g_far = torch.zeros(shape, dtype=wt, device=q.device)
             dq_b = torch.zeros_like(qb)
             for t, tail in zip(reversed(tiles), reversed(tails)):
                 span, c = tl.span(t), t.k1 - t.k0
-                (z, z3), (dp, dp3), (sp, a3), (beta, _) = (buf.views(i, shape, c) for i in range(4))
-                torch.bmm(qb, kwt[:, :, span], out=z3)
-                z = bt.add_tile(z, t, grad=True)
+                zv, (dp, dp3), (sp, a3), (beta, _) = (buf.views(i, shape, c) for i in range(4))
+                z = _logits(qb, kwt[:, :, span], bt, t, zv, grad=True)
                 torch.bmm(dob, vwt[:, :, span], out=dp3)
-                _, dz, g_far = stick_breaking_tile_backward(z, tl.keep(s, e, t, wt, q.device), tail, dp, g_far,
+                _, dz, g_far = stick_breaking_tile_backward(z, tl.keep(s, e, t, wt, q.device, made), tail, dp, g_far,
                                                             sp=sp, beta=beta)
-                # dq += dz k, dk += dz^T q, dv += A^T dO (dz in dP's buffer, A in the softplus one)
-                dq_b.baddbmm_(dp3, kw[:, span])
-                dk3[:, span].baddbmm_(dp3.transpose(1, 2), qb)
-                dv3[:, span].baddbmm_(a3.transpose(1, 2), dob)
-                bt.tile_grad(t, dz)
+                # dz in dP's buffer, A in the softplus one
+                _tile_grads(t, span, dz, a3, dp3, qb, kw, dob, dq_b, dk3, dv3, bt)
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
         dk, dv = tl.unwalked(dk), tl.unwalked(dv)
@@ -233,17 +230,23 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtyp
     kept = torch.zeros((b, h, n_q, tl.max_tiles()), dtype=wt, device=q.device) if spec.keep_tails else None
     bt = spec.bias_tiles(h_kv, wt, Mode.of(q))
     buf = TileBuffers(2, tl, b, h, wt, q.device)  # logits (then A), softplus sums
+    made: dict = {}  # the pass's masks (`Tiling.keep`)
+    # training: the keys and values flipped once (backward keeps as much); inference: tile by tile
+    walked = (_batched(tl.walked(k, wt)), _batched(tl.walked(v, wt))) if kept is not None else None
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         tail = torch.zeros(shape, dtype=wt, device=q.device)
         qb, acc3 = _batched(qb), _batched(acc)
         for i, t in enumerate(tl.tiles(s, k_stop)):
             if kept is not None and i > 0:
                 kept[:, :, s:e, i] = tail.view(b, h, e - s)
-            (z, z3), (sp, _) = buf.views(0, shape, t.k1 - t.k0), buf.views(1, shape, t.k1 - t.k0)
-            torch.bmm(qb, _batched(tl.key_tile(k, t, wt)).transpose(1, 2), out=z3)
-            z = bt.add_tile(z, t)
-            _, tail = stick_breaking_tile(z, tl.keep(s, e, t, wt, q.device), tail, sp=sp, out=z)  # A in z's buffer
-            acc3.baddbmm_(z3, _batched(tl.key_tile(v, t, wt)))
+            if walked is None:
+                kt, vt = _batched(tl.key_tile(k, t, wt)), _batched(tl.key_tile(v, t, wt))
+            else:
+                kt, vt = walked[0][:, tl.span(t)], walked[1][:, tl.span(t)]
+            zv, (sp, _) = buf.views(0, shape, t.k1 - t.k0), buf.views(1, shape, t.k1 - t.k0)
+            z = _logits(qb, kt.transpose(1, 2), bt, t, zv)
+            _, tail = stick_breaking_tile(z, tl.keep(s, e, t, wt, q.device, made), tail, sp=sp, out=z)  # A in z's buffer
+            acc3.baddbmm_(zv[1], vt)
         out[:, :, s:e] = ungrouped(acc.view(*shape, d_v))
     return out, kept
 
@@ -268,30 +271,35 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
         b, h, _, d = q.shape
         h_kv, g, wt = k.shape[1], h // k.shape[1], out.dtype
         tl = spec.tiling
-        kw, vw = tl.walked(k, wt), tl.walked(v, wt)
+        kw, vw = _batched(tl.walked(k, wt)), _batched(tl.walked(v, wt))
+        kwt, vwt = kw.transpose(1, 2), vw.transpose(1, 2)
         dq, dk, dv, bt = _grad_buffers(ctx, spec, q, k, v, wt)
+        dk3, dv3 = _batched(dk), _batched(dv)
+        buf = TileBuffers(2, tl, b, h, wt, q.device)  # logits (then P), dP (then dz)
+        made: dict = {}  # the pass's masks (`Tiling.keep`)
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
                 continue
             shape = (b, h_kv, g, e - s)
-            qb, dob = flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale), grouped(d_out, s, e, h_kv, wt)
+            qb, dob = _batched(flat(grouped(q, s, e, h_kv, wt))).mul(spec.scale), grouped(d_out, s, e, h_kv, wt)
             delta = (dob * grouped(out, s, e, h_kv, wt)).sum(-1, keepdim=True)
-            dob = flat(dob)
-            lse_b = lse[:, :, s:e].reshape(*shape, 1)
+            dob = _batched(flat(dob))
+            neg_lse = lse[:, :, s:e].reshape(*shape, 1).neg()
             bt.start(s, e, k_stop, grad=True)
             dq_b = torch.zeros_like(qb)
             for t in tl.tiles(s, k_stop):
-                kt, vt = tl.walked_tile(kw, t), tl.walked_tile(vw, t)
-                z = _logits(qb, kt, shape, bt, t, grad=True)
+                span = tl.span(t)
+                zv, (dp, dp3) = buf.views(0, shape, t.k1 - t.k0), buf.views(1, shape, t.k1 - t.k0)
+                z = _logits(qb, kwt[:, :, span], bt, t, zv, grad=True)
                 mod = _modulation(spec, s, e, t.k0, t.k1, wt)
                 # P = exp(z mod - lse) <= 1 where visible; clamped so that hidden entries stay finite
-                p = z.mul_(mod).sub_(lse_b).clamp_(EXP_FLOOR, 0.0).exp_()
-                vis = tl.keep(s, e, t, wt, q.device)
+                p = torch.addcmul(neg_lse, z, mod, out=z).clamp_(EXP_FLOOR, 0.0).exp_()
+                vis = tl.keep(s, e, t, wt, q.device, made)
                 if vis is not None:
                     p = p.mul_(vis)
-                dp = torch.matmul(dob, vt.transpose(-1, -2)).view_as(p)
+                torch.bmm(dob, vwt[:, :, span], out=dp3)
                 dz = dp.sub_(delta).mul_(p).mul_(mod)  # d(q k^T s + bias) = P (dP - delta) mod
-                _tile_grads(tl, t, dz, p, qb, kt, dob, dq_b, dk, dv, bt)
+                _tile_grads(t, span, dz, zv[1], dp3, qb, kw, dob, dq_b, dk3, dv3, bt)  # P in z's buffer
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
         dk, dv = tl.unwalked(dk), tl.unwalked(dv)
@@ -312,12 +320,16 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
     lse = torch.full((b, h, n_q), float("inf"), dtype=wt, device=q.device)
     bt = spec.bias_tiles(h_kv, wt, Mode.of(q))
+    buf = TileBuffers(1, tl, b, h, wt, q.device)  # logits (then P)
+    made: dict = {}  # the pass's masks (`Tiling.keep`)
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         m = torch.full(shape, float("-inf"), dtype=wt, device=q.device)
         den = torch.zeros(shape, dtype=wt, device=q.device)
+        qb, acc3 = _batched(qb), _batched(acc)
         for t in tl.tiles(s, k_stop):
-            z = _logits(qb, tl.key_tile(k, t, wt), shape, bt, t).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
-            vis = tl.keep(s, e, t, wt, q.device)
+            zv = buf.views(0, shape, t.k1 - t.k0)
+            z = _logits(qb, _batched(tl.key_tile(k, t, wt)).transpose(1, 2), bt, t, zv).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
+            vis = tl.keep(s, e, t, wt, q.device, made)
             if vis is not None:  # hidden keys: -inf for the running max, then 0
                 z = z.add_(torch.zeros_like(vis).masked_fill_(vis == 0, float("-inf")))
             m_new = torch.maximum(m, z.amax(-1))
@@ -327,7 +339,7 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch
                 p = p.mul_(vis)
             alpha = (m - m_safe).exp_()
             den = den.mul_(alpha).add_(p.sum(-1))
-            acc = acc.mul_(alpha.view(*shape[:2], -1, 1)).add_(torch.matmul(flat(p), tl.key_tile(v, t, wt)))
+            acc3.mul_(alpha.view(acc3.shape[0], -1, 1)).baddbmm_(zv[1], _batched(tl.key_tile(v, t, wt)))
             m = m_new
         m_safe = m.masked_fill(torch.isneginf(m), 0.0)
         o = acc.view(*shape, d_v) / den[..., None].clamp_min(torch.finfo(wt).tiny)

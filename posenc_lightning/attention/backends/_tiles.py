@@ -103,11 +103,23 @@ class Tiling:
     def rows_order(self, rows: Tensor) -> Tensor:
         return rows.flip(-1) if self.descending else rows
 
-    def keep(self, start: int, stop: int, t: Tile, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+    def keep(self, start: int, stop: int, t: Tile, dtype: torch.dtype, device: torch.device,
+             made: dict | None = None) -> Tensor | None:
         """``[B|1, 1, 1, r, cols]`` (the grouped layout) in ``dtype``: 1 where the key is visible,
-        else 0 (a multiplier); None when all are visible."""
+        else 0 (a multiplier); None when all are visible. A mask of the diagonal alone depends on
+        the tile's shape and its offset to the diagonal only: with ``made`` (a pass's own dict) it
+        is made once per pass (the blocks' nearest tiles share it)."""
         if t.full:
             return None
+        if self.dense_mask or made is None:
+            return self._keep(start, stop, t, dtype, device)
+        key = (stop - start, t.k1 - t.k0, start + self.diag - t.k0, dtype, device)
+        m = made.get(key)
+        if m is None:
+            m = made[key] = self._keep(start, stop, t, dtype, device)
+        return m
+
+    def _keep(self, start: int, stop: int, t: Tile, dtype: torch.dtype, device: torch.device) -> Tensor:
         j = torch.arange(t.k0, t.k1, device=device)
         j = j.flip(0) if self.descending else j
         m = None
