@@ -114,15 +114,35 @@ def _grad_buffers(ctx, spec: TilesSpec, q: Tensor, k: Tensor, v: Tensor, wt: tor
 
 
 def _tile_grads(t: Tile, span: slice, dz: Tensor, w3: Tensor, dz3: Tensor, qb: Tensor, kw: Tensor, dob: Tensor,
-                dq_b: Tensor, dk3: Tensor, dv3: Tensor, bt: BiasTiles) -> None:
+                dq_b: Tensor, dk3: Tensor, dv3: Tensor, bt: BiasTiles, g: int = 1) -> None:
     """One tile's share of the gradients from ``dz`` (of the scaled logits; ``dz3`` its ``bmm``
     view) and its weights ``w3``: ``dq += dz k``, ``dk += dz^T q``, ``dv += w^T dO`` accumulated in
     place (``dk3``, ``dv3``, ``kw``: ``[B * H_kv, N, d]`` in walking order, ``span`` the tile's
-    keys there), and the tile's bias gradient."""
-    dq_b.baddbmm_(dz3, kw[:, span])
+    keys there; ``qb``, ``dob``: the tile's rows, `_skipping` its first `Tile.r0`), and the tile's
+    bias gradient."""
+    _add_product(dq_b, g, t.r0, dz3, kw[:, span])
     dk3[:, span].baddbmm_(dz3.transpose(1, 2), qb)
     dv3[:, span].baddbmm_(w3.transpose(1, 2), dob)
     bt.tile_grad(t, dz)
+
+
+def _skipping(x: Tensor, g: int, r0: int) -> Tensor:
+    """A block's ``[B * H_kv, g * r, X]`` without each head's first ``r0`` rows (a copy when ``g > 1``)."""
+    if r0 == 0:
+        return x
+    if g == 1:
+        return x[:, r0:]
+    n, gr, d = x.shape
+    return x.view(n, g, gr // g, d)[:, :, r0:].reshape(n, -1, d)
+
+
+def _add_product(acc: Tensor, g: int, r0: int, a: Tensor, b: Tensor) -> None:
+    """``acc`` (``[B * H_kv, g * r, X]``) without each head's first ``r0`` rows ``+= a @ b``."""
+    if r0 == 0 or g == 1:
+        acc[:, r0:].baddbmm_(a, b)
+    else:
+        n, gr, d = acc.shape
+        acc.view(n, g, gr // g, d)[:, :, r0:].add_(torch.bmm(a, b).view(n, g, -1, d))
 
 
 def _batched(x: Tensor) -> Tensor:
@@ -181,29 +201,41 @@ class StickBreakingBlocks(torch.autograd.Function):
             qb = _batched(flat(grouped(q, s, e, h_kv, wt))).mul(spec.scale)
             dob = _batched(flat(grouped(d_out, s, e, h_kv, wt)))
             bt.start(s, e, k_stop, grad=True)
-            tiles = tl.tiles(s, k_stop)
+            tiles = tl.tiles(s, k_stop, e)
             if kept:
                 tails = [kept[0][:, :, s:e, i].reshape(shape) for i in range(len(tiles))]
             else:
                 tails = [torch.zeros(shape, dtype=wt, device=q.device)]
                 for t in tiles[:-1]:
-                    z = _logits(qb, kwt[:, :, tl.span(t)], bt, t, buf.views(0, shape, t.k1 - t.k0))
-                    tails.append(stick_breaking_tail(z, tl.keep(s, e, t, wt, q.device, made), tails[-1]))
+                    sub = (*shape[:3], e - s - t.r0)
+                    z = _logits(_skipping(qb, g, t.r0), kwt[:, :, tl.span(t)], bt, t, buf.views(0, sub, t.k1 - t.k0))
+                    tails.append(_rows_set(tails[-1].clone(), t.r0, stick_breaking_tail(
+                        z, tl.keep(s + t.r0, e, t, wt, q.device, made), tails[-1][..., t.r0:])))
             g_far = torch.zeros(shape, dtype=wt, device=q.device)
             dq_b = torch.zeros_like(qb)
             for t, tail in zip(reversed(tiles), reversed(tails)):
-                span, c = tl.span(t), t.k1 - t.k0
-                zv, (dp, dp3), (sp, a3), (beta, _) = (buf.views(i, shape, c) for i in range(4))
-                z = _logits(qb, kwt[:, :, span], bt, t, zv, grad=True)
-                torch.bmm(dob, vwt[:, :, span], out=dp3)
-                _, dz, g_far = stick_breaking_tile_backward(z, tl.keep(s, e, t, wt, q.device, made), tail, dp, g_far,
-                                                            sp=sp, beta=beta)
+                span, c, r0 = tl.span(t), t.k1 - t.k0, t.r0
+                zv, (dp, dp3), (sp, a3), (beta, _) = (buf.views(i, (*shape[:3], e - s - r0), c) for i in range(4))
+                qs, dos = _skipping(qb, g, r0), _skipping(dob, g, r0)
+                z = _logits(qs, kwt[:, :, span], bt, t, zv, grad=True)
+                torch.bmm(dos, vwt[:, :, span], out=dp3)
+                _, dz, gf = stick_breaking_tile_backward(z, tl.keep(s + r0, e, t, wt, q.device, made), tail[..., r0:],
+                                                         dp, g_far[..., r0:], sp=sp, beta=beta)
+                g_far = _rows_set(g_far, r0, gf)
                 # dz in dP's buffer, A in the softplus one
-                _tile_grads(t, span, dz, a3, dp3, qb, kw, dob, dq_b, dk3, dv3, bt)
+                _tile_grads(t, span, dz, a3, dp3, qs, kw, dos, dq_b, dk3, dv3, bt, g)
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
         dk, dv = tl.unwalked(dk), tl.unwalked(dv)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
+
+
+def _rows_set(full: Tensor, r0: int, rows: Tensor) -> Tensor:
+    """A per-row state ``[..., r]`` with its rows from ``r0`` on replaced by ``rows`` (in place)."""
+    if r0 == 0:
+        return rows
+    full[..., r0:] = rows
+    return full
 
 
 def _forward_blocks(q: Tensor, v: Tensor, spec: TilesSpec, bt: BiasTiles, h_kv: int, wt: torch.dtype):
@@ -225,7 +257,7 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtyp
     ``[B, H, Nq, tiles]`` (else None)."""
     b, h, n_q, _ = q.shape
     h_kv, d_v = k.shape[1], v.shape[-1]
-    tl = spec.tiling
+    g, tl = h // h_kv, spec.tiling
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
     kept = torch.zeros((b, h, n_q, tl.max_tiles()), dtype=wt, device=q.device) if spec.keep_tails else None
     bt = spec.bias_tiles(h_kv, wt, Mode.of(q))
@@ -236,17 +268,20 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtyp
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         tail = torch.zeros(shape, dtype=wt, device=q.device)
         qb, acc3 = _batched(qb), _batched(acc)
-        for i, t in enumerate(tl.tiles(s, k_stop)):
+        for i, t in enumerate(tl.tiles(s, k_stop, e)):
             if kept is not None and i > 0:
                 kept[:, :, s:e, i] = tail.view(b, h, e - s)
             if walked is None:
                 kt, vt = _batched(tl.key_tile(k, t, wt)), _batched(tl.key_tile(v, t, wt))
             else:
                 kt, vt = walked[0][:, tl.span(t)], walked[1][:, tl.span(t)]
-            zv, (sp, _) = buf.views(0, shape, t.k1 - t.k0), buf.views(1, shape, t.k1 - t.k0)
-            z = _logits(qb, kt.transpose(1, 2), bt, t, zv)
-            _, tail = stick_breaking_tile(z, tl.keep(s, e, t, wt, q.device, made), tail, sp=sp, out=z)  # A in z's buffer
-            acc3.baddbmm_(zv[1], vt)
+            sub, c = (*shape[:3], e - s - t.r0), t.k1 - t.k0
+            zv, (sp, _) = buf.views(0, sub, c), buf.views(1, sub, c)
+            z = _logits(_skipping(qb, g, t.r0), kt.transpose(1, 2), bt, t, zv)
+            _, new = stick_breaking_tile(z, tl.keep(s + t.r0, e, t, wt, q.device, made), tail[..., t.r0:], sp=sp,
+                                         out=z)  # A in z's buffer
+            tail = _rows_set(tail, t.r0, new)
+            _add_product(acc3, g, t.r0, zv[1], vt)
         out[:, :, s:e] = ungrouped(acc.view(*shape, d_v))
     return out, kept
 
