@@ -281,6 +281,22 @@ def test_linear_bias_is_its_slopes_times_a_shared_pattern():
     assert torch.equal(f.w[None, :, None, None] * pattern[:, None], bias.materialize())
 
 
+def test_linear_bias_pattern_equals_the_integer_distance_at_large_positions():
+    """The pattern subtracts integer positions in float64 into float32: the same values as the
+    int64 difference converted, also where float32 rounds them (past 2^24) and with a batch of 1
+    broadcast against B."""
+    from posenc_lightning.encodings.bias.windows import pair_distance
+
+    g = torch.Generator().manual_seed(0)
+    for hi in (100, 2**25, 2**40):
+        q = torch.randint(-hi, hi, (3, 37), generator=g)
+        k = torch.randint(-hi, hi, (3, 41), generator=g)
+        for qq in (q, q[:1]):
+            got = LinearBias(torch.ones(2), qq, k).head_scaled().pattern(qq, k)
+            assert got.dtype == torch.float32
+            assert torch.equal(got, pair_distance(qq, k).abs().to(torch.float32).neg_())
+
+
 @pytest.mark.parametrize("scenario", ["arange", "offset", "packed"])
 def test_head_scaled_tiles_equal_the_tiles_recomputed_by_rows(scenario, small_tiles, monkeypatch):
     """rse through the factored tiles (one product per tile, the slopes' gradient a reduction) and
@@ -308,6 +324,32 @@ def test_head_scaled_tiles_equal_the_tiles_recomputed_by_rows(scenario, small_ti
 
 
 # ------------------------------------------------------------------------------ the tiles' formulas
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("n_q,n_k,diag,rows,cols", [(29, 29, -1, 4, 3), (29, 29, 0, 8, 3), (17, 40, 22, 6, 5),
+                                                    (64, 64, -1, 16, 16), (9, 9, -1, 8, 256)])
+def test_tiles_cover_every_visible_key_once_and_skip_only_blind_rows(n_q, n_k, diag, rows, cols, split):
+    """Stick-breaking's tiling (keys nearest first, the nearest tile half a block wide when split):
+    each block's tiles partition its keys, nearest first, and the rows a tile skips (`Tile.r0`)
+    see none of its keys, so every visible (query, key) pair is computed exactly once."""
+    from posenc_lightning.attention.backends._tiles import Tiling
+
+    tl = Tiling(AttentionMask(True, diag, n_q, n_k), n_q, n_k, diag, rows, cols, descending=True,
+                split_diagonal=split)
+    widths = set()
+    for s, e, k_stop in tl.blocks():
+        tiles = tl.tiles(s, k_stop, e)
+        assert [(t.k1) for t in tiles] == [k_stop] + [t.k0 for t in tiles[:-1]] and tiles[-1].k0 == 0
+        widths.add(tiles[0].k1 - tiles[0].k0)
+        for t in tiles:
+            for i in range(s, s + t.r0):
+                assert t.k0 > i + diag  # a skipped row sees no key of the tile
+            assert t.r0 == 0 or t.k0 <= s + t.r0 + diag  # the first row kept sees one
+        assert len(tiles) <= tl.max_tiles()
+    if split and rows // 2 < cols:
+        assert rows // 2 in widths
+
+
+
 def test_tile_softplus_is_softplus_within_float32_rounding():
     """`tile_softplus` against softplus in float64 from -100 to 100 (past the threshold 15 it is z
     itself, below -17 it is 0 where softplus is under 6e-8), infinities and NaN propagated."""

@@ -25,12 +25,14 @@ def stable_softplus(x: Tensor) -> Tensor:
     return F.softplus(x, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
 
 
-def tile_softplus(z: Tensor) -> Tensor:
+def tile_softplus(z: Tensor, out: Tensor | None = None) -> Tensor:
     """`stable_softplus` as ``max(log(1 + exp(min(z, t))), z)`` for ``t`` the threshold (above it the
     first term is ``~t < z``, below it ``> z``): a few vectorized passes instead of ``log1p``. In
     float32 it is within 1e-6 of softplus relatively, plus 6e-8 absolutely (``1 + exp(z)`` rounds:
-    from z < -17 it returns 0, so a carried sum is short by at most that per key)."""
-    sp = z.clamp_max(SOFTPLUS_THRESHOLD).exp_().add_(1.0).log_()
+    from z < -17 it returns 0, so a carried sum is short by at most that per key). ``out``: a buffer
+    of z's shape to write it into (not ``z``)."""
+    sp = torch.clamp_max(z, SOFTPLUS_THRESHOLD, out=out) if out is not None else z.clamp_max(SOFTPLUS_THRESHOLD)
+    sp = sp.exp_().add_(1.0).log_()
     return torch.maximum(sp, z, out=sp)
 
 
@@ -61,7 +63,15 @@ def stick_breaking_weights(logits: Tensor, mask: Tensor) -> Tensor:
     return log_a.exp()
 
 
-def stick_breaking_tile(z: Tensor, keep: Tensor | None, tail: Tensor) -> tuple[Tensor, Tensor]:
+def _carried_cumsum(x: Tensor, carry: Tensor) -> Tensor:
+    """``carry[..., None] + cumsum(x, -1)`` in place in ``x``: the carry enters as the first term of
+    the running sum (one small addition instead of a pass over the tile)."""
+    x[..., 0].add_(carry)
+    return x.cumsum_(-1)
+
+
+def stick_breaking_tile(z: Tensor, keep: Tensor | None, tail: Tensor, sp: Tensor | None = None,
+                        out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One tile of eq. 3 with its keys in *descending* order (nearest first along the last dim).
 
     ``keep``: 1.0 where the key is visible, 0.0 where not (None: all visible; a multiplier, ~10x
@@ -69,52 +79,57 @@ def stick_breaking_tile(z: Tensor, keep: Tensor | None, tail: Tensor) -> tuple[T
     visible keys nearer than the tile (the log-space cumulative sum carried across key tiles, as
     the Triton kernel's). Returns ``A = exp(z_ij - tail - sum_{k >= j in the tile} softplus(z_ik))``
     (0 where not visible) and the tail after the tile.
+
+    ``sp``, ``out``: buffers of z's shape for the running sums and for ``A`` (``out`` may be ``z``
+    itself, which is then consumed); fresh tensors when None.
     """
-    sp = tile_softplus(z)
-    if keep is not None:
-        sp = sp.mul_(keep)
-    c = sp.cumsum(-1).add_(tail[..., None])
+    c = _carried_cumsum(_visible(tile_softplus(z, out=sp), keep), tail)
     tail = c[..., -1].clone()
-    # exp(z - c) in c's buffer; z - c <= 0 where visible (c holds softplus(z) >= z), clamped to
-    # [EXP_FLOOR, 0] so that hidden entries stay finite before `keep` zeroes them
-    a = torch.sub(z, c, out=c).clamp_(EXP_FLOOR, 0.0).exp_()
-    if keep is not None:
-        a = a.mul_(keep)
-    return a, tail
+    return _weights(z, c, keep, out=c if out is None else out), tail
+
+
+def _visible(x: Tensor, keep: Tensor | None) -> Tensor:
+    return x if keep is None else x.mul_(keep)
+
+
+def _weights(z: Tensor, c: Tensor, keep: Tensor | None, out: Tensor) -> Tensor:
+    """``A = exp(z - c)`` into ``out`` (may alias ``z`` or ``c``): ``z - c <= 0`` where visible (``c``
+    holds ``softplus(z) >= z`` plus non-negative terms), clamped to [EXP_FLOOR, 0] so that hidden
+    entries stay finite before ``keep`` zeroes them (and exp never takes its slow path below -87)."""
+    return _visible(torch.sub(z, c, out=out).clamp_(EXP_FLOOR, 0.0).exp_(), keep)
 
 
 def stick_breaking_tail(z: Tensor, keep: Tensor | None, tail: Tensor) -> Tensor:
     """``tail`` plus the tile's ``sum softplus(z_ik)`` over its visible keys (the carry of
     `stick_breaking_tile` alone, for a backward that walks the tiles farthest first)."""
-    sp = tile_softplus(z)
-    if keep is not None:
-        sp = sp.mul_(keep)
-    return sp.sum(-1).add_(tail)
+    return _visible(tile_softplus(z), keep).sum(-1).add_(tail)
 
 
 def stick_breaking_tile_backward(z: Tensor, keep: Tensor | None, tail: Tensor, dp: Tensor,
-                                 g_far: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                                 g_far: Tensor, sp: Tensor | None = None, beta: Tensor | None = None
+                                 ) -> tuple[Tensor, Tensor, Tensor]:
     """The weights of a `stick_breaking_tile` recomputed, the gradient of its logits, and ``g_far``
     with the tile's ``g`` added, for tiles walked farthest first: ``(A, dz, g_far)``.
 
-    With ``g_ij = A_ij dp_ij`` (``dp = dO_i . v_j``, overwritten): ``dz_ik = g_ik - sigmoid(z_ik)
-    sum_{j <= k} g_ij`` (``d log A_ij / dz_ik = [k = j] - [k >= j] sigmoid(z_ik)``). ``g_far [..., rows]``:
-    ``sum g`` over the farther tiles, so that the sum over ``j <= k`` is accumulated from the far end
-    (no cancellation against ``dO . o``, which would cost the far keys their precision).
-    ``sigmoid(z) = exp(z - softplus(z))`` reuses the weights' softplus.
+    With ``g_ij = A_ij dp_ij`` (``dp = dO_i . v_j``, overwritten by ``dz``): ``dz_ik = g_ik -
+    sigmoid(z_ik) sum_{j <= k} g_ij`` (``d log A_ij / dz_ik = [k = j] - [k >= j] sigmoid(z_ik)``).
+    ``g_far [..., rows]``: ``sum g`` over the farther tiles, so that the sum over ``j <= k`` is
+    accumulated from the far end (no cancellation against ``dO . o``, which would cost the far keys
+    their precision). ``sp``, ``beta``: buffers of z's shape (``A`` is returned in ``sp``); fresh
+    tensors when None.
+
+    ``e = exp(min(z, 15))`` serves both ``sigmoid(z) = e / (1 + e)`` and ``softplus(z) = max(log(1 + e),
+    z)`` (`tile_softplus`); past 15 the sigmoid is ``1 - 3e-7`` where softplus' derivative is 1.
     """
-    sp = tile_softplus(z)
-    beta = torch.sub(z, sp).exp_()  # sigmoid(z): z - softplus(z) <= 0
-    if keep is not None:
-        sp = sp.mul_(keep)
-    c = sp.cumsum(-1).add_(tail[..., None])
-    a = torch.sub(z, c, out=c).clamp_(EXP_FLOOR, 0.0).exp_()
-    if keep is not None:
-        a = a.mul_(keep)
+    e = torch.clamp_max(z, SOFTPLUS_THRESHOLD, out=beta) if beta is not None else z.clamp_max(SOFTPLUS_THRESHOLD)
+    e = e.exp_()
+    s = torch.add(e, 1.0, out=sp) if sp is not None else e.add(1.0)
+    beta = e.div_(s)
+    s = torch.maximum(s.log_(), z, out=s)  # softplus(z)
+    c = _carried_cumsum(_visible(s, keep), tail)
+    a = _weights(z, c, keep, out=c)
     g = dp.mul_(a)
-    upto = g.flip(-1).cumsum(-1).flip(-1).add_(g_far[..., None])  # sum over j <= k
-    g_far = upto[..., 0].clone()
-    dz = g.sub_(beta.mul_(upto))
-    if keep is not None:
-        dz = dz.mul_(keep)
-    return a, dz, g_far
+    upto = _carried_cumsum(g.flip(-1), g_far)  # sum over j <= k, from the far end (reversed)
+    g_far = upto[..., -1].clone()
+    dz = g.addcmul_(beta, upto.flip(-1), value=-1.0)
+    return a, _visible(dz, keep), g_far

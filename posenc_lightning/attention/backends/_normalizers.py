@@ -30,7 +30,7 @@ from torch import Tensor
 
 from posenc_lightning.attention.backends._denormals import _flush_denormals
 from posenc_lightning.attention.backends._mode import Mode
-from posenc_lightning.attention.backends._tiles import BiasTiles, Tiling, flat, grouped, ungrouped
+from posenc_lightning.attention.backends._tiles import BiasTiles, Tile, Tiling, flat, grouped, ungrouped
 from posenc_lightning.encodings.base import Bias
 from posenc_lightning.functional.stick_breaking import (
     EXP_FLOOR,
@@ -76,11 +76,33 @@ class TilesSpec:
         return out
 
 
-def _logits(qs: Tensor, kt: Tensor, shape: tuple[int, ...], bias: Tensor | None) -> Tensor:
-    """``(q s) k^T (+ bias)`` of a tile, ``[B, H_kv, g, r, c]``, from the block's scaled queries
-    ``qs`` (the scale applied once per block, not once per tile)."""
-    z = torch.matmul(qs, kt.transpose(-1, -2)).view(*shape[:4], kt.shape[-2])
-    return z if bias is None else z.add_(bias)
+def _logits(qb: Tensor, keys_t: Tensor, bt: BiasTiles, t: Tile, views: tuple[Tensor, Tensor], grad: bool = False
+            ) -> Tensor:
+    """``(q s) k^T (+ bias)`` of a tile in the buffer ``views`` (`TileBuffers.views`), from the
+    block's scaled queries ``qb [B * H_kv, g * r, d]`` (the scale applied once per block, not once
+    per tile) and the tile's keys transposed ``[B * H_kv, d, c]``: the tile ``[B, H_kv, g, r, c]``."""
+    torch.bmm(qb, keys_t, out=views[1])
+    return bt.add_tile(views[0], t, grad)
+
+
+class TileBuffers:
+    """``n`` tile-sized buffers reused by every tile of a pass (an op writing a fresh multi-MiB
+    tensor pays its page faults): `views` gives buffer ``i`` as a tile ``[B, H_kv, g, r, c]`` and
+    as ``[B * H_kv, g * r, c]`` for ``bmm``, the views made once per shape."""
+
+    def __init__(self, n: int, tl: Tiling, b: int, h: int, dtype: torch.dtype, device: torch.device) -> None:
+        size = b * h * min(tl.rows, tl.n_q) * min(tl.cols, tl.n_k)
+        self.flat = [torch.empty(size, dtype=dtype, device=device) for _ in range(n)]
+        self._views: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}
+
+    def views(self, i: int, shape: tuple[int, ...], cols: int) -> tuple[Tensor, Tensor]:
+        key = (i, *shape, cols)
+        v = self._views.get(key)
+        if v is None:
+            b, h_kv, g, r = shape
+            tile = self.flat[i][:b * h_kv * g * r * cols].view(b, h_kv, g, r, cols)
+            v = self._views[key] = (tile, tile.view(b * h_kv, g * r, cols))
+        return v
 
 
 def _grad_buffers(ctx, spec: TilesSpec, q: Tensor, k: Tensor, v: Tensor, wt: torch.dtype
@@ -91,16 +113,41 @@ def _grad_buffers(ctx, spec: TilesSpec, q: Tensor, k: Tensor, v: Tensor, wt: tor
     return dq, dk, dv, spec.bias_tiles(k.shape[1], wt, Mode.of(q), ctx.needs_input_grad[4:])
 
 
-def _tile_grads(tl: Tiling, t: object, dz: Tensor, w: Tensor, qb: Tensor, kt: Tensor, dob: Tensor, dq_b: Tensor,
-                dk: Tensor, dv: Tensor, bt: BiasTiles) -> None:
-    """One tile's share of the gradients from ``dz`` (of the scaled logits) and its weights ``w``:
-    ``dq += dz k``, ``dk += dz^T q``, ``dv += w^T dO`` (``dk``, ``dv`` in walking order), and the
-    tile's bias gradient."""
-    dzf = flat(dz)
-    dq_b.add_(torch.matmul(dzf, kt))
-    tl.walked_tile(dk, t).add_(torch.matmul(dzf.transpose(-1, -2), qb))
-    tl.walked_tile(dv, t).add_(torch.matmul(flat(w).transpose(-1, -2), dob))
+def _tile_grads(t: Tile, span: slice, dz: Tensor, w3: Tensor, dz3: Tensor, qb: Tensor, kw: Tensor, dob: Tensor,
+                dq_b: Tensor, dk3: Tensor, dv3: Tensor, bt: BiasTiles, g: int = 1) -> None:
+    """One tile's share of the gradients from ``dz`` (of the scaled logits; ``dz3`` its ``bmm``
+    view) and its weights ``w3``: ``dq += dz k``, ``dk += dz^T q``, ``dv += w^T dO`` accumulated in
+    place (``dk3``, ``dv3``, ``kw``: ``[B * H_kv, N, d]`` in walking order, ``span`` the tile's
+    keys there; ``qb``, ``dob``: the tile's rows, `_skipping` its first `Tile.r0`), and the tile's
+    bias gradient."""
+    _add_product(dq_b, g, t.r0, dz3, kw[:, span])
+    dk3[:, span].baddbmm_(dz3.transpose(1, 2), qb)
+    dv3[:, span].baddbmm_(w3.transpose(1, 2), dob)
     bt.tile_grad(t, dz)
+
+
+def _skipping(x: Tensor, g: int, r0: int) -> Tensor:
+    """A block's ``[B * H_kv, g * r, X]`` without each head's first ``r0`` rows (a copy when ``g > 1``)."""
+    if r0 == 0:
+        return x
+    if g == 1:
+        return x[:, r0:]
+    n, gr, d = x.shape
+    return x.view(n, g, gr // g, d)[:, :, r0:].reshape(n, -1, d)
+
+
+def _add_product(acc: Tensor, g: int, r0: int, a: Tensor, b: Tensor) -> None:
+    """``acc`` (``[B * H_kv, g * r, X]``) without each head's first ``r0`` rows ``+= a @ b``."""
+    if r0 == 0 or g == 1:
+        acc[:, r0:].baddbmm_(a, b)
+    else:
+        n, gr, d = acc.shape
+        acc.view(n, g, gr // g, d)[:, :, r0:].add_(torch.bmm(a, b).view(n, g, -1, d))
+
+
+def _batched(x: Tensor) -> Tensor:
+    """``[B, H_kv, m, n]`` as ``[B * H_kv, m, n]`` (a view: ``baddbmm_`` accumulates a product in place)."""
+    return x.flatten(0, 1)
 
 
 def _wide(q: Tensor) -> torch.dtype:
@@ -141,35 +188,54 @@ class StickBreakingBlocks(torch.autograd.Function):
         b, h, _, d = q.shape
         h_kv, g, wt = k.shape[1], h // k.shape[1], _wide(q)
         tl = spec.tiling
-        kw, vw = tl.walked(k, wt), tl.walked(v, wt)
+        kw, vw = _batched(tl.walked(k, wt)), _batched(tl.walked(v, wt))
+        kwt, vwt = kw.transpose(1, 2), vw.transpose(1, 2)
         dq, dk, dv, bt = _grad_buffers(ctx, spec, q, k, v, wt)
+        dk3, dv3 = _batched(dk), _batched(dv)
+        buf = TileBuffers(4, tl, b, h, wt, q.device)  # logits, dP (then dz), softplus (then A), sigmoid
+        made: dict = {}  # the pass's masks (`Tiling.keep`)
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
                 continue
             shape = (b, h_kv, g, e - s)
-            qb, dob = flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale), flat(grouped(d_out, s, e, h_kv, wt))
+            qb = _batched(flat(grouped(q, s, e, h_kv, wt))).mul(spec.scale)
+            dob = _batched(flat(grouped(d_out, s, e, h_kv, wt)))
             bt.start(s, e, k_stop, grad=True)
-            tiles = tl.tiles(s, k_stop)
+            tiles = tl.tiles(s, k_stop, e)
             if kept:
                 tails = [kept[0][:, :, s:e, i].reshape(shape) for i in range(len(tiles))]
             else:
                 tails = [torch.zeros(shape, dtype=wt, device=q.device)]
                 for t in tiles[:-1]:
-                    z = _logits(qb, tl.walked_tile(kw, t), shape, bt.tile(t))
-                    tails.append(stick_breaking_tail(z, tl.keep(s, e, t, wt, q.device), tails[-1]))
+                    sub = (*shape[:3], e - s - t.r0)
+                    z = _logits(_skipping(qb, g, t.r0), kwt[:, :, tl.span(t)], bt, t, buf.views(0, sub, t.k1 - t.k0))
+                    tails.append(_rows_set(tails[-1].clone(), t.r0, stick_breaking_tail(
+                        z, tl.keep(s + t.r0, e, t, wt, q.device, made), tails[-1][..., t.r0:])))
             g_far = torch.zeros(shape, dtype=wt, device=q.device)
             dq_b = torch.zeros_like(qb)
             for t, tail in zip(reversed(tiles), reversed(tails)):
-                kt, vt = tl.walked_tile(kw, t), tl.walked_tile(vw, t)
-                z = _logits(qb, kt, shape, bt.tile(t, grad=True))
-                vis = tl.keep(s, e, t, wt, q.device)
-                dp = torch.matmul(dob, vt.transpose(-1, -2)).view_as(z)
-                a, dz, g_far = stick_breaking_tile_backward(z, vis, tail, dp, g_far)
-                _tile_grads(tl, t, dz, a, qb, kt, dob, dq_b, dk, dv, bt)
+                span, c, r0 = tl.span(t), t.k1 - t.k0, t.r0
+                zv, (dp, dp3), (sp, a3), (beta, _) = (buf.views(i, (*shape[:3], e - s - r0), c) for i in range(4))
+                qs, dos = _skipping(qb, g, r0), _skipping(dob, g, r0)
+                z = _logits(qs, kwt[:, :, span], bt, t, zv, grad=True)
+                torch.bmm(dos, vwt[:, :, span], out=dp3)
+                _, dz, gf = stick_breaking_tile_backward(z, tl.keep(s + r0, e, t, wt, q.device, made), tail[..., r0:],
+                                                         dp, g_far[..., r0:], sp=sp, beta=beta)
+                g_far = _rows_set(g_far, r0, gf)
+                # dz in dP's buffer, A in the softplus one
+                _tile_grads(t, span, dz, a3, dp3, qs, kw, dos, dq_b, dk3, dv3, bt, g)
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
         dk, dv = tl.unwalked(dk), tl.unwalked(dv)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
+
+
+def _rows_set(full: Tensor, r0: int, rows: Tensor) -> Tensor:
+    """A per-row state ``[..., r]`` with its rows from ``r0`` on replaced by ``rows`` (in place)."""
+    if r0 == 0:
+        return rows
+    full[..., r0:] = rows
+    return full
 
 
 def _forward_blocks(q: Tensor, v: Tensor, spec: TilesSpec, bt: BiasTiles, h_kv: int, wt: torch.dtype):
@@ -191,18 +257,31 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtyp
     ``[B, H, Nq, tiles]`` (else None)."""
     b, h, n_q, _ = q.shape
     h_kv, d_v = k.shape[1], v.shape[-1]
-    tl = spec.tiling
+    g, tl = h // h_kv, spec.tiling
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
     kept = torch.zeros((b, h, n_q, tl.max_tiles()), dtype=wt, device=q.device) if spec.keep_tails else None
     bt = spec.bias_tiles(h_kv, wt, Mode.of(q))
+    buf = TileBuffers(2, tl, b, h, wt, q.device)  # logits (then A), softplus sums
+    made: dict = {}  # the pass's masks (`Tiling.keep`)
+    # training: the keys and values flipped once (backward keeps as much); inference: tile by tile
+    walked = (_batched(tl.walked(k, wt)), _batched(tl.walked(v, wt))) if kept is not None else None
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         tail = torch.zeros(shape, dtype=wt, device=q.device)
-        for i, t in enumerate(tl.tiles(s, k_stop)):
+        qb, acc3 = _batched(qb), _batched(acc)
+        for i, t in enumerate(tl.tiles(s, k_stop, e)):
             if kept is not None and i > 0:
-                kept[:, :, s:e, i] = tail.reshape(b, h, e - s)
-            z = _logits(qb, tl.key_tile(k, t, wt), shape, bt.tile(t))
-            a, tail = stick_breaking_tile(z, tl.keep(s, e, t, wt, q.device), tail)
-            acc.add_(torch.matmul(flat(a), tl.key_tile(v, t, wt)))
+                kept[:, :, s:e, i] = tail.view(b, h, e - s)
+            if walked is None:
+                kt, vt = _batched(tl.key_tile(k, t, wt)), _batched(tl.key_tile(v, t, wt))
+            else:
+                kt, vt = walked[0][:, tl.span(t)], walked[1][:, tl.span(t)]
+            sub, c = (*shape[:3], e - s - t.r0), t.k1 - t.k0
+            zv, (sp, _) = buf.views(0, sub, c), buf.views(1, sub, c)
+            z = _logits(_skipping(qb, g, t.r0), kt.transpose(1, 2), bt, t, zv)
+            _, new = stick_breaking_tile(z, tl.keep(s + t.r0, e, t, wt, q.device, made), tail[..., t.r0:], sp=sp,
+                                         out=z)  # A in z's buffer
+            tail = _rows_set(tail, t.r0, new)
+            _add_product(acc3, g, t.r0, zv[1], vt)
         out[:, :, s:e] = ungrouped(acc.view(*shape, d_v))
     return out, kept
 
@@ -227,30 +306,35 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
         b, h, _, d = q.shape
         h_kv, g, wt = k.shape[1], h // k.shape[1], out.dtype
         tl = spec.tiling
-        kw, vw = tl.walked(k, wt), tl.walked(v, wt)
+        kw, vw = _batched(tl.walked(k, wt)), _batched(tl.walked(v, wt))
+        kwt, vwt = kw.transpose(1, 2), vw.transpose(1, 2)
         dq, dk, dv, bt = _grad_buffers(ctx, spec, q, k, v, wt)
+        dk3, dv3 = _batched(dk), _batched(dv)
+        buf = TileBuffers(2, tl, b, h, wt, q.device)  # logits (then P), dP (then dz)
+        made: dict = {}  # the pass's masks (`Tiling.keep`)
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
                 continue
             shape = (b, h_kv, g, e - s)
-            qb, dob = flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale), grouped(d_out, s, e, h_kv, wt)
+            qb, dob = _batched(flat(grouped(q, s, e, h_kv, wt))).mul(spec.scale), grouped(d_out, s, e, h_kv, wt)
             delta = (dob * grouped(out, s, e, h_kv, wt)).sum(-1, keepdim=True)
-            dob = flat(dob)
-            lse_b = lse[:, :, s:e].reshape(*shape, 1)
+            dob = _batched(flat(dob))
+            neg_lse = lse[:, :, s:e].reshape(*shape, 1).neg()
             bt.start(s, e, k_stop, grad=True)
             dq_b = torch.zeros_like(qb)
             for t in tl.tiles(s, k_stop):
-                kt, vt = tl.walked_tile(kw, t), tl.walked_tile(vw, t)
-                z = _logits(qb, kt, shape, bt.tile(t, grad=True))
+                span = tl.span(t)
+                zv, (dp, dp3) = buf.views(0, shape, t.k1 - t.k0), buf.views(1, shape, t.k1 - t.k0)
+                z = _logits(qb, kwt[:, :, span], bt, t, zv, grad=True)
                 mod = _modulation(spec, s, e, t.k0, t.k1, wt)
                 # P = exp(z mod - lse) <= 1 where visible; clamped so that hidden entries stay finite
-                p = z.mul_(mod).sub_(lse_b).clamp_(EXP_FLOOR, 0.0).exp_()
-                vis = tl.keep(s, e, t, wt, q.device)
+                p = torch.addcmul(neg_lse, z, mod, out=z).clamp_(EXP_FLOOR, 0.0).exp_()
+                vis = tl.keep(s, e, t, wt, q.device, made)
                 if vis is not None:
                     p = p.mul_(vis)
-                dp = torch.matmul(dob, vt.transpose(-1, -2)).view_as(p)
+                torch.bmm(dob, vwt[:, :, span], out=dp3)
                 dz = dp.sub_(delta).mul_(p).mul_(mod)  # d(q k^T s + bias) = P (dP - delta) mod
-                _tile_grads(tl, t, dz, p, qb, kt, dob, dq_b, dk, dv, bt)
+                _tile_grads(t, span, dz, zv[1], dp3, qb, kw, dob, dq_b, dk3, dv3, bt)  # P in z's buffer
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
         dk, dv = tl.unwalked(dk), tl.unwalked(dv)
@@ -271,12 +355,16 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
     lse = torch.full((b, h, n_q), float("inf"), dtype=wt, device=q.device)
     bt = spec.bias_tiles(h_kv, wt, Mode.of(q))
+    buf = TileBuffers(1, tl, b, h, wt, q.device)  # logits (then P)
+    made: dict = {}  # the pass's masks (`Tiling.keep`)
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         m = torch.full(shape, float("-inf"), dtype=wt, device=q.device)
         den = torch.zeros(shape, dtype=wt, device=q.device)
+        qb, acc3 = _batched(qb), _batched(acc)
         for t in tl.tiles(s, k_stop):
-            z = _logits(qb, tl.key_tile(k, t, wt), shape, bt.tile(t)).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
-            vis = tl.keep(s, e, t, wt, q.device)
+            zv = buf.views(0, shape, t.k1 - t.k0)
+            z = _logits(qb, _batched(tl.key_tile(k, t, wt)).transpose(1, 2), bt, t, zv).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
+            vis = tl.keep(s, e, t, wt, q.device, made)
             if vis is not None:  # hidden keys: -inf for the running max, then 0
                 z = z.add_(torch.zeros_like(vis).masked_fill_(vis == 0, float("-inf")))
             m_new = torch.maximum(m, z.amax(-1))
@@ -286,7 +374,7 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch
                 p = p.mul_(vis)
             alpha = (m - m_safe).exp_()
             den = den.mul_(alpha).add_(p.sum(-1))
-            acc = acc.mul_(alpha.view(*shape[:2], -1, 1)).add_(torch.matmul(flat(p), tl.key_tile(v, t, wt)))
+            acc3.mul_(alpha.view(acc3.shape[0], -1, 1)).baddbmm_(zv[1], _batched(tl.key_tile(v, t, wt)))
             m = m_new
         m_safe = m.masked_fill(torch.isneginf(m), 0.0)
         o = acc.view(*shape, d_v) / den[..., None].clamp_min(torch.finfo(wt).tiny)

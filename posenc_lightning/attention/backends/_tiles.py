@@ -24,22 +24,27 @@ from posenc_lightning.encodings.base import Bias
 @dataclass(frozen=True)
 class Tile:
     """Keys ``[k0, k1)`` of the block's keys ``[0, k_stop)``; ``full``: every key of it is
-    visible to every query of the block (no mask needed)."""
+    visible to every query of the block (no mask needed); ``r0``: the block's first ``r0`` rows
+    see none of its keys (their share of the tile is skipped)."""
 
     k0: int
     k1: int
     full: bool
+    r0: int = 0
 
 
 class Tiling:
     """The blocks of one call. ``diag``: query ``i`` may see key ``j`` only if ``j <= i + diag``
     (None: any key); ``descending``: key tiles are walked nearest first, each tile's keys in
-    descending order (stick-breaking: `key_tile` and `walked` flip the keys)."""
+    descending order (stick-breaking: `key_tile` and `walked` flip the keys). ``split_diagonal``
+    (descending): a block's nearest tile is half its rows wide, so that the rows of its first half,
+    which see none of those keys, skip it (`Tile.r0`): a quarter of the causal triangle's tile."""
 
     def __init__(self, mask: AttentionMask, n_q: int, n_k: int, diag: int | None, rows: int, cols: int,
-                 descending: bool) -> None:
+                 descending: bool, split_diagonal: bool = False) -> None:
         self.mask, self.n_q, self.n_k, self.diag = mask, n_q, n_k, diag
         self.rows, self.cols, self.descending = max(1, rows), max(1, cols), descending
+        self.split_diagonal = split_diagonal and descending and diag is not None
         dense = mask.q_segments is not None or mask.k_valid is not None
         self.dense_mask = dense
         ks = mask.k_segments if mask.k_segments is not None else mask.q_segments
@@ -80,16 +85,20 @@ class Tiling:
 
     def max_tiles(self) -> int:
         """The most key tiles of any block."""
-        k_stop = max([0] + [k for _, _, k in self.blocks()])
-        return max(1, -(-k_stop // self.cols))
+        return max([1] + [len(self.tiles(s, k, e)) for s, e, k in self.blocks()])
 
-    def tiles(self, start: int, k_stop: int) -> list[Tile]:
-        """The key tiles of a block, in walking order."""
-        out = []
-        for i in range(0, k_stop, self.cols):
-            k0, k1 = (max(0, k_stop - i - self.cols), k_stop - i) if self.descending else (i, min(k_stop, i + self.cols))
+    def tiles(self, start: int, k_stop: int, stop: int | None = None) -> list[Tile]:
+        """The key tiles of a block, in walking order; given the block's ``stop``, each with the rows
+        it skips (`Tile.r0`) and, with `split_diagonal`, the nearest one half the rows wide."""
+        out, i, width = [], 0, self.cols
+        if self.split_diagonal and stop is not None and 0 < (stop - start) // 2 < self.cols:
+            width = (stop - start) // 2
+        while i < k_stop:
+            k0, k1 = (max(0, k_stop - i - width), k_stop - i) if self.descending else (i, min(k_stop, i + width))
             full = not self.dense_mask and (self.diag is None or k1 - 1 <= start + self.diag)
-            out.append(Tile(k0, k1, full))
+            r0 = 0 if stop is None or self.diag is None else min(stop - start, max(0, k0 - self.diag - start))
+            out.append(Tile(k0, k1, full, r0))
+            i, width = i + width, self.cols
         return out
 
     def span(self, t: Tile) -> slice:
@@ -103,11 +112,23 @@ class Tiling:
     def rows_order(self, rows: Tensor) -> Tensor:
         return rows.flip(-1) if self.descending else rows
 
-    def keep(self, start: int, stop: int, t: Tile, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+    def keep(self, start: int, stop: int, t: Tile, dtype: torch.dtype, device: torch.device,
+             made: dict | None = None) -> Tensor | None:
         """``[B|1, 1, 1, r, cols]`` (the grouped layout) in ``dtype``: 1 where the key is visible,
-        else 0 (a multiplier); None when all are visible."""
+        else 0 (a multiplier); None when all are visible. A mask of the diagonal alone depends on
+        the tile's shape and its offset to the diagonal only: with ``made`` (a pass's own dict) it
+        is made once per pass (the blocks' nearest tiles share it)."""
         if t.full:
             return None
+        if self.dense_mask or made is None:
+            return self._keep(start, stop, t, dtype, device)
+        key = (stop - start, t.k1 - t.k0, start + self.diag - t.k0, dtype, device)
+        m = made.get(key)
+        if m is None:
+            m = made[key] = self._keep(start, stop, t, dtype, device)
+        return m
+
+    def _keep(self, start: int, stop: int, t: Tile, dtype: torch.dtype, device: torch.device) -> Tensor:
         j = torch.arange(t.k0, t.k1, device=device)
         j = j.flip(0) if self.descending else j
         m = None
@@ -167,11 +188,13 @@ class BiasTiles:
         self._d_rows: Tensor | None = None
         self._vjp: _Routed | None = None
         self.compiling = compiling
-        # w[h] * pattern: a tile is one broadcast product, w's gradient a reduction (`Bias.head_scaled`)
+        # w[h] * pattern: a tile is one broadcast product, w's gradient a reduction (`Bias.head_scaled`);
+        # ``_w``: w in the grouped layout ``[1, H_kv, g, 1, 1]``
         self.factored = bias.head_scaled() if self.per_tile else None
         self._w_slot = -1 if self.factored is None else next(
             (i for i, x in enumerate(self.inputs) if x is self.factored.w), -1)
         self._pattern: Tensor | None = None
+        self._w = None if self.factored is None else self.factored.w.detach().to(dtype).reshape(1, h_kv, -1, 1, 1)
 
     @property
     def grad(self) -> bool:
@@ -206,17 +229,29 @@ class BiasTiles:
         if self.bias is None:
             return None
         s, e, k_stop = self._block
+        s += t.r0
         if not self.per_tile:
-            return self._rows[..., self.tiling.row_span(t, k_stop)]
+            return self._rows[..., t.r0:, self.tiling.row_span(t, k_stop)]
         if self.factored is not None:
             self._pattern = self.factored.pattern(self.q_pos[:, s:e], self.k_pos[:, self.tiling.span(t)])
-            return self._pattern.to(self.dtype)[:, None, None] * self._head_weights()
+            return self._pattern.to(self.dtype)[:, None, None] * self._w
         tb = self.bias.at(self.q_pos[:, s:e], self.k_pos[:, self.tiling.span(t)])
         if grad and self.grad:
             raw, self._vjp = self._differentiated(tb, 0, e - s, t.k1 - t.k0)
         else:
             raw = tb.rows(0, e - s, t.k1 - t.k0)
         return self._grouped(raw)
+
+    def add_tile(self, z: Tensor, t: Tile, grad: bool = False) -> Tensor:
+        """``z`` (a tile's logits ``[B, H_kv, g, r, c]``) plus the tile's bias, in place (a
+        `Bias.head_scaled` bias as one fused ``w[h] * pattern`` pass, no product tensor)."""
+        if self.bias is None:
+            return z
+        if self.factored is None:
+            return z.add_(self.tile(t, grad))
+        s, e, _ = self._block
+        self._pattern = self.factored.pattern(self.q_pos[:, s + t.r0:e], self.k_pos[:, self.tiling.span(t)])
+        return z.addcmul_(self._pattern.to(self.dtype)[:, None, None], self._w)
 
     def tile_grad(self, t: Tile, dz: Tensor) -> None:
         """Take the gradient of the tile's bias (``dz [B, H_kv, g, r, c]``, walking order)."""
@@ -228,15 +263,11 @@ class BiasTiles:
         if self.per_tile:
             self._vjp(ungrouped_rows(dz))
             return
+        s, e, k_stop = self._block
         if self._d_rows is None:
-            b, h_kv, g, r, _ = dz.shape
-            self._d_rows = torch.zeros((b, h_kv, g, r, self._block[2]), dtype=dz.dtype, device=dz.device)
-        self._d_rows[..., self.tiling.row_span(t, self._block[2])] = dz
-
-    def _head_weights(self) -> Tensor:
-        """`HeadScaled.w` in the grouped layout ``[1, H_kv, g, 1, 1]``."""
-        w = self.factored.w.detach().to(self.dtype)
-        return w.reshape(1, self.h_kv, -1, 1, 1)
+            b, h_kv, g = dz.shape[:3]
+            self._d_rows = torch.zeros((b, h_kv, g, e - s, k_stop), dtype=dz.dtype, device=dz.device)
+        self._d_rows[..., t.r0:, self.tiling.row_span(t, k_stop)] = dz
 
     def _add_weight_grad(self, dz: Tensor) -> None:
         """``dw[h] += sum over the tile of dz * pattern`` (``dz [B, H_kv, g, r, c]``)."""

@@ -87,7 +87,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         diag = n_k - n_q - (0 if enc.attend_current else 1)
         if mask.causal:
             diag = min(diag, mask.q_offset)
-        tiling = Tiling(mask, n_q, n_k, diag, rows, BLOCK_KEYS, descending=True)
+        tiling = Tiling(mask, n_q, n_k, diag, rows, BLOCK_KEYS, descending=True, split_diagonal=True)
         spec = TilesSpec(tiling, bias, extra, scale, None, *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)),
                          keep_tails=_keeps_tails(q, k, v, extra, tiling))
         return StickBreakingBlocks.apply(q, k, v, spec, *extra)
