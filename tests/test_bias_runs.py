@@ -46,7 +46,7 @@ def counted(monkeypatch):
 
         monkeypatch.setattr(module, name, f)
 
-    wrap(sdpa, "attend_run", "forward")
+    wrap(_runs, "attend_run", "forward")
     wrap(_rows, "run_backward", "backward")
     return calls
 
@@ -133,3 +133,23 @@ def test_run_form_needs_a_run_that_pays():
     assert _runs.run_of(DenseBias.lazy(lambda s, e, ke: torch.zeros(1, 1, e - s, ke), 10, 100), 0, 10, 100) == 0
     full = DenseBias.lazy(lambda s, e, ke: torch.zeros(1, 1, e - s, ke), 10, 100, constant_before=lambda s, e, ke: ke)
     assert _runs.run_of(full, 0, 10, 100) == 0
+
+
+def test_run_blocks_cover_the_rows_once():
+    """Blocks are consecutive and cover every query once; a run-form block takes `run_rows` rows
+    (more as its queries see more keys), any other the engine's."""
+    torch.manual_seed(0)
+    q_offset, n = 40, 700
+    bias = clipped_bias(torch.randn(1, 4, n, 8), torch.randn(4, 8), torch.randn(4, R + 1), q_offset)
+    mask = AttentionMask(True, q_offset, n, n + q_offset)
+    blocks = list(_runs.run_blocks(bias, mask, 1, 4, n, n + q_offset, 24))
+    assert [b[0] for b in blocks] == [0] + [b[1] for b in blocks[:-1]] and blocks[-1][1] == n
+    for start, stop, k_stop, c in blocks:
+        assert k_stop == q_offset + stop
+        if c:
+            assert c == bias.constant_before(start, stop, k_stop)
+            assert stop - start == min(n - start, _runs.run_rows(q_offset + start, 1, 4))
+        else:
+            assert stop - start == min(n - start, 24)
+    sizes = [e - s for s, e, _, c in blocks if c]
+    assert sizes[-2] > sizes[0]  # the run form's blocks grow with their keys

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends._block_grad import attention_backward_by_blocks
+from posenc_lightning.attention.backends._block_grad import Scratch, attention_backward_by_blocks
 from posenc_lightning.attention.backends._blocks import BlockRows, backward_rows, wide_zeros
-from posenc_lightning.attention.backends._runs import run_backward, run_of
+from posenc_lightning.attention.backends._runs import run_backward, run_blocks
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias
 
@@ -148,10 +148,9 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
             empty_rows=spec.mask.k_valid is not None, compiling=compiling)
     else:
         dv = torch.zeros(v.shape, dtype=wt, device=v.device)
-        for start in range(0, n_q, rows):
-            stop = min(n_q, start + rows)
-            k_stop = min(n_k, spec.mask.q_offset + stop) if spec.mask.causal else n_k
-            c = run_of(spec.bias, start, stop, k_stop)
+        size = b * h * min(rows, n_q) * n_k
+        scratch = Scratch((size, size), wt, q.device, compiling)  # the own blocks' buffers, shared
+        for start, stop, k_stop, c in run_blocks(spec.bias, spec.mask, b, h, n_q, n_k, rows):
             if c:
                 run_backward(q, k, v, out, d_out, lse, spec.bias, spec.inputs, live, spec.mask, spec.scale, start,
                              stop, k_stop, c, (dq, dk, dv), into, compiling)
@@ -161,7 +160,7 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
                 causal=spec.mask.causal, q_offset=spec.mask.q_offset + start, rows=stop - start,
                 add_bias=lambda s0, s1, ks, s, a=start: add_bias(a + s0, a + s1, ks, s),
                 on_ds=(lambda s0, s1, ks, ds, a=start: to_inputs(a + s0, a + s1, ks, ds)) if any(live) else None,
-                dq=dq[:, :, start:stop], dk=dk, dv=dv, compiling=compiling)
+                dq=dq[:, :, start:stop], dk=dk, dv=dv, scratch=scratch, compiling=compiling)
     firsts = [next(i for i, tg in enumerate(spec.targets) if tg.slot == s) for s in range(len(need_extra))]
     g_all = [None if g is None else g.to(spec.inputs[i].dtype) for g, i in zip(g_extra, firsts)]
     return dq, dk, dv, g_all

@@ -12,11 +12,12 @@ sum (`Bias.rows_past` from ``c - 1``: the run's value, then the keys past it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
+from posenc_lightning.attention.backends import _blocks
 from posenc_lightning.attention.backends._blocks import BlockRows
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias, cut
@@ -25,6 +26,15 @@ from posenc_lightning.encodings.base import Bias, cut
 #: its keys: the run's keys then save more than the second kernel call and the ``dS`` of the rest cost
 RUN_SHARE = 0.5
 
+#: a block of the run form takes ``sqrt(RUN_KEYS_PER_ROW * keys)`` query rows (`run_rows`): each
+#: block's kernel calls read and write gradients of all its keys (``dk, dv``: a cost per block that
+#: grows with the keys), while the keys past the run grow with its rows (the band: its rows plus
+#: the run's distance); the square root balances the two
+RUN_KEYS_PER_ROW = 18
+#: band-sized float32 tensors a run-form block keeps alive together (the bias's saved state for its
+#: gradient, the weights and ``dS`` of the band), its band taken as twice its rows: with the block
+#: budget (`_blocks.BIAS_BLOCK_BYTES`) they bound its rows
+RUN_LIVE = 8
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -34,6 +44,29 @@ def run_of(bias: Bias, start: int, stop: int, k_stop: int) -> int:
     form pays (`RUN_SHARE`); 0 where it does not."""
     c = bias.constant_before(start, stop, k_stop)
     return c if 0 < c < k_stop and k_stop - c <= RUN_SHARE * k_stop else 0
+
+
+def run_rows(keys: int, batch: int, heads: int) -> int:
+    """Query rows of a run-form block whose first query sees ``keys`` keys (`RUN_KEYS_PER_ROW`), within
+    the block budget (`RUN_LIVE`)."""
+    most = (_blocks.BIAS_BLOCK_BYTES / (RUN_LIVE * 4 * 2 * batch * heads)) ** 0.5
+    return max(_blocks.MIN_ROWS, int(min(most, (RUN_KEYS_PER_ROW * max(keys, 1)) ** 0.5)))
+
+
+def run_blocks(bias: Bias, mask: AttentionMask, batch: int, heads: int, n_q: int, n_k: int, rows: int
+               ) -> Iterator[tuple[int, int, int, int]]:
+    """Consecutive blocks of query rows ``(start, stop, k_stop, c)``: a block of `run_rows` rows where
+    it runs in the run form (``c`` its run's end, `run_of`), else one of ``rows`` rows (``c = 0``)."""
+    start = 0
+    while start < n_q:
+        stop = min(n_q, start + run_rows(mask.q_offset + start if mask.causal else n_k, batch, heads))
+        k_stop = min(n_k, mask.q_offset + stop) if mask.causal else n_k
+        c = run_of(bias, start, stop, k_stop)
+        if not c:
+            stop = min(n_q, start + rows)
+            k_stop = min(n_k, mask.q_offset + stop) if mask.causal else n_k
+        yield start, stop, k_stop, c
+        start = stop
 
 
 def _band_mask(rows: Tensor, mask: AttentionMask, start: int, stop: int, c: int, k_stop: int) -> Tensor:

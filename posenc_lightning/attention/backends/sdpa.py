@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from posenc_lightning.attention.backends import _runs
 from posenc_lightning.attention.backends._blocks import backward_rows, forward_rows
 from posenc_lightning.attention.backends._denormals import (
     _DenormalsOffAfterBackward,
@@ -33,7 +34,6 @@ from posenc_lightning.attention.backends._rows import (
     owned_rows,
     rows_backward,
 )
-from posenc_lightning.attention.backends._runs import attend_run, run_of
 from posenc_lightning.attention.backends._toeplitz import template_at, toeplitz_backward, toeplitz_shift
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KeyOnly
@@ -252,9 +252,6 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMas
     padding: `RowsSpec.kernel_runs`)."""
     # causal by index: the queries [start, stop) see keys [0, q_offset + stop) only
     k_stop = min(k.shape[-2], mask.q_offset + stop) if mask.causal else k.shape[-2]
-    c = 0 if lse is None else run_of(bias, start, stop, k_stop)
-    if c:  # one value per row before key c: that run with no mask (`_runs`)
-        return attend_run(q, k, v, bias, mask, scale, start, stop, k_stop, c, lse)
     attn_mask = bias.rows(start, stop, k_stop).to(q.dtype)
     attn_mask = masked(attn_mask, mask, start, stop, k_stop,
                        inplace=owned_rows(attn_mask, bias, mask, q.shape[0], compiling))
@@ -278,10 +275,16 @@ def _attend_by_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attention
                     ) -> Tensor:
     """`_attend_rows` over consecutive blocks of ``rows`` queries, each recomputed in backward
     when ``checkpointed``; ``compiling``: traced by ``torch.compile`` (`_mode.Mode`; a custom
-    operator's kernel runs eagerly); ``lse``: written with the rows' log-sum-exp (`_attend_rows`)."""
+    operator's kernel runs eagerly); ``lse``: written with the rows' log-sum-exp, and blocks whose
+    bias has a constant run in the run form (`_runs.run_blocks`)."""
     from torch.utils.checkpoint import checkpoint
 
     n_q = q.shape[-2]
+    if lse is not None:
+        blocks = _runs.run_blocks(bias, mask, q.shape[0], q.shape[1], n_q, k.shape[-2], rows)
+        return collect_rows(q, v, ((s, e, _runs.attend_run(q, k, v, bias, mask, scale, s, e, ke, c, lse) if c else
+                                    _attend_rows(q, k, v, bias, mask, scale, gqa, s, e, compiling, lse))
+                                   for s, e, ke, c in blocks))
 
     def block(start: int) -> tuple[int, int, Tensor]:
         stop = min(n_q, start + rows)
