@@ -1,7 +1,7 @@
-"""FIRE's rows by distance (`functions._FireDiagonalRows`, at known ``start + arange`` positions):
+"""FIRE's rows by distance (`by_distance._FireDiagonalRows`, at known ``start + arange`` positions):
 long rows past ``L`` with the paper's width, blocks that do not divide the length, keys beyond the
 queries (negative distances: a unit switching on both sides of distance 0), against the float64
-formula forward and in every parameter; the runs of switching units (`functions._merge_spans`);
+formula forward and in every parameter; the runs of switching units (`by_distance._merge_spans`);
 a mixture's distance-only terms taken into FIRE's rows (`FireTableSum`), end to end through sdpa."""
 
 import copy
@@ -14,6 +14,7 @@ from posenc_lightning.attention.backends import _blocks, eager, sdpa
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext
 from posenc_lightning.encodings.bias import DenseBias, FireBias
+from posenc_lightning.encodings.fire import by_distance as bdist
 from posenc_lightning.encodings.fire import functions as ffire
 from posenc_lightning.encodings.fire.bias import FireTableSum
 
@@ -52,11 +53,11 @@ def test_spans_merge_into_disjoint_runs(monkeypatch):
     monkeypatch.setattr(ffire, "FIRE_COLUMN_GROUP", 1)
     monkeypatch.setattr(ffire, "FIRE_SPAN_SLACK", 0)
     # overlapping spans share a run over their union; a unit with two spans in it is listed once
-    runs = ffire._merge_spans([[0, 0, 4], [1, 2, 6], [0, 5, 7], [2, 9, 10]], rows=8)
+    runs = bdist._merge_spans([[0, 0, 4], [1, 2, 6], [0, 5, 7], [2, 9, 10]], rows=8)
     assert runs == [([0, 1], 0, 7), ([2], 9, 10)]
     monkeypatch.setattr(ffire, "FIRE_SPAN_SLACK", 10**9)  # a disjoint span joins within the slack
-    assert ffire._merge_spans([[0, 0, 4], [2, 9, 10]], rows=8) == [([0, 2], 0, 10)]
-    assert ffire._merge_spans([], rows=8) == []
+    assert bdist._merge_spans([[0, 0, 4], [2, 9, 10]], rows=8) == [([0, 2], 0, 10)]
+    assert bdist._merge_spans([], rows=8) == []
 
 
 @pytest.mark.parametrize("members", [("alibi", "relative_bias", "fire"), ("alibi", "fire")])

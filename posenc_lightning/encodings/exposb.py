@@ -74,8 +74,8 @@ class ExpoSB(RotaryEncoding):
         boost = 1.0 + self.position_boost * torch.exp(-self.decay_rates.float()[None, :, None] * pos[:, None, :])
         # boost scales cos and sin alike, so it scales the rotated pair: rotate by the plain
         # (constant) cos, sin, then one gain per (head, position, channel); the rotation's fast
-        # path takes no gradient through cos, sin (a learned cos, sin is a complex product and
-        # its backward, ~2x slower)
+        # path takes no gradient through cos, sin (a learned cos, sin would take a complex product
+        # and its backward)
         gain = (boost * self.band_weights.float()[None, :, None])[..., None] * self.band_pass(x.device)
         return (apply_rotary(x.float(), cos, sin, self.layout) * gain).to(x.dtype)
 

@@ -6,7 +6,7 @@ Dividing by ``psi(max(L, i))`` ("progressive interpolation") maps every causal d
 ``[0, 1]`` at any length, so the MLP ``f_theta`` only ever sees inputs from the training range.
 
 The formulas only; the autograd Functions that compute them without their ``N x N``
-intermediates are FIRE's own (`posenc_lightning.encodings.fire.functions`).
+intermediates are FIRE's own (`posenc_lightning.encodings.fire.functions`, `by_distance`).
 """
 
 from __future__ import annotations

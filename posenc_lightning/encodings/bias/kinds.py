@@ -275,36 +275,16 @@ class Bias(ABC):
         return None
 
     def constant_before(self, start: int, stop: int, k_stop: int) -> int:
-        """How many leading keys ``[0, c)`` have one bias value per query row in the rows ``[start,
-        stop)`` (CoPE past its clamp: ``z_i[P - 1]``). Softmax's weights over such a run need no
-        bias gradient of their own: each row of ``dS`` sums to 0, so the run's gradient is minus
-        the rest's sum, and an engine whose kernel gives ``dq, dk, dv`` computes ``dS`` only past
-        the run (`sdpa`'s rows).
-
-        Args:
-            start: first query row.
-            stop: query row past the last.
-            k_stop: keys ``0..k_stop-1``.
-
-        Returns:
-            ``c`` (default 0: no such run).
-        """
+        """How many leading keys ``[0, c)`` (of ``k_stop``) have one bias value per query row in the rows
+        ``[start, stop)`` (CoPE past its clamp: ``z_i[P - 1]``). sdpa then runs those keys on SDPA's
+        CPU kernel with no mask, and the run's value gets minus the row sums of the other keys'
+        ``dS`` (each row of ``dS`` sums to 0; `attention.backends._runs`). Default 0: no such run."""
         return 0
 
     def rows_past(self, start: int, stop: int, k_start: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
-        """`rows_from` for the keys ``[k_start, k_stop)`` only: with ``k_start = c - 1`` (`constant_before`),
-        the run's value and the keys past it, never the run itself (default: cut from all the keys).
-
-        Args:
-            start: first query row.
-            stop: query row past the last.
-            k_start: first key, at most `constant_before`.
-            k_stop: keys up to ``k_stop - 1``.
-            views: as `rows_from`'s.
-
-        Returns:
-            ``[B|1, H|1, stop - start, k_stop - k_start]``, differentiable to ``views``.
-        """
+        """`rows_from` for the keys ``[k_start, k_stop)`` only, ``[B|1, H|1, stop - start, k_stop - k_start]``
+        (``k_start`` at most `constant_before`; ``views`` as `rows_from`'s): from ``c - 1``, the run's
+        value and the keys past it, never the run itself (default: cut from all the keys)."""
         return self.rows_from(start, stop, k_stop, views)[..., k_start:]
 
     def compiled_rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:

@@ -18,7 +18,7 @@ from posenc_lightning.encodings.bias.opaque import register_opaque_kind
 from posenc_lightning.encodings.bias.tile import TileBias
 from posenc_lightning.encodings.bias.windows import same_positions
 from posenc_lightning.encodings.fire import compiled, template
-from posenc_lightning.encodings.fire.functions import fire_rows
+from posenc_lightning.encodings.fire.rows import fire_rows
 from posenc_lightning.functional.positions import arange_offset
 
 __all__ = ["FireBias", "FireTableSum"]

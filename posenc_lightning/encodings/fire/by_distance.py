@@ -1,0 +1,313 @@
+"""FIRE's rows at known ``start + arange`` positions, computed by distance (`_FireDiagonalRows`, called
+by `rows.fire_rows`), forward and backward written out (Li et al., 2024, eq. 3); the tuning knobs
+and the helpers it shares with the rows by key are in `functions`."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import posenc_lightning.encodings.fire.functions as keyed
+from posenc_lightning.encodings.fire.functions import _distances, _runs
+from posenc_lightning.functional.fire import fire_psi
+
+# Rows at ``start + arange`` positions, by distance: ``x[r, j] = p[R - 1 - r + j] / n[r]`` with ``p``
+# the block's ``R + C - 1`` values of ``psi(i - j)`` (descending distances) and ``n`` the rows'
+# normalizers. In the "distance layout" ``[R, T]`` (row ``r``, table index ``m``; row ``r`` of the
+# block reads ``m`` in ``[R - 1 - r, R - 1 - r + C)``) a column holds one distance for every row,
+# so its ``x`` spans only the rows' spread of ``n`` (a few percent of ``[0, 1]``): nearly every unit
+# keeps its sign down a whole group of columns and is folded into a per-column ``A x + B``; a unit
+# switches in a narrow band of distances (where ``psi(d) ~ t n``), evaluated per element there. The
+# block is then its skewed view (one copy). In the key layout a unit's switch is a diagonal line
+# crossing every group of keys a block's rows see, so far more of them switched per group.
+
+
+def _distance_x(p: Tensor, n: Tensor, dt: torch.dtype) -> Tensor:
+    """``x`` in the distance layout ``[R, T]``: ``p[m] / n[r]`` (float32, as the formula), in ``dt``."""
+    return (p[None, :] / n[:, None]).to(dt)
+
+
+def _diagonal_select(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
+                     ) -> tuple[Tensor, list[tuple[list[int], int, int]]]:
+    """The units selected per group of `FIRE_COLUMN_GROUP` columns of ``x = p / n`` (distance
+    layout, `_distance_x`): ``on`` ``[groups, W]`` (0/1, folded into ``A x + B`` there) and the
+    runs ``(units, first column, column past the last)`` where units are evaluated per element.
+
+    A column's min and max of ``x`` are ``p / max n`` and ``p / min n`` (the same division, monotone).
+    A unit switches in a group where its pre-activation (the per-element arithmetic, monotone in
+    ``x``) has different signs at the group's min and max of ``x``. Each maximal run of groups
+    where a unit switches is a span (``p`` is V-shaped about distance 0: a unit may switch twice);
+    spans are merged into runs of units evaluated together (`_merge_spans`), and a unit is folded
+    nowhere inside a run of its own."""
+    nc = p.shape[-1]
+    g = keyed.FIRE_COLUMN_GROUP
+    groups = -(-nc // g)
+    pg = torch.nn.functional.pad(p, (0, groups * g - nc), value=float(p[-1])).view(groups, g)  # repeats: no new extremes
+    # x's extremes per group: p's, divided by n's (a positive divisor keeps the order)
+    ends = torch.stack(torch.aminmax(pg, dim=1)) / torch.stack(torch.aminmax(n)).flip(0)[:, None]  # [2, groups]
+    pos = w1 * ends.to(dt)[:, :, None] + b1 > 0  # [2, groups, W]: at the min, at the max
+    edges = torch.nn.functional.pad((pos[0] ^ pos[1]).t().to(torch.int8), (1, 1)).diff(dim=1)  # [W, groups + 1]
+    flips = edges.nonzero().tolist()  # (unit, group) where a span starts, then where it stops
+    runs = _merge_spans([[u, f, e] for (u, f), (_, e) in zip(flips[::2], flips[1::2])], n.shape[0])
+    on = pos[0] & pos[1]
+    for units, a, z in runs:  # evaluated per element there: folded nowhere in the run
+        on[a:z, units] = False
+    return on.to(dt), [(units, a * g, min(z * g, nc)) for units, a, z in runs]
+
+
+def _merge_spans(spans: list[list[int]], rows: int) -> list[tuple[list[int], int, int]]:
+    """Spans ``(unit, first group, group past the last)`` merged into runs ``(units, first, past
+    the last)`` that cover disjoint groups (so no unit is evaluated twice on a column): spans
+    that overlap share a run over their union; one that starts past a run joins it when the
+    elements this adds (``rows`` per column of each widened span) stay under `FIRE_SPAN_SLACK` (a
+    run costs a fixed number of operations). A unit is listed once per run."""
+    g = keyed.FIRE_COLUMN_GROUP
+    out: list[tuple[list[int], int, int]] = []
+    units: list[int] = []
+    lo = hi = 0
+    for u, f, e in sorted(spans, key=lambda s: (s[1], -s[2])):
+        if units and f >= hi:  # disjoint from the run: join it only within the slack
+            new = u not in units
+            extra = ((max(hi, e) - hi) * len(units) + ((max(hi, e) - lo) - (e - f) if new else 0)) * g * rows
+            if extra > keyed.FIRE_SPAN_SLACK:
+                out.append((units, lo, hi))
+                units = []
+        if not units:
+            units, lo, hi = [u], f, e
+            continue
+        if u not in units:
+            units.append(u)
+        hi = max(hi, e)
+    return out + ([(units, lo, hi)] if units else [])
+
+
+def _group_coef(on: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, nc: int) -> Tensor:
+    """``[2H, C]``: per column, the slope ``A`` and the intercept ``B - b2`` of the units folded there."""
+    return (torch.cat((w2 * w1, w2 * b1)) @ on.t()).repeat_interleave(keyed.FIRE_COLUMN_GROUP, 1)[:, :nc]
+
+
+def _run_budget(size: int) -> int:
+    """The elements a run's hidden units and product may take at once: 1/16 of a block of ``size``
+    (its peak stays the block's), or 2^17 in small blocks (fewer, larger steps)."""
+    return max(size // 16, 1 << 17)
+
+
+def _run_steps(units: list[int], a: int, z: int, rows: int, heads: int, budget: int):
+    """``(units index, first column, column past the last)``: a run's columns by chunks whose hidden
+    units and product stay within ``budget`` elements."""
+    step = max(1, budget // (max(len(units), heads) * rows))
+    for a0 in range(a, z, step):
+        yield a0, min(z, a0 + step)
+
+
+def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
+                   on: Tensor, runs: list[tuple[list[int], int, int]], n_keys: int,
+                   table: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The block ``[1, H, R, C]`` of ``x = p / n`` and the folded units' per-column slope and
+    intercept ``[2H, T]``: computed in the distance layout ``[H, R, T]`` of its own buffer
+    (`_padded`), per column the folded units' ``A x + B`` (one pass), then the runs' units per
+    element. No skewed copy: the rows are the buffer's other view."""
+    nr, nt = n.shape[0], p.shape[0]
+    h = w2.shape[0]
+    rows, dist = _padded(h, nr, n_keys, dt, p.device)
+    ab = _group_coef(on, w1, b1, w2, nt)
+    b = ab[h:] + b2[:, None] if table is None else ab[h:] + b2[:, None] + table.to(dt)  # a table: per column
+    x = _distance_x(p, n, dt)  # [R, T]
+    torch.addcmul(b[:, None], ab[:h, None], x, out=dist)
+    if not runs:
+        return rows, ab
+    budget = _run_budget(h * nr * nt)
+    units = torch.tensor([u for us, _, _ in runs for u in us], device=p.device)
+    packed = torch.cat((w1[:, None], b1[:, None], w2.t()), 1).index_select(0, units)  # [S, 2 + H]: w1, b1, w2
+    i = 0
+    for us, a, z in runs:
+        w = packed[i:i + len(us)]
+        i += len(us)
+        for a0, z0 in _run_steps(us, a, z, nr, h, budget):
+            hid = torch.addmm(w[:, 1:2], w[:, :1], x[:, a0:z0].reshape(1, -1)).relu_()
+            dist[..., a0:z0] += (w[:, 2:].t() @ hid).view(h, nr, z0 - a0)
+    return rows, ab
+
+
+def _padded(h: int, r: int, k: int, dt: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(rows [1, H, r, k], dist [H, r, r + k - 1])``: two views of one buffer, ``dist[h, i, m] =
+    rows[0, h, i, m - (r - 1 - i)]`` where that is a key (the distance layout; its other entries are
+    padding, ``r`` a row). ``rows`` is a tensor of its own over the buffer's storage (not a view:
+    the attention may write its mask into it, as into any fresh rows)."""
+    size = r - 1 + r * (k + r)
+    buf = torch.empty(h, size, dtype=dt, device=device)
+    dist = buf.as_strided((h, r, r + k - 1), (size, k + r + 1, 1))
+    rows = torch.empty(0, dtype=dt, device=device).set_(buf.untyped_storage(), r - 1, (1, h, r, k),
+                                                        (h * size, size, k + r, 1))
+    return rows, dist
+
+
+def _distance_layout(g: Tensor) -> Tensor:
+    """``g`` ``[H, R, C]`` in the distance layout ``[H, R, R + C - 1]`` (zeros outside the block's
+    columns): a view of one buffer, each row written at its offset (one copy, no full zeroing)."""
+    h, r, k = g.shape
+    buf = g.new_empty(h, r - 1 + r * (k + r))
+    buf[:, :r - 1] = 0
+    body = buf[:, r - 1:].view(h, r, k + r)
+    body[..., :k] = g
+    body[..., k:] = 0
+    return buf.as_strided((h, r, r + k - 1), (buf.stride(0), k + r + 1, 1))
+
+
+class _Diagonals:
+    """``g`` ``[H, R, C]`` read in the distance layout (`_distance_layout`) without copying most of
+    it: columns ``m`` in ``[R - 1, C)`` see every row, ``g[h, r, m - (R - 1) + r]``, a strided view
+    of ``g`` itself (rows one element further apart); the two triangles at either end (the first
+    and the last ``R - 1`` keys) are laid out on their own. `pieces` are ``(first column, [H, R,
+    width])`` covering ``[0, R + C - 1)`` in order."""
+
+    def __init__(self, g: Tensor) -> None:
+        h, r, k = g.shape
+        g = g if g.stride(-1) == 1 else g.contiguous()
+        if k < r - 1:  # the triangles would overlap: one layout of the whole
+            self.pieces = [(0, _distance_layout(g))]
+            return
+        mid = g.as_strided((h, r, k - r + 1), (g.stride(0), g.stride(1) + 1, 1), g.storage_offset())
+        if r == 1:
+            self.pieces = [(0, mid)]
+            return
+        left = _distance_layout(g[..., :r - 1])[..., :r - 1]  # columns [0, R - 1)
+        right = _distance_layout(g[..., k - r + 1:])[..., r - 1:]  # columns [C, C + R - 1)
+        self.pieces = [(0, left), (r - 1, mid), (k, right)]
+
+    def columns(self, a: int, z: int) -> Tensor:
+        """Columns ``[a, z)`` ``[H, R, z - a]`` (a copy)."""
+        parts = [v[..., max(a - c, 0):min(z - c, v.shape[-1])] for c, v in self.pieces
+                 if c < z and c + v.shape[-1] > a]
+        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, -1)
+
+    def matmul_left(self, m: Tensor) -> Tensor:
+        """``m @ layout`` ``[H, X, T]`` for ``m`` ``[X, R]``."""
+        return torch.cat([torch.matmul(m, v) for _, v in self.pieces], -1)
+
+    def matmul_right(self, u: Tensor) -> Tensor:
+        """``layout @ u`` ``[H, R, Y]`` for ``u`` ``[H, T, Y]``."""
+        out = None
+        for c, v in self.pieces:
+            t = torch.matmul(v, u[:, c:c + v.shape[-1]])
+            out = t if out is None else out.add_(t)
+        return out
+
+
+def _diagonal_inputs(c: Tensor, thr: Tensor, q_pos: Tensor, k_pos: Tensor, shift: int) -> tuple[Tensor, Tensor]:
+    """``(n [R], p [T])``: the rows' normalizers and ``psi`` of the block's descending distances."""
+    n = fire_psi(torch.maximum(q_pos[0].to(torch.float32), thr.to(torch.float32).abs()), c)
+    return n, fire_psi(_distances(q_pos, k_pos, shift), c)
+
+
+class _FireDiagonalRows(torch.autograd.Function):
+    """`fire_rows` at ``start + arange`` positions (one row of positions), in the distance layout:
+    outputs ``(rows, n, p, on, spans, ab)``, all but rows for backward (the selection of
+    `_diagonal_select`, the same forward and backward)."""
+
+    @staticmethod
+    def forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,  # type: ignore[override]
+                table: Tensor | None, q_pos: Tensor, k_pos: Tensor, eps: float, shift: int):
+        n, p = _diagonal_inputs(c, thr, q_pos, k_pos, shift)
+        n = n + eps
+        dt = torch.promote_types(torch.promote_types(n.dtype, p.dtype), w2.dtype)
+        w1, b1, w2, b2 = (t.to(dt) for t in (w1, b1, w2, b2))
+        on, runs = _diagonal_select(p, n, dt, w1, b1)
+        spans = torch.tensor([(u, a, z) for units, a, z in runs for u in units], dtype=torch.long).view(-1, 3)
+        rows, ab = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], table)
+        return rows, n, p, on, spans, ab
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
+        c, thr, _w1, _b1, _w2, _b2, table, q_pos, k_pos, ctx.eps, ctx.shift = inputs
+        _, n, p, on, spans, ab = output
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # no zeros for the outputs kept for backward
+        ctx.table = table is not None
+        ctx.save_for_backward(c, thr, q_pos, k_pos, n, p, on, spans, ab, *inputs[2:6], table)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor, *_):
+        c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table = ctx.saved_tensors
+        if grad is None:
+            return (None,) * 11
+        dt = on.dtype
+        w1d, b1d, w2d = (t.to(dt) for t in (w1, b1, w2))
+        need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        gw1, gb1, gw2, gb2, gcx, gn, s0 = _diagonal_grads(
+            grad[0].to(dt), p, n, w1d, b1d, w2d, on, ab, spans,
+            _distances(q_pos, k_pos, ctx.shift).to(dt) if need_x else None, c.to(dt))
+        gc, gthr = torch.zeros_like(c), torch.zeros_like(thr)
+        if need_x:
+            gc, gthr = _normalizer_grads(gcx, gn, c, thr, q_pos[0])
+        gt = s0.to(table.dtype) if ctx.table and ctx.needs_input_grad[6] else None  # the table: per column
+        return gc, gthr, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb2.to(b2.dtype), gt, \
+            None, None, None, None
+
+
+def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, on: Tensor, ab: Tensor,
+                    spans: Tensor, dist: Tensor | None, c: Tensor
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor]:
+    """The gradients of `_diagonal_rows` (``d rows = g`` ``[H, R, C]``) to ``(w1, b1, w2, b2)``, and
+    with ``dist`` (the block's descending distances) the direct part of ``c``'s (through ``p``),
+    the rows' normalizers' ``gn`` ``[R]`` and the column sums of ``g`` ``[H, T]`` (a table's). With
+    ``g`` read in the distance layout (`_Diagonals`) the folded units need two products: its
+    column sums (of ``g`` and ``g / n``: ``sum_r g x = p * sum_r g / n``) and its row sums against
+    ``A p`` (``sum_m g A x``, for ``n``); the runs' units per element."""
+    dt = g.dtype
+    h, nr, nk = g.shape
+    gd = _Diagonals(g)  # [H, R, T]
+    nt = nr + nk - 1
+    pd, inv_n = p.to(dt), 1 / n.to(dt)
+    s0, sn = gd.matmul_left(torch.stack((torch.ones_like(inv_n), inv_n))).unbind(1)  # [H, T] each
+    grp = keyed.FIRE_COLUMN_GROUP
+    s01 = torch.nn.functional.pad(torch.stack((s0, sn * pd)), (0, -nt % grp))  # [2, H, groups * grp]
+    p0, p1 = s01.view(2, h, -1, grp).sum(-1) @ on  # [H, W] each: sum of g, of g x over the folded
+    gw2 = w1 * p1 + b1 * p0
+    gw1, gb1 = (w2 * torch.stack((p1, p0))).sum(1)
+    gcx = gn = dpsi = None
+    if dist is not None:
+        a = ab[:h]  # [H, T]
+        cz = c * dist
+        dpsi = cz.sgn() * dist / (1 + cz.abs())  # d psi(d) / d c  [T]
+        gcx = (a * sn).sum(0) @ dpsi
+        gn = gd.matmul_right((a * pd)[:, :, None]).sum(0)[:, 0] * (-inv_n * inv_n)  # [R]
+    if not spans.numel():
+        return gw1, gb1, gw2, s0.sum(1), gcx, gn, s0
+    budget = _run_budget(h * nr * nt)
+    units = spans[:, 0]
+    packed = torch.cat((w1[:, None], b1[:, None], w2.t()), 1).index_select(0, units)  # [S, 2 + H]: w1, b1, w2
+    i = 0
+    for us, a, z in _runs(spans):
+        w, idx = packed[i:i + len(us)], units[i:i + len(us)]
+        i += len(us)
+        for a0, z0 in _run_steps(us, a, z, nr, h, budget):
+            xs = _distance_x(p[a0:z0], n, dt)  # [R, S]: the forward's division
+            xf = xs.view(-1)
+            hid = torch.addmm(w[:, 1:2], w[:, :1], xf[None]).relu_()  # [U, R S]
+            gs = gd.columns(a0, z0).view(h, -1)  # [H, R S]
+            gw2.index_add_(1, idx, gs @ hid.t())
+            gpre = (w[:, 2:] @ gs).mul_(hid.sign())  # relu' = sign(relu(u)): 0 at u = 0, as torch
+            gw1.index_add_(0, idx, gpre @ xf)
+            gb1.index_add_(0, idx, gpre.sum(1))
+            if dist is not None:
+                gxr = (w[:, 0] @ gpre).view(nr, z0 - a0)  # d loss / d x  [R, S]
+                gcx = gcx + (gxr @ dpsi[a0:z0]) @ inv_n
+                gn = gn - (gxr * xs).sum(1) * inv_n
+    return gw1, gb1, gw2, s0.sum(1), gcx, gn, s0
+
+
+def _normalizer_grads(gcx: Tensor, gn: Tensor, c: Tensor, thr: Tensor, q_pos: Tensor) -> tuple[Tensor, Tensor]:
+    """``(d c, d L)`` from the direct part of ``c``'s gradient and the rows' ``gn`` (``n_i =
+    psi(max(L, i)) + eps``), with ``max``'s gradient split at ties (as torch)."""
+    dt = gn.dtype
+    cd = c.to(dt)
+    qf, th = q_pos.to(torch.float32), thr.to(torch.float32).abs()
+    m = torch.maximum(qf, th).to(dt)
+    cm = cd * m
+    gc = gcx + (gn * cm.sgn() * m / (1 + cm.abs())).sum()
+    gm = gn * cm.sgn() * cd / (1 + cm.abs())
+    share = torch.where(th > qf, 1.0, torch.where(th == qf, 0.5, 0.0))  # torch.maximum's backward
+    gthr = (gm * share).sum() * thr.sgn()
+    return gc.reshape(c.shape).to(c.dtype), gthr.reshape(thr.shape).to(thr.dtype)
