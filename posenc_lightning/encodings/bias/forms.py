@@ -1,6 +1,6 @@
 """The forms a bias kind gives backends besides its rows: `KeyOnly` (sdpa's key channel),
 `OpaqueOperands` (an opaque operator's tensors and constants), `HeadScaled` (a per-head weight times a
-shared pattern, the blockwise tiles)."""
+shared pattern, the blockwise tiles), `KernelBias` (the Triton kernels' arguments, `Bias.fold_into`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-__all__ = ["HeadScaled", "KeyOnly", "OpaqueOperands"]
+from posenc_lightning.encodings.bias.tile import TileBias
+from posenc_lightning.encodings.bias.windows import same_positions
+
+__all__ = ["HeadScaled", "KernelBias", "KeyOnly", "OpaqueOperands"]
 
 
 @dataclass(eq=False)
@@ -58,3 +61,31 @@ class HeadScaled:
 
     w: Tensor
     pattern: Callable[[Tensor, Tensor], Tensor]
+
+
+@dataclass(eq=False)
+class KernelBias:
+    """The bias arguments of the fused Triton kernels, filled term by term (`Bias.fold_into`):
+    summed ALiBi ``slopes [H]`` and relative tables (one ``table [H, 2R+1]`` over the widest
+    range), both at ``q_pos``/``k_pos``, summed cumulative decays ``c_q``/``c_k``, one parametric
+    bias ``tile`` (evaluated per tile, `TileBias`), and a ``dense`` rest."""
+
+    slopes: Tensor | None = None
+    table: Tensor | None = None
+    c_q: Tensor | None = None
+    c_k: Tensor | None = None
+    dense: Tensor | None = None
+    tile: TileBias | None = None
+    q_pos: Tensor | None = None
+    k_pos: Tensor | None = None
+
+    def claim_positions(self, q_pos: Tensor, k_pos: Tensor) -> bool:
+        """The position-based terms are read at these positions: True when no positions were
+        claimed yet (they are now) or the claimed ones are equal."""
+        if self.q_pos is None:
+            self.q_pos, self.k_pos = q_pos, k_pos
+            return True
+        return same_positions(self.q_pos, q_pos) and same_positions(self.k_pos, k_pos)
+
+    def add_dense(self, t: Tensor) -> None:
+        self.dense = t if self.dense is None else self.dense + t

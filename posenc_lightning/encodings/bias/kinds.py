@@ -15,8 +15,7 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.encodings.bias._distance_table import DistanceTable, accumulate
-from posenc_lightning.encodings.bias.forms import HeadScaled, KeyOnly, OpaqueOperands
-from posenc_lightning.encodings.bias.tile import TileBias
+from posenc_lightning.encodings.bias.forms import HeadScaled, KernelBias, KeyOnly, OpaqueOperands
 from posenc_lightning.encodings.bias.windows import Index, cut, same_positions, span
 from posenc_lightning.functional.positions import arange_offset, host_reads_ok
 
@@ -25,34 +24,6 @@ __all__ = ["Bias", "BiasSum", "HeadScaled", "KernelBias", "KeyOnly", "OpaqueOper
 #: ``f(b, h, q_idx, kv_idx) -> value`` (float32), one term of a flex ``score_mod``
 ScoreTerm = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 _WIDE = (torch.float32, torch.float64)
-
-
-@dataclass(eq=False)
-class KernelBias:
-    """The bias arguments of the fused Triton kernels, filled term by term (`Bias.fold_into`):
-    summed ALiBi ``slopes [H]`` and relative tables (one ``table [H, 2R+1]`` over the widest
-    range), both at ``q_pos``/``k_pos``, summed cumulative decays ``c_q``/``c_k``, one parametric
-    bias ``tile`` (evaluated per tile, `TileBias`), and a ``dense`` rest."""
-
-    slopes: Tensor | None = None
-    table: Tensor | None = None
-    c_q: Tensor | None = None
-    c_k: Tensor | None = None
-    dense: Tensor | None = None
-    tile: TileBias | None = None
-    q_pos: Tensor | None = None
-    k_pos: Tensor | None = None
-
-    def claim_positions(self, q_pos: Tensor, k_pos: Tensor) -> bool:
-        """The position-based terms are read at these positions: True when no positions were
-        claimed yet (they are now) or the claimed ones are equal."""
-        if self.q_pos is None:
-            self.q_pos, self.k_pos = q_pos, k_pos
-            return True
-        return same_positions(self.q_pos, q_pos) and same_positions(self.k_pos, k_pos)
-
-    def add_dense(self, t: Tensor) -> None:
-        self.dense = t if self.dense is None else self.dense + t
 
 
 class Bias(ABC):
@@ -275,16 +246,34 @@ class Bias(ABC):
         return None
 
     def constant_before(self, start: int, stop: int, k_stop: int) -> int:
-        """How many leading keys ``[0, c)`` (of ``k_stop``) have one bias value per query row in the rows
-        ``[start, stop)`` (CoPE past its clamp: ``z_i[P - 1]``). sdpa then runs those keys on SDPA's
-        CPU kernel with no mask, and the run's value gets minus the row sums of the other keys'
-        ``dS`` (each row of ``dS`` sums to 0; `attention.backends._runs`). Default 0: no such run."""
+        """How many leading keys ``[0, c)`` have one bias value per query row in these rows (CoPE past
+        its clamp: ``z_i[P - 1]``): sdpa runs them on SDPA's CPU kernel with no mask, and the run's
+        value gets minus the row sums of the other keys' ``dS`` (`attention.backends._runs`).
+
+        Args:
+            start: first query row.
+            stop: query row past the last.
+            k_stop: keys ``0..k_stop-1``.
+
+        Returns:
+            ``c`` (default 0: no such run).
+        """
         return 0
 
     def rows_past(self, start: int, stop: int, k_start: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
-        """`rows_from` for the keys ``[k_start, k_stop)`` only, ``[B|1, H|1, stop - start, k_stop - k_start]``
-        (``k_start`` at most `constant_before`; ``views`` as `rows_from`'s): from ``c - 1``, the run's
-        value and the keys past it, never the run itself (default: cut from all the keys)."""
+        """`rows_from` for the keys ``[k_start, k_stop)`` only: from ``c - 1`` (`constant_before`), the
+        run's value and the keys past it, never the run itself (default: cut from all the keys).
+
+        Args:
+            start: first query row.
+            stop: query row past the last.
+            k_start: first key, at most `constant_before`.
+            k_stop: keys up to ``k_stop - 1``.
+            views: as `rows_from`'s.
+
+        Returns:
+            ``[B|1, H|1, stop - start, k_stop - k_start]``, differentiable to ``views``.
+        """
         return self.rows_from(start, stop, k_stop, views)[..., k_start:]
 
     def compiled_rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:

@@ -234,11 +234,12 @@ class FireTableSum(BiasSum):
     @classmethod
     def of(cls, bias: Bias | None) -> Bias | None:
         """``bias`` as a `FireTableSum` where it is a sum of one `FireBias` and distance-only terms."""
-        if type(bias) is not BiasSum or sum(isinstance(p, FireBias) for p in bias.parts) != 1:
+        terms = [] if bias is None else bias.terms  # a sum's parts; any other kind is its one term
+        if len(terms) < 2 or sum(isinstance(p, FireBias) for p in terms) != 1:
             return bias
-        if not all(isinstance(p, FireBias) or p.distance_only for p in bias.parts):
+        if not all(isinstance(p, FireBias) or p.distance_only for p in terms):
             return bias
-        return cls(list(bias.parts))
+        return cls(list(terms))
 
     def _fire_term(self) -> int | None:
         """The index of the FIRE term whose rows take the table, or None (no table, positions not
