@@ -9,6 +9,8 @@ from torch import Tensor, nn
 from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, span
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.functional.cope import (
+    cope_band_counts,
+    cope_band_rows,
     cope_causal_rows,
     cope_clamped_count,
     cope_counts,
@@ -145,6 +147,29 @@ class CoPE(Encoding):
                 width *= 2
         return 0, None
 
+    def _band(self, q: Tensor, k: Tensor, q_offset: int, width: int = 0
+              ) -> tuple[int, tuple[Tensor, Tensor] | None]:
+        """Causal: the narrowest band (`cope_band_counts`) of the rows of ``q`` (query ``i`` at key
+        ``q_offset + i``, ``k`` the keys up to the last query) that leaves every key before each
+        row's band clamped (``p_ij >= max_position - 1``: there the bias is ``z_i[P - 1]`` and nothing
+        gets a gradient), with its gates and counts: ``(width, counted)``; ``(0, None)`` where no band
+        shorter than the keys does, or values cannot be read. Bands from ``width`` (at least
+        ``2 * max_position``: fewer gates never reach the clamp) are counted, doubled until one is."""
+        top = self.max_position - 1
+        if not host_reads_ok(q):
+            return 0, None
+        width = max(width, 2 * self.max_position)
+        with torch.no_grad(), torch.autocast(q.device.type, enabled=False):  # float32, as the rows
+            while q_offset - width > 0:
+                g, suffix = cope_band_counts(q.float(), k[:, :, q_offset - width:].float(),
+                                             self.softmax_scale(q.shape[-1]), width)
+                # the band's leading columns clamped in every row: the rest is the band
+                n = min(cope_clamped_count(suffix, top), width)
+                if n:
+                    return width - n, (g[..., n:], suffix[..., :suffix.shape[-1] - n])
+                width *= 2
+        return 0, None
+
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
         if self.pos_emb is None:
             raise RuntimeError("cope: head_dim unknown; call bind(head_dim=...) or inject() first")
@@ -155,6 +180,9 @@ class CoPE(Encoding):
         # along one pass over the blocks: the previous block's width is the next one's first guess;
         # where no key was clamped, counts over twice the keys are needed before a new search
         walk = {"s": -1, "width": 0, "retry": 0}
+        # blocks of the run form (`constant_before`): the band's first key and width, and its counts
+        bands: dict[tuple[int, int, int], tuple[int, int]] = {}
+        band_counted: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
 
         def keys(e: int, ke: int) -> int:
             # p_ij counts the keys between j and i: rows [s, e) need q[s:e] and the keys up to
@@ -164,6 +192,8 @@ class CoPE(Encoding):
         def first(s: int, e: int, ke: int) -> int:  # the keys before are clamped for rows [s, e)
             if not causal or not host_reads_ok(q):  # (traced: no values to read, no memo to write)
                 return 0
+            if bands.get((s, e, ke), (0, 0))[0]:
+                return bands[s, e, ke][0]
             if (s, e, ke) not in last:
                 last.clear()
                 counted.clear()
@@ -184,8 +214,37 @@ class CoPE(Encoding):
                 last[s, e, ke] = j
             return last[s, e, ke]
 
-        def past(s: int, e: int, k0: int, ke: int, q_rows: Tensor, k_keys: Tensor, pos_emb: Tensor) -> Tensor:
+        def run(s: int, e: int, ke: int) -> int:  # rows [s, e) past their bands: one value a row
+            if not causal or not host_reads_ok(q):
+                return 0
+            if (s, e, ke) not in bands:
+                bands.clear()
+                band_counted.clear()
+                q_off = n_k - n_q + s
+                if s <= walk["s"]:  # a new pass
+                    walk.update(width=0, retry=0)
+                width, found = self._band(q[:, :, s:e], k[:, :, :keys(e, ke)], q_off, walk["width"])
+                if found is not None:
+                    band_counted[s, e, ke] = found
+                    # the next block's band is about as wide as this one's: its width and a margin
+                    walk.update(width=width + width // 4 + 16)
+                walk["s"] = s
+                bands[s, e, ke] = (q_off - width if found is not None else 0, width)
+            return bands[s, e, ke][0]
+
+        def past(s: int, e: int, k0: int, ke: int, q_rows: Tensor, k_keys: Tensor, pos_emb: Tensor,
+                 banded: bool = False) -> Tensor:
             clamped = keys(e, ke) - k_keys.shape[-2] - k0  # the window's keys start at first(s, e, ke) >= k0
+            c, width = bands.get((s, e, ke), (0, 0))
+            # the run form's rows (`banded`: the keys a causal mask hides are free) on the bands, where
+            # the window is the band's
+            if banded and c and k0 < c and k_keys.shape[-2] == width + e - s:
+                found = band_counted.pop((s, e, ke), None)
+                if found is not None and found[0].shape[-2:] != (q_rows.shape[-2], width + 1):
+                    found = None
+                out = cope_band_rows(q_rows.float(), k_keys.float(), pos_emb.float(), self.softmax_scale(q.shape[-1]),
+                                     self.max_position, width, clamped, found)
+                return out if out.shape[-1] == ke - k0 else out[..., :ke - k0]
             found = counted.pop((s, e, ke), None)
             if found is not None and found[0].shape[-2:] != (q_rows.shape[-2], k_keys.shape[-2]):
                 found = None  # not the window the search was for
@@ -196,6 +255,9 @@ class CoPE(Encoding):
         def rows(s: int, e: int, ke: int, q_rows: Tensor, k_keys: Tensor, pos_emb: Tensor) -> Tensor:
             return past(s, e, 0, ke, q_rows, k_keys, pos_emb)
 
+        def run_rows(s: int, e: int, k0: int, ke: int, q_rows: Tensor, k_keys: Tensor, pos_emb: Tensor) -> Tensor:
+            return past(s, e, k0, ke, q_rows, k_keys, pos_emb, banded=True)
+
         return DenseBias.lazy(rows, n_q, n_k, inputs=(q, k, self.pos_emb),
                               window=lambda s, e, ke: (span(s, e, -2), span(first(s, e, ke), keys(e, ke), -2), None),
-                              backward_share=self.BACKWARD_SHARE, constant_before=first, rows_past=past)
+                              backward_share=self.BACKWARD_SHARE, constant_before=run, rows_past=run_rows)

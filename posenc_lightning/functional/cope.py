@@ -248,3 +248,116 @@ class _CoPECausalRows(torch.autograd.Function):
         if emb.shape[0] == 1:
             demb = demb.sum(1)
         return dq, dk, demb.view(emb.shape), None, None, None, None, None
+
+
+def cope_band_counts(q: Tensor, k: Tensor, scale: float, width: int) -> tuple[Tensor, Tensor]:
+    """Causal gates and counts on each query row's band of its last ``width + 1`` keys.
+
+    ``q [B, H, r, D]`` (query ``i`` at key ``o + i``), ``k [B, H_kv, width + r, D]`` the keys
+    ``o - width .. o + r - 1`` (GQA: a query group shares its kv head), float32. Row ``i``'s band is
+    its keys ``o - width + i + u`` for ``u = 0..width``: ``u = width`` is the query's own key, so the
+    band holds no key after the query and needs no mask. Returns ``(gates, suffix)``, both
+    ``[B, H, r, width + 1]``: ``gates[..., u] = sigmoid(scale q_i.k_j)`` at band column ``u``
+    (eq. 3), and ``suffix[..., v] = sum_{u >= width - v} gates[..., u]``, the count ``p_ij`` of band
+    column ``u = width - v`` (eq. 4; the same sums in the same order as `cope_counts`' over the
+    same keys). ``suffix[..., v]`` for ``v < width' + 1`` are the counts of the band of the last
+    ``width' + 1`` keys."""
+    b, h, r, _ = q.shape
+    n_k = k.shape[-2]
+    logits = torch.matmul(_grouped(q, k.shape[1]) * scale, k.contiguous().mT).view(b, h, r, n_k)
+    g = _band(logits, width).sigmoid()
+    return g, g.flip(-1).cumsum_(-1)
+
+
+def _band(t: Tensor, width: int, lead: int = 0) -> Tensor:
+    """The view of ``t [B, H, r, lead + width + r]`` (contiguous) whose row ``i`` is its columns
+    ``lead + i .. lead + i + width``: each row's band, one column further right per row."""
+    b, h, r, n = t.shape
+    return t.as_strided((b, h, r, width + 1), (h * r * n, r * n, n + 1, 1), t.storage_offset() + lead)
+
+
+def cope_band_rows(q: Tensor, k: Tensor, emb: Tensor, scale: float, max_position: int, width: int,
+                   lead: int = 1, counted: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Causal CoPE bias rows ``z_i[p_ij]`` (eqs. 3-5) of rows whose keys before their band are all
+    clamped (``p_ij >= max_position - 1`` before key ``o - width + i`` in row ``i``), computed on the
+    bands only: ``width + 1`` keys a row where `cope_causal_rows` computes all ``width + r``.
+
+    ``q [B, H, r, D]`` (query ``i`` at key ``o + i``), ``k [B, H_kv, width + r, D]`` the keys
+    ``o - width .. o + r - 1``, ``emb [1|H, D, P]``, float32; ``counted``: `cope_band_counts` of
+    these rows and keys, if already computed (read only). Returns ``[B, H, r, lead + width + r]``:
+    ``lead`` columns ``z_i[top]`` (keys before ``k``), then ``k``'s keys: ``z_i[top]`` before each
+    row's band, ``z_i[p_ij]`` on it, and ``z_i[top]`` at the keys after the query, which a causal
+    mask hides (`cope_causal_rows` has ``z_i[0]`` there); their gradient goes to ``z_i[top]``."""
+    top = int(max_position) - 1
+    q, k = q.contiguous(), k.contiguous()
+    with torch.autocast(q.device.type, enabled=False):
+        if torch.is_grad_enabled():
+            return _CoPEBandRows.apply(q, k, emb, scale, top, width, lead, counted)[0]
+        return _band_rows(q, k, torch.matmul(q, emb), scale, top, width, lead, False, counted)[0]
+
+
+def _band_rows(q: Tensor, k: Tensor, z: Tensor, scale: float, top: int, width: int, lead: int, keep: bool,
+               counted: tuple[Tensor, Tensor] | None = None):
+    """``(rows, gates, floor, frac, slope)`` on the bands (`_causal_rows`' outputs, the rows
+    written around them; ``keep=False``: only the rows)."""
+    b, h, r, _ = q.shape
+    g, suffix = cope_band_counts(q, k, scale, width) if counted is None else counted
+    out = z[..., top:top + 1].expand(b, h, r, lead + k.shape[-2]).contiguous()
+    p = suffix.flip(-1).clamp_(max=top)  # a copy: suffix is not written
+    lo = p.to(torch.int64)  # floor: p >= 0
+    w = p.frac_()
+    dz = torch.diff(z, dim=-1, append=z[..., -1:])
+    pair = torch.complex(z, dz).gather(-1, lo)
+    torch.addcmul(pair.real, pair.imag, w, out=_band(out, width, lead))
+    if not keep:
+        return out, None, None, None, None
+    return out, g, lo, w, torch.mul(pair.imag, w.sign())
+
+
+class _CoPEBandRows(torch.autograd.Function):
+    @staticmethod
+    def forward(q: Tensor, k: Tensor, emb: Tensor, scale: float, top: int, width: int, lead: int,  # type: ignore[override]
+                counted: tuple[Tensor, Tensor] | None):
+        return _band_rows(q, k, torch.matmul(q, emb), scale, top, width, lead, True, counted)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
+        q, k, emb, scale, top, width, lead, _ = inputs
+        _, g, lo, w, slope = output
+        ctx.save_for_backward(q, k, emb, g, lo, w, slope)
+        ctx.scale, ctx.top, ctx.width, ctx.lead = scale, top, width, lead
+        ctx.mark_non_differentiable(g, lo, w, slope)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor, *_):
+        with torch.autocast(grad.device.type, enabled=False):
+            return _CoPEBandRows.grads(ctx, grad.float().contiguous())
+
+    @staticmethod
+    def grads(ctx, grad: Tensor) -> tuple:
+        q, k, emb, g, lo, w, slope = ctx.saved_tensors
+        b, h, r, d = q.shape
+        h_kv, n_k, n_p = k.shape[1], k.shape[-2], emb.shape[-1]
+        band = _band(grad, ctx.width, ctx.lead)
+        grad_top = grad.sum(-1) - band.sum(-1)  # every column off the bands holds z_i[top]
+        # as `_CoPECausalRows.grads`, on the bands: dg_it = sum_{j <= t} dp_ij along the band
+        dl = torch.ops.aten.sigmoid_backward(torch.mul(band, slope).cumsum_(-1), g)
+        wide_dl = torch.zeros(b, h, r, n_k, dtype=grad.dtype, device=grad.device)
+        _band(wide_dl, ctx.width).copy_(dl)
+        del dl
+        wide_dl = _grouped(wide_dl, h_kv)
+        dq = torch.matmul(wide_dl, k).mul_(ctx.scale).view(b, h, r, d)
+        dk = torch.matmul(wide_dl.mT, _grouped(q, h_kv)).mul_(ctx.scale)
+        gw = band * w
+        wide = torch.zeros(b, h, r, n_p + 1, dtype=grad.dtype, device=grad.device)
+        wide[..., :n_p].scatter_add_(-1, lo, band.sub(gw))
+        wide[..., 1:].scatter_add_(-1, lo, gw)
+        gz = wide[..., :n_p]
+        gz[..., ctx.top] += grad_top
+        dq += torch.matmul(gz, emb.mT)
+        demb = torch.matmul(q.mT, gz).sum(0, keepdim=True)
+        if emb.shape[0] == 1:
+            demb = demb.sum(1)
+        return dq, dk, demb.view(emb.shape), None, None, None, None, None

@@ -124,17 +124,23 @@ def run_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, ls
     qb, dob, ob, lb = q[:, :, start:stop], d_out[:, :, start:stop], out[:, :, start:stop], lse[:, :, start:stop]
     dq, dk, dv = grads
     # the run's logits carry their bias in the normalizer: exp(s + run - lse) = exp(s - (lse - run))
-    for k0, k1, attn_mask, norm in ((0, c, None, lb - block.rows[..., 0]), (c, k_stop, m, lb)):
-        gq, gk, gv = _flash_backward(dob, qb, k[:, :, k0:k1], v[:, :, k0:k1], ob, norm.expand_as(lb).contiguous(),
-                                     0.0, False, attn_mask=attn_mask, scale=scale)
-        dq[:, :, start:stop] += gq
-        dk[:, :, k0:k1] += gk
-        dv[:, :, k0:k1] += gv
-    if block.pullback is None:
-        return
+    gq, gk, gv = _flash_backward(dob, qb, k[:, :, :c], v[:, :, :c], ob, (lb - block.rows[..., 0]).contiguous(),
+                                 0.0, False, scale=scale)
+    dq[:, :, start:stop] += gq
+    dk[:, :, :c] += gk
+    dv[:, :, :c] += gv
+    # the keys past the run: their weights and dS, which the bias needs anyway, give their dq, dk,
+    # dv in three products (a kernel call would compute the weights and dP again); a query group
+    # against its kv head (GQA), as rows of one matrix
+    b, h, r, d = qb.shape
+    h_kv = k.shape[1]
     kb, vb = k[:, :, c:k_stop], v[:, :, c:k_stop]
-    if kb.shape[1] != qb.shape[1]:  # GQA: the keys past the run, repeated per query head
-        kb, vb = (t.repeat_interleave(qb.shape[1] // t.shape[1], dim=1) for t in (kb, vb))
-    p = torch.matmul(qb * scale, kb.mT).add_(m).sub_(lb.unsqueeze(-1)).exp_()
-    ds = torch.matmul(dob, vb.mT).sub_((dob * ob).sum(-1, keepdim=True)).mul_(p)
-    block.backward(torch.cat([ds.sum(-1, keepdim=True).neg_(), ds], dim=-1), into)
+    qg, dog = (t.reshape(b, h_kv, -1, t.shape[-1]) for t in (qb, dob))
+    p = torch.matmul(qg * scale, kb.mT).view(b, h, r, -1).add_(m).sub_(lb.unsqueeze(-1)).exp_()
+    ds = torch.matmul(dog, vb.mT).view(b, h, r, -1).sub_((dob * ob).sum(-1, keepdim=True)).mul_(p)
+    pg, dsg = (t.view(b, h_kv, -1, t.shape[-1]) for t in (p, ds))
+    dq[:, :, start:stop] += torch.matmul(dsg, kb).view(b, h, r, d).mul_(scale)
+    dk[:, :, c:k_stop] += torch.matmul(dsg.mT, qg).mul_(scale)
+    dv[:, :, c:k_stop] += torch.matmul(pg.mT, dog)
+    if block.pullback is not None:
+        block.backward(torch.cat([ds.sum(-1, keepdim=True).neg_(), ds], dim=-1), into)
