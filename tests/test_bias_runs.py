@@ -129,7 +129,9 @@ def test_run_form_needs_a_run_that_pays():
     bias = DenseBias.lazy(lambda s, e, ke: torch.zeros(1, 1, e - s, ke), 10, 100,
                           constant_before=lambda s, e, ke: ke - 40)
     assert _runs.run_of(bias, 0, 10, 100) == 60
-    assert _runs.run_of(bias, 0, 10, 60) == 0  # 40 of 60 keys past the run
+    over = int(40 / _runs.RUN_SHARE)  # the fewest keys of which 40 past the run are at most the share
+    assert _runs.run_of(bias, 0, 10, over + 1) == over + 1 - 40
+    assert _runs.run_of(bias, 0, 10, over - 1) == 0  # 40 of them past the run: over the share
     assert _runs.run_of(DenseBias.lazy(lambda s, e, ke: torch.zeros(1, 1, e - s, ke), 10, 100), 0, 10, 100) == 0
     full = DenseBias.lazy(lambda s, e, ke: torch.zeros(1, 1, e - s, ke), 10, 100, constant_before=lambda s, e, ke: ke)
     assert _runs.run_of(full, 0, 10, 100) == 0

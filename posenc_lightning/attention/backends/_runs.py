@@ -24,13 +24,13 @@ from posenc_lightning.encodings.base import Bias, cut
 
 #: a block runs in this form where the keys past its bias's constant run are at most this share of
 #: its keys: the run's keys then save more than the second kernel call and the ``dS`` of the rest cost
-RUN_SHARE = 0.5
+RUN_SHARE = 0.7
 
 #: a block of the run form takes ``sqrt(RUN_KEYS_PER_ROW * keys)`` query rows (`run_rows`): each
 #: block's kernel calls read and write gradients of all its keys (``dk, dv``: a cost per block that
 #: grows with the keys), while the keys past the run grow with its rows (the band: its rows plus
 #: the run's distance); the square root balances the two
-RUN_KEYS_PER_ROW = 18
+RUN_KEYS_PER_ROW = 40
 #: band-sized float32 tensors a run-form block keeps alive together (the bias's saved state for its
 #: gradient, the weights and ``dS`` of the band), its band taken as twice its rows: with the block
 #: budget (`_blocks.BIAS_BLOCK_BYTES`) they bound its rows
