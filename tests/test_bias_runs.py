@@ -9,6 +9,7 @@ import torch
 from posenc_lightning import inject
 from posenc_lightning.attention.backends import _blocks, _rows, _runs, sdpa
 from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings import cope as ecope
 from posenc_lightning.encodings.base import DenseBias, span
 from tests.helpers import Attn
 
@@ -99,22 +100,33 @@ def test_rows_past_are_the_rows_from_their_first_key():
     torch.testing.assert_close(scaled.rows_past(16, 30, c - 1, 35, [*views, torch.tensor(0.5)]), full[..., c - 1:] * 0.5)
 
 
-def test_cope_past_its_clamp_runs_on_the_kernel(monkeypatch):
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_cope_past_its_clamp_runs_on_the_kernel(hkv, monkeypatch):
     """CoPE with few positions on long rows: most keys are clamped, so most blocks run in the run
-    form; the attention and all its gradients equal the eager backend's in float64."""
+    form, their rows on each row's band (`cope_band_rows`); the attention and all its gradients
+    equal the eager backend's in float64, with GQA too."""
     monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 2**14)
     calls = counted(monkeypatch)
+    banded = {"n": 0}
+    real = ecope.cope_band_rows
+
+    def band_rows(*a, **kw):
+        banded["n"] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ecope, "cope_band_rows", band_rows)
     n, h, d = 203, 4, 8
     attn = Attn(n_heads=h, head_dim=d)
     enc = inject(attn, "cope", backend="sdpa", max_position=5, init_std=0.5)
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, h, n, d, requires_grad=True) for _ in range(3))
+    q = torch.randn(1, h, n, d, requires_grad=True)
+    k, v = (torch.randn(1, hkv, n, d, requires_grad=True) for _ in range(2))
     kw = {"positions": torch.arange(n)[None], "causal": True}
     out = attn(q, k, v, **kw)
     g = torch.randn_like(out)
     params = [q, k, v, enc.pos_emb]
     got = torch.autograd.grad((out * g).sum(), params)
-    assert calls["forward"] > 0 and calls["backward"] > 0
+    assert calls["forward"] > 0 and calls["backward"] > 0 and banded["n"] >= calls["forward"] + calls["backward"]
     attn.posenc_backend = "eager"
     enc.double()
     ref = attn(*(x.double() for x in (q, k, v)), **kw)
@@ -135,6 +147,18 @@ def test_run_form_needs_a_run_that_pays():
     assert _runs.run_of(DenseBias.lazy(lambda s, e, ke: torch.zeros(1, 1, e - s, ke), 10, 100), 0, 10, 100) == 0
     full = DenseBias.lazy(lambda s, e, ke: torch.zeros(1, 1, e - s, ke), 10, 100, constant_before=lambda s, e, ke: ke)
     assert _runs.run_of(full, 0, 10, 100) == 0
+
+
+def test_run_form_needs_a_run_every_query_sees():
+    """A run that reaches the block's first query (a bias whose idea of the queries' keys is not the
+    mask's) leaves the block to the engine: the first query must see all the run and a key past it."""
+    zeros = lambda s, e, ke: torch.zeros(1, 1, e - s, ke)
+    mask = AttentionMask(True, 0, 600, 600)
+    late = DenseBias.lazy(zeros, 600, 600, constant_before=lambda s, e, ke: s + 1)
+    assert all(c == 0 for *_, c in _runs.run_blocks(late, mask, 1, 1, 600, 600, 32))
+    early = DenseBias.lazy(zeros, 600, 600, constant_before=lambda s, e, ke: s)
+    runs = [(s, c) for s, _, _, c in _runs.run_blocks(early, mask, 1, 1, 600, 600, 32) if c]
+    assert runs and all(c == s for s, c in runs)
 
 
 def test_run_blocks_cover_the_rows_once():

@@ -1,4 +1,5 @@
-"""CoPE's fast rows (`cope_causal_rows`, the clamped keys skipped by `CoPE.clamped_keys`) equal
+"""CoPE's fast rows (`cope_causal_rows`, the clamped keys skipped by `CoPE.clamped_keys`; on each
+row's band, `cope_band_rows`, where the keys before it are clamped) equal
 the paper's formula written plainly (eqs. 3-5, float64), forward and backward (q, k, e), directly
 and through the blockwise SDPA backend: cached keys (query offset), GQA, shared and per-head
 tables, lengths that are not a multiple of the blocks, whole positions, bf16 inputs."""
@@ -144,3 +145,42 @@ def test_rows_from_the_clamp_search_equal_rows_counted_anew(max_position):
             _, suffix = fcope.cope_counts(q[:, :, s:e], k[:, :, :ke], enc.softmax_scale(8), off)
             top = max_position - 1
             assert fcope.cope_clamped_count(suffix, top) == int((suffix >= top).sum(-1).min()) == j
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+@pytest.mark.parametrize("hkv", [4, 2])
+@pytest.mark.parametrize("lead", [1, 9])
+def test_band_rows_equal_the_paper_formula(per_head, hkv, lead):
+    """Rows on each row's band of its last ``width + 1`` keys, from the band search (`CoPE._band`):
+    every key before a row's band is clamped, and the narrowest such band is found; the rows equal
+    the paper's formula, forward and backward, except at the keys after each query (hidden by the
+    causal mask), which hold ``z_i[P - 1]``, as the keys before the band."""
+    enc = cope(per_head, max_position=6)
+    q, k = leaves(2, 4, hkv, 29, 150, 8, 1.0)  # 121 cached keys: query i at key 121 + i
+    off, top = 121, 5
+    width, counted = enc._band(q, k, off)
+    assert 0 < width < off
+    ref = paper_bias(q, k, enc.pos_emb, 6, off)
+    with torch.no_grad():  # the paper's counts: clamped before each row's band, not all before a narrower one
+        qd, kd = q.double(), k.double().repeat_interleave(4 // hkv, dim=1)
+        g = torch.sigmoid(qd @ kd.mT / 8 ** 0.5) * (torch.arange(150)[None, :] <= torch.arange(29)[:, None] + off)
+        p = g.flip(-1).cumsum(-1).flip(-1)
+        first = off - width + torch.arange(29)  # each row's first band key
+        before, at = (p.gather(-1, (first + i).expand(2, 4, 29)[..., None]) for i in (-1, 0))
+        assert (before >= top - 1e-4).all() and (at < top + 1e-4).any()
+    c = off - width
+    z = q @ enc.pos_emb
+    want = ref[..., c - lead:].clone()
+    after = torch.arange(c - lead, 150)[None, :] > torch.arange(29)[:, None] + off
+    want = torch.where(after, z[..., top:].expand_as(want).double(), want)
+    scale = enc.softmax_scale(8)
+    for found in (counted, None):  # the search's counts, or counted anew
+        rows = fcope.cope_band_rows(q, k[:, :, c:], enc.pos_emb, scale, 6, width, lead, found)
+        torch.testing.assert_close(rows.double(), want, rtol=1e-4, atol=1e-4)
+        with torch.no_grad():
+            torch.testing.assert_close(fcope.cope_band_rows(q, k[:, :, c:], enc.pos_emb, scale, 6, width, lead), rows)
+        grad = torch.randn_like(want)
+        got = torch.autograd.grad((rows * grad).sum(), [q, k, enc.pos_emb])
+        ref_g = torch.autograd.grad((want * grad.double()).sum(), [q, k, enc.pos_emb], retain_graph=True)
+        for a, b in zip(got, ref_g):
+            torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-4)

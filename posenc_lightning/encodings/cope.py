@@ -248,7 +248,8 @@ class CoPE(Encoding):
             found = counted.pop((s, e, ke), None)
             if found is not None and found[0].shape[-2:] != (q_rows.shape[-2], k_keys.shape[-2]):
                 found = None  # not the window the search was for
-            out = self.bias_rows(q_rows, k_keys, causal, n_k - n_q + s, pos_emb, clamped, found)
+            # query s at key n_k - n_q + s; the rows' first column is key k0
+            out = self.bias_rows(q_rows, k_keys, causal, n_k - n_q + s - k0, pos_emb, clamped, found)
             # a view only where keys are cut: new rows take sdpa's mask in place (`owned_rows`)
             return out if out.shape[-1] == ke - k0 else out[..., :ke - k0]
 

@@ -62,6 +62,8 @@ def run_blocks(bias: Bias, mask: AttentionMask, batch: int, heads: int, n_q: int
         stop = min(n_q, start + run_rows(mask.q_offset + start if mask.causal else n_k, batch, heads))
         k_stop = min(n_k, mask.q_offset + stop) if mask.causal else n_k
         c = run_of(bias, start, stop, k_stop)
+        if mask.causal and c > mask.q_offset + start:  # the first query sees all the run and a key past it
+            c = 0
         if not c:
             stop = min(n_q, start + rows)
             k_stop = min(n_k, mask.q_offset + stop) if mask.causal else n_k
