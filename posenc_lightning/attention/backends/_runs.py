@@ -30,11 +30,11 @@ RUN_SHARE = 0.7
 #: block's kernel calls read and write gradients of all its keys (``dk, dv``: a cost per block that
 #: grows with the keys), while the keys past the run grow with its rows (the band: its rows plus
 #: the run's distance); the square root balances the two
-RUN_KEYS_PER_ROW = 40
+RUN_KEYS_PER_ROW = 80
 #: band-sized float32 tensors a run-form block keeps alive together (the bias's saved state for its
 #: gradient, the weights and ``dS`` of the band), its band taken as twice its rows: with the block
 #: budget (`_blocks.BIAS_BLOCK_BYTES`) they bound its rows
-RUN_LIVE = 8
+RUN_LIVE = 6
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -74,11 +74,16 @@ def run_blocks(bias: Bias, mask: AttentionMask, batch: int, heads: int, n_q: int
 def _band_mask(rows: Tensor, mask: AttentionMask, start: int, stop: int, c: int, k_stop: int) -> Tensor:
     """The rows of keys ``[c, k_stop)`` as the kernel's float mask: a copy, ``-inf`` where the causal
     mask hides key ``c + j`` from query ``start + i`` (at key ``start + q_offset + i``)."""
+    return _hide_after(rows.clone(), mask, start, c, k_stop)
+
+
+def _hide_after(t: Tensor, mask: AttentionMask, start: int, c: int, k_stop: int) -> Tensor:
+    """``t [..., r, k_stop - c]``, keys ``[c, k_stop)`` of queries from ``start``, with ``-inf`` added in
+    place where the causal mask hides the key (a 0/-inf upper triangle: one pass)."""
     first = start + mask.q_offset
-    if not mask.causal or k_stop - 1 <= first:
-        return rows.clone()
-    hide = torch.full((stop - start, k_stop - c), float("-inf"), dtype=rows.dtype, device=rows.device)
-    return rows + hide.triu_(first - c + 1)
+    if mask.causal and k_stop - 1 > first:
+        t.add_(torch.full(t.shape[-2:], float("-inf"), dtype=t.dtype, device=t.device).triu_(first - c + 1))
+    return t
 
 
 def attend_run(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, start: int,
@@ -122,7 +127,6 @@ def run_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, ls
         compiling: as `BlockRows.of`'s.
     """
     block = BlockRows.of(bias, inputs, live, start, stop, k_stop, compiling, k_start=c - 1)
-    m = _band_mask(block.rows[..., 1:].to(q.dtype), mask, start, stop, c, k_stop)
     qb, dob, ob, lb = q[:, :, start:stop], d_out[:, :, start:stop], out[:, :, start:stop], lse[:, :, start:stop]
     dq, dk, dv = grads
     # the run's logits carry their bias in the normalizer: exp(s + run - lse) = exp(s - (lse - run))
@@ -133,16 +137,21 @@ def run_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, ls
     dv[:, :, :c] += gv
     # the keys past the run: their weights and dS, which the bias needs anyway, give their dq, dk,
     # dv in three products (a kernel call would compute the weights and dP again); a query group
-    # against its kv head (GQA), as rows of one matrix
+    # against its kv head (GQA), as rows of one matrix; dS written where the rows' gradient goes
     b, h, r, d = qb.shape
     h_kv = k.shape[1]
     kb, vb = k[:, :, c:k_stop], v[:, :, c:k_stop]
     qg, dog = (t.reshape(b, h_kv, -1, t.shape[-1]) for t in (qb, dob))
-    p = torch.matmul(qg * scale, kb.mT).view(b, h, r, -1).add_(m).sub_(lb.unsqueeze(-1)).exp_()
-    ds = torch.matmul(dog, vb.mT).view(b, h, r, -1).sub_((dob * ob).sum(-1, keepdim=True)).mul_(p)
-    pg, dsg = (t.view(b, h_kv, -1, t.shape[-1]) for t in (p, ds))
+    p = torch.matmul(qg * scale, kb.mT).view(b, h, r, -1).add_(block.rows[..., 1:].to(q.dtype))
+    p = _hide_after(p.sub_(lb.unsqueeze(-1)), mask, start, c, k_stop).exp_()
+    dv[:, :, c:k_stop] += torch.matmul(p.view(b, h_kv, -1, p.shape[-1]).mT, dog)
+    d_rows = torch.empty(b, h, r, 1 + p.shape[-1], dtype=p.dtype, device=p.device)
+    ds = torch.mul(torch.matmul(dog, vb.mT).view(b, h, r, -1).sub_((dob * ob).sum(-1, keepdim=True)), p,
+                   out=d_rows[..., 1:])
+    del p
+    dsg = ds.view(b, h_kv, -1, ds.shape[-1])
     dq[:, :, start:stop] += torch.matmul(dsg, kb).view(b, h, r, d).mul_(scale)
     dk[:, :, c:k_stop] += torch.matmul(dsg.mT, qg).mul_(scale)
-    dv[:, :, c:k_stop] += torch.matmul(pg.mT, dog)
     if block.pullback is not None:
-        block.backward(torch.cat([ds.sum(-1, keepdim=True).neg_(), ds], dim=-1), into)
+        torch.sum(ds, -1, out=d_rows[..., 0]).neg_()
+        block.backward(d_rows, into)
