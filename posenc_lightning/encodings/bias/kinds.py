@@ -272,7 +272,8 @@ class Bias(ABC):
             views: as `rows_from`'s.
 
         Returns:
-            ``[B|1, H|1, stop - start, k_stop - k_start]``, differentiable to ``views``.
+            ``[B|1, H|1, stop - start, k_stop - k_start]``, differentiable to ``views``; at keys a causal
+            mask hides from a query, any finite value (the run form masks them).
         """
         return self.rows_from(start, stop, k_stop, views)[..., k_start:]
 
