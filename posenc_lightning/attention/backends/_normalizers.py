@@ -31,7 +31,7 @@ from torch import Tensor
 from posenc_lightning.attention.backends._denormals import _flush_denormals
 from posenc_lightning.attention.backends._mode import Mode
 from posenc_lightning.attention.backends._tiles import BiasTiles, Tile, Tiling, flat, grouped, ungrouped
-from posenc_lightning.encodings.base import Bias
+from posenc_lightning.encodings.base import Bias, KeyOnly
 from posenc_lightning.functional.stick_breaking import (
     EXP_FLOOR,
     stick_breaking_tail,
@@ -46,7 +46,8 @@ class TilesSpec:
     gradient (``extra``), the logit scale, and for the modulated softmax the modulation
     ``mod(q_pos, k_pos) -> [B, 1, Nq, Nk]`` and the positions. ``keep_tails``: stick-breaking's
     forward keeps the tail before every tile for backward (`Tiling.max_tiles` floats per query row),
-    which then skips recomputing them."""
+    which then skips recomputing them. ``fold``: the bias (`Bias.head_scaled`) added as two extra q/k
+    channels instead of per tile (`FoldedBias`); its weights' gradient is still taken per tile."""
 
     tiling: Tiling
     bias: Bias | None
@@ -56,11 +57,13 @@ class TilesSpec:
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
     keep_tails: bool = False
+    fold: KeyOnly | None = None
 
     def bias_tiles(self, h_kv: int, dtype: torch.dtype, mode: Mode, needs: tuple[bool, ...] = ()) -> BiasTiles:
         """`BiasTiles` of a pass in ``mode`` with, per bias input, whether it needs a gradient (an
         ``extra`` that needs one)."""
-        bt = BiasTiles(self.bias, self.tiling, h_kv, dtype, self.q_pos, self.k_pos, mode.compiling)
+        bt = BiasTiles(self.bias, self.tiling, h_kv, dtype, self.q_pos, self.k_pos, mode.compiling,
+                       in_channels=self.fold is not None)
         if needs:
             bt.need = tuple(any(t is x and n for x, n in zip(self.extra, needs)) for t in bt.inputs)
         return bt
@@ -105,6 +108,61 @@ class TileBuffers:
         return v
 
 
+class FoldedBias:
+    """A bias ``m_h (u_j - u_i)`` (`KeyOnly` with its ``q_row``: ``m = q_ch``, ``u_j = k_ch``,
+    ``u_i = q_row``) as two extra channels of the logits' product: the block's queries get
+    ``[q s, -m_h (u_i - c), m_h]``, the walked keys ``[k, 1, u_j - c]``, with ``c = u`` at the
+    block's middle row. Nothing is computed per tile in forward.
+
+    Rounding: the two terms are each up to ``m_h`` times the block's span (its rows and the keys
+    nearest them) before they cancel, so a logit is within ``~eps m_h 256`` (float32, 256-row
+    blocks) instead of ``eps |z|`` (N 2048, slopes up to 1: output 1e-6 of its scale against 5e-7
+    per tile). The weights' gradient is not taken from these channels (``sum_i S_i - (u_i - c) R_i``
+    cancels the same way, and there it is relative to a small sum: 1e-3 of a head's own gradient
+    against 1e-5), but per tile from the pattern (`BiasTiles`, ``in_channels``)."""
+
+    def __init__(self, form: KeyOnly, tl: Tiling, b: int, h_kv: int, g: int, d: int, wt: torch.dtype) -> None:
+        self.d, self.b, self.h_kv, self.g = d, b, h_kv, g
+        m = form.q_ch.detach().to(wt) if form.q_ch is not None else torch.ones(h_kv * g, dtype=wt, device=form.k_ch.device)
+        self.m = m.reshape(1, h_kv, g, 1)
+        self.u_k = tl.walking(form.k_ch.to(wt).expand(b, 1, -1)[:, 0])  # [B, Nk] walked
+        self.u_q = form.q_row.to(wt).expand(b, 1, -1)[:, 0]  # [B, Nq]
+
+    def keys(self, kw: Tensor) -> Tensor:
+        """The walked keys ``[B * H_kv, Nk, d]`` with the two channels (their last one set per block)."""
+        out = torch.empty((*kw.shape[:-1], self.d + 2), dtype=kw.dtype, device=kw.device)
+        out[..., :self.d] = kw
+        out[..., self.d] = 1.0
+        return out
+
+    def start(self, qb: Tensor, kf: Tensor, s: int, e: int) -> None:
+        """The block's channels: ``qb [B * H_kv, g * r, d + 2]`` (the scaled queries in its first
+        ``d``), ``kf`` the keys (`keys`)."""
+        c = self.u_q[:, (s + e) // 2:(s + e) // 2 + 1]  # [B, 1]
+        qc = qb.view(self.b, self.h_kv, self.g, e - s, self.d + 2)
+        qc[..., self.d] = (self.u_q[:, s:e] - c)[:, None, None, :] * self.m
+        qc[..., self.d].neg_()
+        qc[..., self.d + 1] = self.m
+        kf.view(self.b, self.h_kv, -1, self.d + 2)[..., self.d + 1] = (self.u_k - c)[:, None]
+
+
+def _block_queries(q: Tensor, s: int, e: int, h_kv: int, wt: torch.dtype, scale: float,
+                   fold: FoldedBias | None, kf: Tensor | None) -> Tensor:
+    """The block's scaled queries ``[B * H_kv, g * r, d]`` (``d + 2`` with the fold's channels)."""
+    x = _batched(flat(grouped(q, s, e, h_kv, wt)))
+    if fold is None:
+        return x.mul(scale)
+    qb = torch.empty((*x.shape[:-1], x.shape[-1] + 2), dtype=wt, device=q.device)
+    qb[..., :-2] = x
+    qb[..., :-2].mul_(scale)
+    fold.start(qb, kf, s, e)
+    return qb
+
+
+def _fold(spec: TilesSpec, tl: Tiling, b: int, h_kv: int, g: int, d: int, wt: torch.dtype) -> FoldedBias | None:
+    return None if spec.fold is None else FoldedBias(spec.fold, tl, b, h_kv, g, d, wt)
+
+
 def _grad_buffers(ctx, spec: TilesSpec, q: Tensor, k: Tensor, v: Tensor, wt: torch.dtype
                   ) -> tuple[Tensor, Tensor, Tensor, BiasTiles]:
     """Zeroed ``dq, dk, dv`` accumulators in ``wt`` (``dk``, ``dv`` in walking order) and the bias
@@ -121,7 +179,7 @@ def _tile_grads(t: Tile, span: slice, dz: Tensor, w3: Tensor, dz3: Tensor, qb: T
     keys there; ``qb``, ``dob``: the tile's rows, `_skipping` its first `Tile.r0`), and the tile's
     bias gradient."""
     _add_product(dq_b, g, t.r0, dz3, kw[:, span])
-    dk3[:, span].baddbmm_(dz3.transpose(1, 2), qb)
+    dk3[:, span].baddbmm_(dz3.transpose(1, 2), qb[..., :dk3.shape[-1]])
     dv3[:, span].baddbmm_(w3.transpose(1, 2), dob)
     bt.tile_grad(t, dz)
 
@@ -189,6 +247,8 @@ class StickBreakingBlocks(torch.autograd.Function):
         h_kv, g, wt = k.shape[1], h // k.shape[1], _wide(q)
         tl = spec.tiling
         kw, vw = _batched(tl.walked(k, wt)), _batched(tl.walked(v, wt))
+        fold = _fold(spec, tl, b, h_kv, g, d, wt)
+        kw = kw if fold is None else fold.keys(kw)
         kwt, vwt = kw.transpose(1, 2), vw.transpose(1, 2)
         dq, dk, dv, bt = _grad_buffers(ctx, spec, q, k, v, wt)
         dk3, dv3 = _batched(dk), _batched(dv)
@@ -198,7 +258,7 @@ class StickBreakingBlocks(torch.autograd.Function):
             if k_stop == 0:
                 continue
             shape = (b, h_kv, g, e - s)
-            qb = _batched(flat(grouped(q, s, e, h_kv, wt))).mul(spec.scale)
+            qb = _block_queries(q, s, e, h_kv, wt, spec.scale, fold, kw)
             dob = _batched(flat(grouped(d_out, s, e, h_kv, wt)))
             bt.start(s, e, k_stop, grad=True)
             tiles = tl.tiles(s, k_stop, e)
@@ -224,7 +284,7 @@ class StickBreakingBlocks(torch.autograd.Function):
                 g_far = _rows_set(g_far, r0, gf)
                 # dz in dP's buffer, A in the softplus one
                 _tile_grads(t, span, dz, a3, dp3, qs, kw, dos, dq_b, dk3, dv3, bt, g)
-            dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
+            dq[:, :, s:e] = ungrouped(dq_b.view(*shape, -1)[..., :d].mul_(spec.scale))
             bt.finish()
         dk, dv = tl.unwalked(dk), tl.unwalked(dv)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
@@ -238,17 +298,18 @@ def _rows_set(full: Tensor, r0: int, rows: Tensor) -> Tensor:
     return full
 
 
-def _forward_blocks(q: Tensor, v: Tensor, spec: TilesSpec, bt: BiasTiles, h_kv: int, wt: torch.dtype):
+def _forward_blocks(q: Tensor, v: Tensor, spec: TilesSpec, bt: BiasTiles, h_kv: int, wt: torch.dtype,
+                    fold: FoldedBias | None = None, kf: Tensor | None = None):
     """The query blocks of a forward pass that see a key, their bias tiles started:
     ``(s, e, k_stop, shape, qb, acc)`` with ``shape = (B, H_kv, g, rows)``, the block's scaled
-    queries ``qb`` (grouped, flat) and a zeroed output accumulator ``acc``."""
+    queries ``qb [B * H_kv, g * r, d]`` (`_block_queries`) and a zeroed output accumulator ``acc``."""
     b, h = q.shape[:2]
     g = h // h_kv
     for s, e, k_stop in spec.tiling.blocks():
         if k_stop == 0:
             continue
         bt.start(s, e, k_stop)
-        yield (s, e, k_stop, (b, h_kv, g, e - s), flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale),
+        yield (s, e, k_stop, (b, h_kv, g, e - s), _block_queries(q, s, e, h_kv, wt, spec.scale, fold, kf),
                torch.zeros((b, h_kv, g * (e - s), v.shape[-1]), dtype=wt, device=q.device))
 
 
@@ -264,10 +325,13 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtyp
     buf = TileBuffers(2, tl, b, h, wt, q.device)  # logits (then A), softplus sums
     made: dict = {}  # the pass's masks (`Tiling.keep`)
     # training: the keys and values flipped once (backward keeps as much); inference: tile by tile
+    # (with a fold: the keys walked once, with its channels)
     walked = (_batched(tl.walked(k, wt)), _batched(tl.walked(v, wt))) if kept is not None else None
-    for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
+    fold = _fold(spec, tl, b, h_kv, g, k.shape[-1], wt)
+    kf = None if fold is None else fold.keys(walked[0] if walked is not None else _batched(tl.walked(k, wt)))
+    for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt, fold, kf):
         tail = torch.zeros(shape, dtype=wt, device=q.device)
-        qb, acc3 = _batched(qb), _batched(acc)
+        acc3 = _batched(acc)
         for i, t in enumerate(tl.tiles(s, k_stop, e)):
             if kept is not None and i > 0:
                 kept[:, :, s:e, i] = tail.view(b, h, e - s)
@@ -275,6 +339,8 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtyp
                 kt, vt = _batched(tl.key_tile(k, t, wt)), _batched(tl.key_tile(v, t, wt))
             else:
                 kt, vt = walked[0][:, tl.span(t)], walked[1][:, tl.span(t)]
+            if kf is not None:
+                kt = kf[:, tl.span(t)]
             sub, c = (*shape[:3], e - s - t.r0), t.k1 - t.k0
             zv, (sp, _) = buf.views(0, sub, c), buf.views(1, sub, c)
             z = _logits(_skipping(qb, g, t.r0), kt.transpose(1, 2), bt, t, zv)
@@ -360,7 +426,7 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         m = torch.full(shape, float("-inf"), dtype=wt, device=q.device)
         den = torch.zeros(shape, dtype=wt, device=q.device)
-        qb, acc3 = _batched(qb), _batched(acc)
+        acc3 = _batched(acc)
         for t in tl.tiles(s, k_stop):
             zv = buf.views(0, shape, t.k1 - t.k0)
             z = _logits(qb, _batched(tl.key_tile(k, t, wt)).transpose(1, 2), bt, t, zv).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
