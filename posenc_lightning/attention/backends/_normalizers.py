@@ -46,7 +46,7 @@ class TilesSpec:
     gradient (``extra``), the logit scale, and for the modulated softmax the modulation
     ``mod(q_pos, k_pos) -> [B, 1, Nq, Nk]`` and the positions. ``keep_tails``: stick-breaking's
     forward keeps the tail before every tile for backward (`Tiling.max_tiles` floats per query row),
-    which then skips recomputing them. ``fold``: the bias (`Bias.head_scaled`) added as two extra q/k
+    which then skips recomputing them. ``ascending``: `AttentionContext.ascending` (`BiasTiles`). ``fold``: the bias (`Bias.head_scaled`) added as two extra q/k
     channels instead of per tile (`FoldedBias`); its weights' gradient is still taken per tile."""
 
     tiling: Tiling
@@ -58,12 +58,13 @@ class TilesSpec:
     k_pos: Tensor | None = None
     keep_tails: bool = False
     fold: KeyOnly | None = None
+    ascending: bool = False
 
     def bias_tiles(self, h_kv: int, dtype: torch.dtype, mode: Mode, needs: tuple[bool, ...] = ()) -> BiasTiles:
         """`BiasTiles` of a pass in ``mode`` with, per bias input, whether it needs a gradient (an
         ``extra`` that needs one)."""
         bt = BiasTiles(self.bias, self.tiling, h_kv, dtype, self.q_pos, self.k_pos, mode.compiling,
-                       in_channels=self.fold is not None)
+                       in_channels=self.fold is not None, ascending=self.ascending)
         if needs:
             bt.need = tuple(any(t is x and n for x, n in zip(self.extra, needs)) for t in bt.inputs)
         return bt

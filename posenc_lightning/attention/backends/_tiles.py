@@ -173,11 +173,14 @@ class BiasTiles:
     window into full-size accumulators of the inputs that need one (``need``, per input).
     ``compiling``: the pass is traced by ``torch.compile`` (`_mode.Mode`). ``in_channels``: the
     logits' product already holds the (`Bias.head_scaled`) bias: tiles add nothing, the weights'
-    gradient is still taken per tile."""
+    gradient is still taken per tile. ``ascending``: queries and keys are the same tokens at
+    ``start + arange(N)`` (`AttentionContext.ascending`): a distance-only pattern then depends on
+    the tile's shape and its offset to the diagonal only, and is made once per pass and offset
+    (from indices, shared by the batch)."""
 
     def __init__(self, bias: Bias | None, tiling: Tiling, h_kv: int, dtype: torch.dtype,
                  q_pos: Tensor | None = None, k_pos: Tensor | None = None, compiling: bool = False,
-                 in_channels: bool = False) -> None:
+                 in_channels: bool = False, ascending: bool = False) -> None:
         self.bias, self.tiling, self.h_kv, self.dtype = bias, tiling, h_kv, dtype
         self.inputs = tuple(bias.grad_inputs() or ()) if bias is not None else ()
         self.need: tuple[bool, ...] = (False,) * len(self.inputs)
@@ -199,6 +202,7 @@ class BiasTiles:
         self._pattern: Tensor | None = None
         self._w = None if self.factored is None else self.factored.w.detach().to(dtype).reshape(1, h_kv, -1, 1, 1)
         self.in_channels = in_channels
+        self._by_offset: dict[tuple[int, int, int], Tensor] | None = {} if ascending else None
         if in_channels and self.factored is None:
             raise ValueError("a bias in the logits' channels needs its head_scaled form")
 
@@ -259,8 +263,18 @@ class BiasTiles:
 
     def _tile_pattern(self, t: Tile) -> Tensor:
         s, e, _ = self._block
-        self._pattern = self.factored.pattern(self.q_pos[:, s + t.r0:e], self.k_pos[:, self.tiling.span(t)])
-        return self._pattern
+        s += t.r0
+        if self._by_offset is None:
+            self._pattern = self.factored.pattern(self.q_pos[:, s:e], self.k_pos[:, self.tiling.span(t)])
+            return self._pattern
+        key = (e - s, t.k1 - t.k0, s - t.k0)
+        p = self._by_offset.get(key)
+        if p is None:
+            dev = self.q_pos.device
+            keys = self.tiling.walking(torch.arange(t.k0, t.k1, device=dev)[None])
+            p = self._by_offset[key] = self.factored.pattern(torch.arange(s, e, device=dev)[None], keys)
+        self._pattern = p
+        return p
 
     def tile_grad(self, t: Tile, dz: Tensor) -> None:
         """Take the gradient of the tile's bias (``dz [B, H_kv, g, r, c]``, walking order)."""
@@ -285,7 +299,7 @@ class BiasTiles:
         if self._w_slot < 0 or not self.need[self._w_slot]:
             return
         b, h_kv, g, r, c = dz.shape
-        pat = self._pattern.to(dz.dtype).reshape(b, r * c, 1)
+        pat = self._pattern.to(dz.dtype).expand(b, r, c).reshape(b, r * c, 1)
         dw = torch.bmm(dz.reshape(b, h_kv * g, r * c), pat).sum(0).reshape(-1)  # [H]
         if self.grads[self._w_slot] is None:
             self.grads[self._w_slot] = wide_zeros(self.inputs[self._w_slot])

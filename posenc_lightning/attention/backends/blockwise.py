@@ -91,7 +91,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         fold = _channels(bias, mask, ctx, extra, torch.promote_types(q.dtype, torch.float32))
         spec = TilesSpec(tiling, bias, extra, scale, None,
                          *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)),
-                         keep_tails=_keeps_tails(q, k, v, extra, tiling), fold=fold)
+                         keep_tails=_keeps_tails(q, k, v, extra, tiling), fold=fold,
+                         ascending=ctx is not None and ctx.ascending)
         return StickBreakingBlocks.apply(q, k, v, spec, *extra)
     if ctx is None:
         raise ValueError(f"{enc.name}: the distance-modulated softmax needs the positions (ctx)")
