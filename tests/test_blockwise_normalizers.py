@@ -433,3 +433,40 @@ def test_penalty_as_two_channels_equals_the_reference(scenario, n, rows, keys, m
         conf._compare(res, ref, conf.TOL["fp32"], f"rse/{scenario}/{n}")
         # each head's slope on its own scale (its channels' sums would cancel to 1e-3 of a small one)
         torch.testing.assert_close(res[-1].double(), ref[-1], atol=1e-6 * ref[-1].abs().max().item(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [8, 32])  # 10 key tiles a row: tails recomputed (> 8) and kept
+@pytest.mark.parametrize("name", ["sba", "rse"])
+def test_a_spent_stick_stops_the_walk(name, head_dim, small_tiles, monkeypatch):
+    """Large logits spend the sticks within a few keys: the blocks stop walking there (forward and
+    backward at the same tile), equal to the eager float64 reference and, within the skipped
+    weights' size (< exp(-80) each), to walking every tile."""
+    from posenc_lightning.attention.backends import _normalizers
+    from posenc_lightning.inject import inject
+    from tests.conformance import ConfLayer, make_inputs, run_case, scenario_args
+
+    spent = []
+    check = _normalizers.stick_spent
+    monkeypatch.setattr(_normalizers, "stick_spent", lambda t: spent.append(bool(check(t))) or check(t))
+    heads = (2, 2, head_dim)
+    x = make_inputs(2, 29, heads, torch.float32)
+    x.q, x.k = x.q * 3 + 2, x.k * 3 + 2  # logits of ~4 * head_dim / sqrt(head_dim) and more
+    args = scenario_args("arange", 2, 29, 1)
+
+    def run(dtype, backend):
+        torch.manual_seed(0)
+        m = ConfLayer(2, head_dim)
+        inject(m, name, backend=backend)
+        return run_case(m.to(dtype), x.to(dtype), args, True)
+
+    ref = run(torch.float64, "eager")
+    got = run(torch.float32, "blockwise")
+    assert any(spent)
+    monkeypatch.setattr(blockwise, "STOP_SPENT", False)
+    n = len(spent)
+    every = run(torch.float32, "blockwise")
+    assert len(spent) == n
+    conf._compare(got, ref, conf.TOL["fp32"], f"{name}/spent")
+    for a, b in zip(got, every):
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-25 * max(b.abs().max().item(), 1.0), rtol=0)

@@ -7,7 +7,9 @@ and for softmax the output and one log-sum-exp per query row, is kept for backwa
 - `StickBreakingBlocks`: stick-breaking (Tan et al., 2024, eqs. 1-3) walked nearest key tile
   first, the log-space sum of ``softplus`` carried across tiles (as the Triton kernel does);
   backward per block: the carried sums kept by the forward, then the gradient farthest first
-  (`functional.stick_breaking.stick_breaking_tile_backward`).
+  (`functional.stick_breaking.stick_breaking_tile_backward`). A block stops at the tile before
+  which every row's stick is spent (`functional.stick_breaking.stick_spent`: the farther weights
+  are under ``exp(EXP_FLOOR)``, 0 instead of that floor); backward stops at the same tile.
 - `ModulatedSoftmaxBlocks`: ``softmax(s * mod(i, j))`` for a distance modulation of the scaled
   logits (stage 4), an online softmax over key tiles (Milakov & Gimelshein, 2018;
   FlashAttention's forward) with the log-sum-exp kept per row, and the softmax gradient by tiles.
@@ -37,6 +39,7 @@ from posenc_lightning.functional.stick_breaking import (
     stick_breaking_tail,
     stick_breaking_tile,
     stick_breaking_tile_backward,
+    stick_spent,
 )
 
 
@@ -46,7 +49,9 @@ class TilesSpec:
     gradient (``extra``), the logit scale, and for the modulated softmax the modulation
     ``mod(q_pos, k_pos) -> [B, 1, Nq, Nk]`` and the positions. ``keep_tails``: stick-breaking's
     forward keeps the tail before every tile for backward (`Tiling.max_tiles` floats per query row),
-    which then skips recomputing them. ``ascending``: `AttentionContext.ascending` (`BiasTiles`). ``fold``: the bias (`Bias.head_scaled`) added as two extra q/k
+    which then skips recomputing them. ``stop_spent``: stick-breaking walks a block's key tiles only
+    until every row's stick is spent (`stick_spent`, read on the host: eagerly on CPU only).
+    ``ascending``: `AttentionContext.ascending` (`BiasTiles`). ``fold``: the bias (`Bias.head_scaled`) added as two extra q/k
     channels instead of per tile (`FoldedBias`); its weights' gradient is still taken per tile."""
 
     tiling: Tiling
@@ -59,6 +64,7 @@ class TilesSpec:
     keep_tails: bool = False
     fold: KeyOnly | None = None
     ascending: bool = False
+    stop_spent: bool = False
 
     def bias_tiles(self, h_kv: int, dtype: torch.dtype, mode: Mode, needs: tuple[bool, ...] = ()) -> BiasTiles:
         """`BiasTiles` of a pass in ``mode`` with, per bias input, whether it needs a gradient (an
@@ -255,6 +261,7 @@ class StickBreakingBlocks(torch.autograd.Function):
         dk3, dv3 = _batched(dk), _batched(dv)
         buf = TileBuffers(4, tl, b, h, wt, q.device)  # logits, dP (then dz), softplus (then A), sigmoid
         made: dict = {}  # the pass's masks (`Tiling.keep`)
+        reads = spec.stop_spent and Mode.of(q).host_reads
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
                 continue
@@ -272,6 +279,11 @@ class StickBreakingBlocks(torch.autograd.Function):
                     z = _logits(_skipping(qb, g, t.r0), kwt[:, :, tl.span(t)], bt, t, buf.views(0, sub, t.k1 - t.k0))
                     tails.append(_rows_set(tails[-1].clone(), t.r0, stick_breaking_tail(
                         z, tl.keep(s + t.r0, e, t, wt, q.device, made), tails[-1][..., t.r0:])))
+                    if reads and bool(stick_spent(tails[-1])):
+                        break
+            if reads:  # the tiles the forward walked (`stick_spent`, on the same tails)
+                live = next((i for i in range(1, len(tails)) if bool(stick_spent(tails[i]))), len(tails))
+                tiles, tails = tiles[:live], tails[:live]
             g_far = torch.zeros(shape, dtype=wt, device=q.device)
             dq_b = torch.zeros_like(qb)
             for t, tail in zip(reversed(tiles), reversed(tails)):
@@ -330,12 +342,15 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtyp
     walked = (_batched(tl.walked(k, wt)), _batched(tl.walked(v, wt))) if kept is not None else None
     fold = _fold(spec, tl, b, h_kv, g, k.shape[-1], wt)
     kf = None if fold is None else fold.keys(walked[0] if walked is not None else _batched(tl.walked(k, wt)))
+    reads = spec.stop_spent and Mode.of(q).host_reads
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt, fold, kf):
         tail = torch.zeros(shape, dtype=wt, device=q.device)
         acc3 = _batched(acc)
         for i, t in enumerate(tl.tiles(s, k_stop, e)):
             if kept is not None and i > 0:
                 kept[:, :, s:e, i] = tail.view(b, h, e - s)
+            if i > 0 and reads and bool(stick_spent(tail)):
+                break  # the farther weights are all below exp(EXP_FLOOR): 0, not computed (backward reads it in kept)
             if walked is None:
                 kt, vt = _batched(tl.key_tile(k, t, wt)), _batched(tl.key_tile(v, t, wt))
             else:

@@ -40,6 +40,10 @@ NORMALIZERS = ("stick_breaking", "distance_modulated_softmax")
 #: by rows fewer (at least ``MIN_BIAS_ROWS``: `_blocks.tile_rows`)
 BLOCK_ROWS, BLOCK_KEYS = 256, 256
 MIN_BIAS_ROWS = 16
+#: stick-breaking stops walking a block's key tiles once every row's stick is spent (the rest is
+#: under exp(-80) = 1.8e-35, `functional.stick_breaking.stick_spent`): one host read per tile,
+#: eagerly on CPU only. Data-dependent: with sticks that are not spent it walks every tile.
+STOP_SPENT = True
 #: the tile-sized tensors a backward tile keeps alive together (logits, softplus, sigmoid, weights,
 #: dP, the reversed sums and their flips)
 TILE_LIVE = 8
@@ -92,7 +96,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         spec = TilesSpec(tiling, bias, extra, scale, None,
                          *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)),
                          keep_tails=_keeps_tails(q, k, v, extra, tiling), fold=fold,
-                         ascending=ctx is not None and ctx.ascending)
+                         ascending=ctx is not None and ctx.ascending, stop_spent=STOP_SPENT)
         return StickBreakingBlocks.apply(q, k, v, spec, *extra)
     if ctx is None:
         raise ValueError(f"{enc.name}: the distance-modulated softmax needs the positions (ctx)")
