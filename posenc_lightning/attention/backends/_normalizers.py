@@ -186,7 +186,8 @@ def _tile_grads(t: Tile, span: slice, dz: Tensor, w3: Tensor, dz3: Tensor, qb: T
     keys there; ``qb``, ``dob``: the tile's rows, `_skipping` its first `Tile.r0`), and the tile's
     bias gradient."""
     _add_product(dq_b, g, t.r0, dz3, kw[:, span])
-    dk3[:, span].baddbmm_(dz3.transpose(1, 2), qb[..., :dk3.shape[-1]])
+    d = dk3.shape[-1]
+    dk3[:, span].baddbmm_(dz3.transpose(1, 2), qb if qb.shape[-1] == d else qb[..., :d])  # without the fold's channels
     dv3[:, span].baddbmm_(w3.transpose(1, 2), dob)
     bt.tile_grad(t, dz)
 
