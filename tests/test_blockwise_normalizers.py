@@ -391,3 +391,82 @@ def test_tile_backward_is_autograd_of_the_formula():
     torch.testing.assert_close(g_far, (a_far * dp[..., 6:]).sum(-1), rtol=1e-5, atol=1e-12)
     torch.testing.assert_close(torch.cat((a_near, a_far), -1), a_ref, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(torch.cat((dz_near, dz_far), -1), dz_ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("scenario", ["arange", "offset"])
+@pytest.mark.parametrize("n,rows,keys", [(29, 4, 3), (203, 48, 40), (600, 256, 256), (600, 128, 512)])
+def test_penalty_as_two_channels_equals_the_reference(scenario, n, rows, keys, monkeypatch):
+    """rse's penalty as two extra q/k channels (`_normalizers.FoldedBias`: plain causal, ascending
+    positions, here far from 0 and per batch row) against the eager float64 reference and against
+    the per-tile penalty, forward and backward; the slopes' gradient (taken per tile, not from the
+    channels) head by head on its own scale, large and zero slopes. Tiles that do not divide N and
+    the engine's tile sizes."""
+    from posenc_lightning.attention.backends import _normalizers
+    from posenc_lightning.inject import inject
+    from tests.conformance import ConfLayer, make_inputs, run_case, scenario_args
+
+    monkeypatch.setattr(blockwise, "BLOCK_ROWS", rows)
+    monkeypatch.setattr(blockwise, "BLOCK_KEYS", keys)
+    monkeypatch.setattr(blockwise, "MIN_BIAS_ROWS", min(rows, 16))
+    folds = []
+    init = _normalizers.FoldedBias.__init__
+    monkeypatch.setattr(_normalizers.FoldedBias, "__init__", lambda self, *a: folds.append(1) or init(self, *a))
+    heads = (4, 2, 16)
+    x = make_inputs(2, n, heads, torch.float32)
+    args = scenario_args(scenario, 2, n, 1, offset=3000)
+
+    def run(dtype, backend):
+        torch.manual_seed(0)
+        m = ConfLayer(4, 16)
+        inject(m, "rse", backend=backend, penalty_init=0.3)
+        with torch.no_grad():
+            m.encoding.penalty.copy_(torch.tensor([0.02, 0.3, 1.5, 0.0]))
+        return run_case(m.to(dtype), x.to(dtype), args, True)
+
+    ref = run(torch.float64, "eager")
+    got = run(torch.float32, "blockwise")
+    assert len(folds) == 2  # forward and backward took the channels
+    monkeypatch.setattr(blockwise, "_channels", lambda *a: None)
+    tiled = run(torch.float32, "blockwise")
+    assert len(folds) == 2
+    for res in (got, tiled):
+        conf._compare(res, ref, conf.TOL["fp32"], f"rse/{scenario}/{n}")
+        # each head's slope on its own scale (its channels' sums would cancel to 1e-3 of a small one)
+        torch.testing.assert_close(res[-1].double(), ref[-1], atol=1e-6 * ref[-1].abs().max().item(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [8, 32])  # 10 key tiles a row: tails recomputed (> 8) and kept
+@pytest.mark.parametrize("name", ["sba", "rse"])
+def test_a_spent_stick_stops_the_walk(name, head_dim, small_tiles, monkeypatch):
+    """Large logits spend the sticks within a few keys: the blocks stop walking there (forward and
+    backward at the same tile), equal to the eager float64 reference and, within the skipped
+    weights' size (< exp(-80) each), to walking every tile."""
+    from posenc_lightning.attention.backends import _normalizers
+    from posenc_lightning.inject import inject
+    from tests.conformance import ConfLayer, make_inputs, run_case, scenario_args
+
+    spent = []
+    check = _normalizers.stick_spent
+    monkeypatch.setattr(_normalizers, "stick_spent", lambda t: spent.append(bool(check(t))) or check(t))
+    heads = (2, 2, head_dim)
+    x = make_inputs(2, 29, heads, torch.float32)
+    x.q, x.k = x.q * 3 + 2, x.k * 3 + 2  # logits of ~4 * head_dim / sqrt(head_dim) and more
+    args = scenario_args("arange", 2, 29, 1)
+
+    def run(dtype, backend):
+        torch.manual_seed(0)
+        m = ConfLayer(2, head_dim)
+        inject(m, name, backend=backend)
+        return run_case(m.to(dtype), x.to(dtype), args, True)
+
+    ref = run(torch.float64, "eager")
+    got = run(torch.float32, "blockwise")
+    assert any(spent)
+    monkeypatch.setattr(blockwise, "STOP_SPENT", False)
+    n = len(spent)
+    every = run(torch.float32, "blockwise")
+    assert len(spent) == n
+    conf._compare(got, ref, conf.TOL["fp32"], f"{name}/spent")
+    for a, b in zip(got, every):
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-25 * max(b.abs().max().item(), 1.0), rtol=0)

@@ -36,6 +36,14 @@ def tile_softplus(z: Tensor, out: Tensor | None = None) -> Tensor:
     return torch.maximum(sp, z, out=sp)
 
 
+def stick_spent(tail: Tensor) -> Tensor:
+    """Whether every row's carried sum ``tail`` reaches ``-EXP_FLOOR`` (a 0-d bool tensor): then
+    every farther key's ``log A_ij = log sigmoid(z_ij) - tail_i - ... <= -tail_i`` is below
+    `EXP_FLOOR`, i.e. the rest of each stick is under ``exp(-80) = 1.8e-35`` (those weights are
+    0 to float32 next to the nearer ones, which sum to ``1 - exp(-tail)``)."""
+    return tail.amin() >= -EXP_FLOOR
+
+
 def stick_breaking_mask(nq: int, nk: int, q_offset: int = 0, attend_current: bool = False,
                         device: torch.device | None = None) -> Tensor:
     """bool ``[Nq, Nk]``: key ``j`` is before query ``i`` (at index ``i + q_offset``); the

@@ -7,7 +7,9 @@ and for softmax the output and one log-sum-exp per query row, is kept for backwa
 - `StickBreakingBlocks`: stick-breaking (Tan et al., 2024, eqs. 1-3) walked nearest key tile
   first, the log-space sum of ``softplus`` carried across tiles (as the Triton kernel does);
   backward per block: the carried sums kept by the forward, then the gradient farthest first
-  (`functional.stick_breaking.stick_breaking_tile_backward`).
+  (`functional.stick_breaking.stick_breaking_tile_backward`). A block stops at the tile before
+  which every row's stick is spent (`functional.stick_breaking.stick_spent`: the farther weights
+  are under ``exp(EXP_FLOOR)``, 0 instead of that floor); backward stops at the same tile.
 - `ModulatedSoftmaxBlocks`: ``softmax(s * mod(i, j))`` for a distance modulation of the scaled
   logits (stage 4), an online softmax over key tiles (Milakov & Gimelshein, 2018;
   FlashAttention's forward) with the log-sum-exp kept per row, and the softmax gradient by tiles.
@@ -31,12 +33,13 @@ from torch import Tensor
 from posenc_lightning.attention.backends._denormals import _flush_denormals
 from posenc_lightning.attention.backends._mode import Mode
 from posenc_lightning.attention.backends._tiles import BiasTiles, Tile, Tiling, flat, grouped, ungrouped
-from posenc_lightning.encodings.base import Bias
+from posenc_lightning.encodings.base import Bias, KeyOnly
 from posenc_lightning.functional.stick_breaking import (
     EXP_FLOOR,
     stick_breaking_tail,
     stick_breaking_tile,
     stick_breaking_tile_backward,
+    stick_spent,
 )
 
 
@@ -46,7 +49,10 @@ class TilesSpec:
     gradient (``extra``), the logit scale, and for the modulated softmax the modulation
     ``mod(q_pos, k_pos) -> [B, 1, Nq, Nk]`` and the positions. ``keep_tails``: stick-breaking's
     forward keeps the tail before every tile for backward (`Tiling.max_tiles` floats per query row),
-    which then skips recomputing them."""
+    which then skips recomputing them. ``stop_spent``: stick-breaking walks a block's key tiles only
+    until every row's stick is spent (`stick_spent`, read on the host: eagerly on CPU only).
+    ``ascending``: `AttentionContext.ascending` (`BiasTiles`). ``fold``: the bias (`Bias.head_scaled`) added as two extra q/k
+    channels instead of per tile (`FoldedBias`); its weights' gradient is still taken per tile."""
 
     tiling: Tiling
     bias: Bias | None
@@ -56,11 +62,15 @@ class TilesSpec:
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
     keep_tails: bool = False
+    fold: KeyOnly | None = None
+    ascending: bool = False
+    stop_spent: bool = False
 
     def bias_tiles(self, h_kv: int, dtype: torch.dtype, mode: Mode, needs: tuple[bool, ...] = ()) -> BiasTiles:
         """`BiasTiles` of a pass in ``mode`` with, per bias input, whether it needs a gradient (an
         ``extra`` that needs one)."""
-        bt = BiasTiles(self.bias, self.tiling, h_kv, dtype, self.q_pos, self.k_pos, mode.compiling)
+        bt = BiasTiles(self.bias, self.tiling, h_kv, dtype, self.q_pos, self.k_pos, mode.compiling,
+                       in_channels=self.fold is not None, ascending=self.ascending)
         if needs:
             bt.need = tuple(any(t is x and n for x, n in zip(self.extra, needs)) for t in bt.inputs)
         return bt
@@ -105,6 +115,61 @@ class TileBuffers:
         return v
 
 
+class FoldedBias:
+    """A bias ``m_h (u_j - u_i)`` (`KeyOnly` with its ``q_row``: ``m = q_ch``, ``u_j = k_ch``,
+    ``u_i = q_row``) as two extra channels of the logits' product: the block's queries get
+    ``[q s, -m_h (u_i - c), m_h]``, the walked keys ``[k, 1, u_j - c]``, with ``c = u`` at the
+    block's middle row. Nothing is computed per tile in forward.
+
+    Rounding: the two terms are each up to ``m_h`` times the block's span (its rows and the keys
+    nearest them) before they cancel, so a logit is within ``~eps m_h 256`` (float32, 256-row
+    blocks) instead of ``eps |z|`` (N 2048, slopes up to 1: output 1e-6 of its scale against 5e-7
+    per tile). The weights' gradient is not taken from these channels (``sum_i S_i - (u_i - c) R_i``
+    cancels the same way, and there it is relative to a small sum: 1e-3 of a head's own gradient
+    against 1e-5), but per tile from the pattern (`BiasTiles`, ``in_channels``)."""
+
+    def __init__(self, form: KeyOnly, tl: Tiling, b: int, h_kv: int, g: int, d: int, wt: torch.dtype) -> None:
+        self.d, self.b, self.h_kv, self.g = d, b, h_kv, g
+        m = form.q_ch.detach().to(wt) if form.q_ch is not None else torch.ones(h_kv * g, dtype=wt, device=form.k_ch.device)
+        self.m = m.reshape(1, h_kv, g, 1)
+        self.u_k = tl.walking(form.k_ch.to(wt).expand(b, 1, -1)[:, 0])  # [B, Nk] walked
+        self.u_q = form.q_row.to(wt).expand(b, 1, -1)[:, 0]  # [B, Nq]
+
+    def keys(self, kw: Tensor) -> Tensor:
+        """The walked keys ``[B * H_kv, Nk, d]`` with the two channels (their last one set per block)."""
+        out = torch.empty((*kw.shape[:-1], self.d + 2), dtype=kw.dtype, device=kw.device)
+        out[..., :self.d] = kw
+        out[..., self.d] = 1.0
+        return out
+
+    def start(self, qb: Tensor, kf: Tensor, s: int, e: int) -> None:
+        """The block's channels: ``qb [B * H_kv, g * r, d + 2]`` (the scaled queries in its first
+        ``d``), ``kf`` the keys (`keys`)."""
+        c = self.u_q[:, (s + e) // 2:(s + e) // 2 + 1]  # [B, 1]
+        qc = qb.view(self.b, self.h_kv, self.g, e - s, self.d + 2)
+        qc[..., self.d] = (self.u_q[:, s:e] - c)[:, None, None, :] * self.m
+        qc[..., self.d].neg_()
+        qc[..., self.d + 1] = self.m
+        kf.view(self.b, self.h_kv, -1, self.d + 2)[..., self.d + 1] = (self.u_k - c)[:, None]
+
+
+def _block_queries(q: Tensor, s: int, e: int, h_kv: int, wt: torch.dtype, scale: float,
+                   fold: FoldedBias | None, kf: Tensor | None) -> Tensor:
+    """The block's scaled queries ``[B * H_kv, g * r, d]`` (``d + 2`` with the fold's channels)."""
+    x = _batched(flat(grouped(q, s, e, h_kv, wt)))
+    if fold is None:
+        return x.mul(scale)
+    qb = torch.empty((*x.shape[:-1], x.shape[-1] + 2), dtype=wt, device=q.device)
+    qb[..., :-2] = x
+    qb[..., :-2].mul_(scale)
+    fold.start(qb, kf, s, e)
+    return qb
+
+
+def _fold(spec: TilesSpec, tl: Tiling, b: int, h_kv: int, g: int, d: int, wt: torch.dtype) -> FoldedBias | None:
+    return None if spec.fold is None else FoldedBias(spec.fold, tl, b, h_kv, g, d, wt)
+
+
 def _grad_buffers(ctx, spec: TilesSpec, q: Tensor, k: Tensor, v: Tensor, wt: torch.dtype
                   ) -> tuple[Tensor, Tensor, Tensor, BiasTiles]:
     """Zeroed ``dq, dk, dv`` accumulators in ``wt`` (``dk``, ``dv`` in walking order) and the bias
@@ -121,7 +186,8 @@ def _tile_grads(t: Tile, span: slice, dz: Tensor, w3: Tensor, dz3: Tensor, qb: T
     keys there; ``qb``, ``dob``: the tile's rows, `_skipping` its first `Tile.r0`), and the tile's
     bias gradient."""
     _add_product(dq_b, g, t.r0, dz3, kw[:, span])
-    dk3[:, span].baddbmm_(dz3.transpose(1, 2), qb)
+    d = dk3.shape[-1]
+    dk3[:, span].baddbmm_(dz3.transpose(1, 2), qb if qb.shape[-1] == d else qb[..., :d])  # without the fold's channels
     dv3[:, span].baddbmm_(w3.transpose(1, 2), dob)
     bt.tile_grad(t, dz)
 
@@ -189,16 +255,19 @@ class StickBreakingBlocks(torch.autograd.Function):
         h_kv, g, wt = k.shape[1], h // k.shape[1], _wide(q)
         tl = spec.tiling
         kw, vw = _batched(tl.walked(k, wt)), _batched(tl.walked(v, wt))
+        fold = _fold(spec, tl, b, h_kv, g, d, wt)
+        kw = kw if fold is None else fold.keys(kw)
         kwt, vwt = kw.transpose(1, 2), vw.transpose(1, 2)
         dq, dk, dv, bt = _grad_buffers(ctx, spec, q, k, v, wt)
         dk3, dv3 = _batched(dk), _batched(dv)
         buf = TileBuffers(4, tl, b, h, wt, q.device)  # logits, dP (then dz), softplus (then A), sigmoid
         made: dict = {}  # the pass's masks (`Tiling.keep`)
+        reads = spec.stop_spent and Mode.of(q).host_reads
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
                 continue
             shape = (b, h_kv, g, e - s)
-            qb = _batched(flat(grouped(q, s, e, h_kv, wt))).mul(spec.scale)
+            qb = _block_queries(q, s, e, h_kv, wt, spec.scale, fold, kw)
             dob = _batched(flat(grouped(d_out, s, e, h_kv, wt)))
             bt.start(s, e, k_stop, grad=True)
             tiles = tl.tiles(s, k_stop, e)
@@ -211,6 +280,11 @@ class StickBreakingBlocks(torch.autograd.Function):
                     z = _logits(_skipping(qb, g, t.r0), kwt[:, :, tl.span(t)], bt, t, buf.views(0, sub, t.k1 - t.k0))
                     tails.append(_rows_set(tails[-1].clone(), t.r0, stick_breaking_tail(
                         z, tl.keep(s + t.r0, e, t, wt, q.device, made), tails[-1][..., t.r0:])))
+                    if reads and bool(stick_spent(tails[-1])):
+                        break
+            if reads:  # the tiles the forward walked (`stick_spent`, on the same tails)
+                live = next((i for i in range(1, len(tails)) if bool(stick_spent(tails[i]))), len(tails))
+                tiles, tails = tiles[:live], tails[:live]
             g_far = torch.zeros(shape, dtype=wt, device=q.device)
             dq_b = torch.zeros_like(qb)
             for t, tail in zip(reversed(tiles), reversed(tails)):
@@ -224,7 +298,7 @@ class StickBreakingBlocks(torch.autograd.Function):
                 g_far = _rows_set(g_far, r0, gf)
                 # dz in dP's buffer, A in the softplus one
                 _tile_grads(t, span, dz, a3, dp3, qs, kw, dos, dq_b, dk3, dv3, bt, g)
-            dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
+            dq[:, :, s:e] = ungrouped(dq_b.view(*shape, -1)[..., :d].mul_(spec.scale))
             bt.finish()
         dk, dv = tl.unwalked(dk), tl.unwalked(dv)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
@@ -238,17 +312,18 @@ def _rows_set(full: Tensor, r0: int, rows: Tensor) -> Tensor:
     return full
 
 
-def _forward_blocks(q: Tensor, v: Tensor, spec: TilesSpec, bt: BiasTiles, h_kv: int, wt: torch.dtype):
+def _forward_blocks(q: Tensor, v: Tensor, spec: TilesSpec, bt: BiasTiles, h_kv: int, wt: torch.dtype,
+                    fold: FoldedBias | None = None, kf: Tensor | None = None):
     """The query blocks of a forward pass that see a key, their bias tiles started:
     ``(s, e, k_stop, shape, qb, acc)`` with ``shape = (B, H_kv, g, rows)``, the block's scaled
-    queries ``qb`` (grouped, flat) and a zeroed output accumulator ``acc``."""
+    queries ``qb [B * H_kv, g * r, d]`` (`_block_queries`) and a zeroed output accumulator ``acc``."""
     b, h = q.shape[:2]
     g = h // h_kv
     for s, e, k_stop in spec.tiling.blocks():
         if k_stop == 0:
             continue
         bt.start(s, e, k_stop)
-        yield (s, e, k_stop, (b, h_kv, g, e - s), flat(grouped(q, s, e, h_kv, wt)).mul(spec.scale),
+        yield (s, e, k_stop, (b, h_kv, g, e - s), _block_queries(q, s, e, h_kv, wt, spec.scale, fold, kf),
                torch.zeros((b, h_kv, g * (e - s), v.shape[-1]), dtype=wt, device=q.device))
 
 
@@ -264,17 +339,25 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtyp
     buf = TileBuffers(2, tl, b, h, wt, q.device)  # logits (then A), softplus sums
     made: dict = {}  # the pass's masks (`Tiling.keep`)
     # training: the keys and values flipped once (backward keeps as much); inference: tile by tile
+    # (with a fold: the keys walked once, with its channels)
     walked = (_batched(tl.walked(k, wt)), _batched(tl.walked(v, wt))) if kept is not None else None
-    for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
+    fold = _fold(spec, tl, b, h_kv, g, k.shape[-1], wt)
+    kf = None if fold is None else fold.keys(walked[0] if walked is not None else _batched(tl.walked(k, wt)))
+    reads = spec.stop_spent and Mode.of(q).host_reads
+    for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt, fold, kf):
         tail = torch.zeros(shape, dtype=wt, device=q.device)
-        qb, acc3 = _batched(qb), _batched(acc)
+        acc3 = _batched(acc)
         for i, t in enumerate(tl.tiles(s, k_stop, e)):
             if kept is not None and i > 0:
                 kept[:, :, s:e, i] = tail.view(b, h, e - s)
+            if i > 0 and reads and bool(stick_spent(tail)):
+                break  # the farther weights are all below exp(EXP_FLOOR): 0, not computed (backward reads it in kept)
             if walked is None:
                 kt, vt = _batched(tl.key_tile(k, t, wt)), _batched(tl.key_tile(v, t, wt))
             else:
                 kt, vt = walked[0][:, tl.span(t)], walked[1][:, tl.span(t)]
+            if kf is not None:
+                kt = kf[:, tl.span(t)]
             sub, c = (*shape[:3], e - s - t.r0), t.k1 - t.k0
             zv, (sp, _) = buf.views(0, sub, c), buf.views(1, sub, c)
             z = _logits(_skipping(qb, g, t.r0), kt.transpose(1, 2), bt, t, zv)
@@ -360,7 +443,7 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         m = torch.full(shape, float("-inf"), dtype=wt, device=q.device)
         den = torch.zeros(shape, dtype=wt, device=q.device)
-        qb, acc3 = _batched(qb), _batched(acc)
+        acc3 = _batched(acc)
         for t in tl.tiles(s, k_stop):
             zv = buf.views(0, shape, t.k1 - t.k0)
             z = _logits(qb, _batched(tl.key_tile(k, t, wt)).transpose(1, 2), bt, t, zv).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))

@@ -171,10 +171,16 @@ class BiasTiles:
     kind: one block of `Bias.rows` at a time, sliced. Gradients: `Bias.rows_from` on detached
     windows of `Bias.grad_inputs` (the engine's `_blocks.BlockRows`, as sdpa's rows), added window by
     window into full-size accumulators of the inputs that need one (``need``, per input).
-    ``compiling``: the pass is traced by ``torch.compile`` (`_mode.Mode`)."""
+    ``compiling``: the pass is traced by ``torch.compile`` (`_mode.Mode`). ``in_channels``: the
+    logits' product already holds the (`Bias.head_scaled`) bias: tiles add nothing, the weights'
+    gradient is still taken per tile. ``ascending``: queries and keys are the same tokens at
+    ``start + arange(N)`` (`AttentionContext.ascending`): a distance-only pattern then depends on
+    the tile's shape and its offset to the diagonal only, and is made once per pass and offset
+    (from indices, shared by the batch)."""
 
     def __init__(self, bias: Bias | None, tiling: Tiling, h_kv: int, dtype: torch.dtype,
-                 q_pos: Tensor | None = None, k_pos: Tensor | None = None, compiling: bool = False) -> None:
+                 q_pos: Tensor | None = None, k_pos: Tensor | None = None, compiling: bool = False,
+                 in_channels: bool = False, ascending: bool = False) -> None:
         self.bias, self.tiling, self.h_kv, self.dtype = bias, tiling, h_kv, dtype
         self.inputs = tuple(bias.grad_inputs() or ()) if bias is not None else ()
         self.need: tuple[bool, ...] = (False,) * len(self.inputs)
@@ -195,6 +201,10 @@ class BiasTiles:
             (i for i, x in enumerate(self.inputs) if x is self.factored.w), -1)
         self._pattern: Tensor | None = None
         self._w = None if self.factored is None else self.factored.w.detach().to(dtype).reshape(1, h_kv, -1, 1, 1)
+        self.in_channels = in_channels
+        self._by_offset: dict[tuple[int, int, int], Tensor] | None = {} if ascending else None
+        if in_channels and self.factored is None:
+            raise ValueError("a bias in the logits' channels needs its head_scaled form")
 
     @property
     def grad(self) -> bool:
@@ -245,19 +255,34 @@ class BiasTiles:
     def add_tile(self, z: Tensor, t: Tile, grad: bool = False) -> Tensor:
         """``z`` (a tile's logits ``[B, H_kv, g, r, c]``) plus the tile's bias, in place (a
         `Bias.head_scaled` bias as one fused ``w[h] * pattern`` pass, no product tensor)."""
-        if self.bias is None:
+        if self.bias is None or self.in_channels:
             return z
         if self.factored is None:
             return z.add_(self.tile(t, grad))
+        return z.addcmul_(self._tile_pattern(t).to(self.dtype)[:, None, None], self._w)
+
+    def _tile_pattern(self, t: Tile) -> Tensor:
         s, e, _ = self._block
-        self._pattern = self.factored.pattern(self.q_pos[:, s + t.r0:e], self.k_pos[:, self.tiling.span(t)])
-        return z.addcmul_(self._pattern.to(self.dtype)[:, None, None], self._w)
+        s += t.r0
+        if self._by_offset is None:
+            self._pattern = self.factored.pattern(self.q_pos[:, s:e], self.k_pos[:, self.tiling.span(t)])
+            return self._pattern
+        key = (e - s, t.k1 - t.k0, s - t.k0)
+        p = self._by_offset.get(key)
+        if p is None:
+            dev = self.q_pos.device
+            keys = self.tiling.walking(torch.arange(t.k0, t.k1, device=dev)[None])
+            p = self._by_offset[key] = self.factored.pattern(torch.arange(s, e, device=dev)[None], keys)
+        self._pattern = p
+        return p
 
     def tile_grad(self, t: Tile, dz: Tensor) -> None:
         """Take the gradient of the tile's bias (``dz [B, H_kv, g, r, c]``, walking order)."""
         if self.bias is None or not self.grad:
             return
         if self.factored is not None:
+            if self.in_channels:
+                self._tile_pattern(t)
             self._add_weight_grad(dz)
             return
         if self.per_tile:
@@ -274,7 +299,7 @@ class BiasTiles:
         if self._w_slot < 0 or not self.need[self._w_slot]:
             return
         b, h_kv, g, r, c = dz.shape
-        pat = self._pattern.to(dz.dtype).reshape(b, r * c, 1)
+        pat = self._pattern.to(dz.dtype).expand(b, r, c).reshape(b, r * c, 1)
         dw = torch.bmm(dz.reshape(b, h_kv * g, r * c), pat).sum(0).reshape(-1)  # [H]
         if self.grads[self._w_slot] is None:
             self.grads[self._w_slot] = wide_zeros(self.inputs[self._w_slot])

@@ -28,7 +28,7 @@ from posenc_lightning.attention.backends._blocks import rows_within, tile_rows
 from posenc_lightning.attention.backends._normalizers import ModulatedSoftmaxBlocks, StickBreakingBlocks, TilesSpec
 from posenc_lightning.attention.backends._tiles import Tiling
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
+from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KeyOnly
 
 NAME = "blockwise"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
@@ -40,6 +40,10 @@ NORMALIZERS = ("stick_breaking", "distance_modulated_softmax")
 #: by rows fewer (at least ``MIN_BIAS_ROWS``: `_blocks.tile_rows`)
 BLOCK_ROWS, BLOCK_KEYS = 256, 256
 MIN_BIAS_ROWS = 16
+#: stick-breaking stops walking a block's key tiles once every row's stick is spent (the rest is
+#: under exp(-80) = 1.8e-35, `functional.stick_breaking.stick_spent`): one host read per tile,
+#: eagerly on CPU only. Data-dependent: with sticks that are not spent it walks every tile.
+STOP_SPENT = True
 #: the tile-sized tensors a backward tile keeps alive together (logits, softplus, sigmoid, weights,
 #: dP, the reversed sums and their flips)
 TILE_LIVE = 8
@@ -88,14 +92,36 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         if mask.causal:
             diag = min(diag, mask.q_offset)
         tiling = Tiling(mask, n_q, n_k, diag, rows, BLOCK_KEYS, descending=True, split_diagonal=True)
-        spec = TilesSpec(tiling, bias, extra, scale, None, *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)),
-                         keep_tails=_keeps_tails(q, k, v, extra, tiling))
+        fold = _channels(bias, mask, ctx, extra, torch.promote_types(q.dtype, torch.float32))
+        spec = TilesSpec(tiling, bias, extra, scale, None,
+                         *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)),
+                         keep_tails=_keeps_tails(q, k, v, extra, tiling), fold=fold,
+                         ascending=ctx is not None and ctx.ascending, stop_spent=STOP_SPENT)
         return StickBreakingBlocks.apply(q, k, v, spec, *extra)
     if ctx is None:
         raise ValueError(f"{enc.name}: the distance-modulated softmax needs the positions (ctx)")
     tiling = Tiling(mask, n_q, n_k, mask.q_offset if mask.causal else None, rows, BLOCK_KEYS, descending=False)
     spec = TilesSpec(tiling, bias, extra, scale, enc.distance_modulation, ctx.q_pos, ctx.k_pos)
     return ModulatedSoftmaxBlocks.apply(q, k, v, spec, *extra)
+
+
+def _channels(bias: Bias | None, mask: AttentionMask, ctx: AttentionContext | None, extra: tuple[Tensor, ...],
+              dtype: torch.dtype) -> KeyOnly | None:
+    """The bias as two extra q/k channels (`_normalizers.FoldedBias`): a `Bias.key_only` form with
+    its query term, under a plain causal mask (stick-breaking sees keys before the query only), of
+    a bias whose tiles are `Bias.head_scaled` by that form's per-head weight (its gradient is taken
+    per tile from the pattern) and that needs no other gradient."""
+    if bias is None or not mask.is_plain_causal or ctx is None or not bias.distance_only:
+        return None
+    hs = bias.head_scaled()
+    if hs is None or ctx.q_pos.dim() != 2:
+        return None
+    form = bias.key_only(dtype, True, ctx.ascending)
+    if form is None or form.q_row is None or form.k_ch.dim() != 3 or form.k_ch.shape[1] != 1:
+        return None
+    if form.q_row.dim() != 3 or form.q_row.shape[1] != 1 or form.q_ch is not hs.w or any(x is not hs.w for x in extra):
+        return None
+    return form
 
 
 def _keeps_tails(q: Tensor, k: Tensor, v: Tensor, extra: tuple[Tensor, ...], tiling: Tiling) -> bool:

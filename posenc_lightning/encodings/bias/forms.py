@@ -21,10 +21,14 @@ class KeyOnly:
     query alone, which softmax drops: SDPA takes it as one extra q/k channel (`Bias.key_only`).
 
     ``q_ch``: ``[H]`` (None: 1 for every head); ``k_ch``: ``[B|1, H|1, Nk]`` in the activations'
-    dtype (one head: the same for every head, so grouped kv heads stay grouped)."""
+    dtype (one head: the same for every head, so grouped kv heads stay grouped). ``q_row``
+    (optional, ``[B|1, 1, Nq]``): where given, the bias is exactly ``q_ch[h] * (k_ch[j] - q_row[i])``
+    wherever the query sees the key (normalizers that keep the row's constant, stick-breaking,
+    take it as two extra q/k channels)."""
 
     q_ch: Tensor | None
     k_ch: Tensor
+    q_row: Tensor | None = None
 
     def key_bias(self) -> Tensor:
         """``[B|1, H, Nk]``: the bias of key j, as every query sees it up to its own constant."""

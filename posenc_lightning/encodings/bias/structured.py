@@ -79,7 +79,8 @@ class LinearBias(Bias):
             return None
         pos = kp.to(dtype)
         centered = pos - (pos[:, :1] + pos[:, -1:]) / 2  # [B, Nk]
-        return KeyOnly(self.slopes.to(dtype), centered[:, None, :])
+        # the queries are the keys: query i's own term is -m_h (i - c)
+        return KeyOnly(self.slopes.to(dtype), centered[:, None, :], centered[:, None, :])
 
     def scaled(self, w: Tensor) -> Bias:
         return LinearBias(self.slopes * w, self.q_pos, self.k_pos)
