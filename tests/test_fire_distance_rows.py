@@ -89,3 +89,43 @@ def test_mixture_table_in_fire_rows_end_to_end(members, monkeypatch):
             assert a is None or not a.any()
         else:
             torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5 * max(1.0, b.abs().max().item()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gradient_read_by_distance_equals_its_layout(dtype):
+    """`by_distance._Diagonals` (a strided view of the gradient and its two end triangles, laid out
+    together in a buffer kept between calls) against the whole gradient laid out by distance: the
+    products and columns the backward reads, shapes in turn (the kept buffer reshaped and reused,
+    its padding still zero), keys fewer than the rows, one row."""
+    torch.manual_seed(0)
+    for h, r, k in [(4, 5, 9), (4, 5, 9), (3, 7, 6), (2, 6, 4), (4, 1, 7), (2, 6, 5), (4, 5, 9)]:
+        g = torch.randn(h, r, k + 3, dtype=dtype)[..., 1:k + 1]  # not contiguous, as a slice of dS
+        dense = bdist._distance_layout(g.contiguous())  # [H, R, R + C - 1]
+        gd = bdist._Diagonals(g)
+        m = torch.randn(2, r, dtype=dtype)
+        u = torch.randn(h, r + k - 1, dtype=dtype)
+        torch.testing.assert_close(gd.matmul_left(m), m @ dense)
+        torch.testing.assert_close(gd.row_dots(u), (dense * u[:, None]).sum((0, 2)))
+        for a, z in [(0, r + k - 1), (0, 1), (r - 1, r + 1), (max(k - 1, 0), r + k - 1)]:
+            torch.testing.assert_close(gd.columns(a, z), dense[..., a:z])
+
+
+def test_float64_parameters_by_distance():
+    """The rows by distance with float64 parameters (their folded units as ``A x + B`` on the
+    formula's float32 ``x``, not the float32 path's ``B + (A p) / n``) against the formula."""
+    enc = _fire().double()
+    n = 300
+    qp = (torch.arange(n) + 40)[None]
+    bias = enc.bias(None, None, AttentionContext(qp, qp, q_start=40, k_start=40))
+    assert type(bias) is FireBias
+    leaves = list(enc.bias_params())
+    full = enc.bias_tensor(qp, qp)
+    for s, e in [(0, 77), (77, 300)]:
+        new = bias.rows(s, e, e)
+        assert new.dtype == torch.float32  # the rows, as every bias's, in float32
+        torch.testing.assert_close(new, full[..., s:e, :e].float(), rtol=1e-5, atol=1e-6)
+        g = torch.randn_like(full[..., s:e, :e])
+        got = torch.autograd.grad((new.double() * g).sum(), leaves)
+        want = torch.autograd.grad((full[..., s:e, :e] * g).sum(), leaves, retain_graph=True)
+        for a, b in zip(got, want):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-4, (a, b)

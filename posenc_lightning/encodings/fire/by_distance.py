@@ -4,6 +4,8 @@ and the helpers it shares with the rows by key are in `functions`."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import Tensor
 
@@ -106,14 +108,20 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
     """The block ``[1, H, R, C]`` of ``x = p / n`` and the folded units' per-column slope and
     intercept ``[2H, T]``: computed in the distance layout ``[H, R, T]`` of its own buffer
     (`_padded`), per column the folded units' ``A x + B`` (one pass), then the runs' units per
-    element. No skewed copy: the rows are the buffer's other view."""
+    element. No skewed copy: the rows are the buffer's other view.
+
+    In float32 the folded pass is ``B + (A p) (1 / n)``: a ``[H, T]`` and an ``[R]`` factor, so no
+    ``[R, T]`` ``x`` is built or read (the runs take their columns' ``x``, the formula's division);
+    in a wider dtype ``A x + B`` with the formula's float32 ``x``."""
     nr, nt = n.shape[0], p.shape[0]
     h = w2.shape[0]
     rows, dist = _padded(h, nr, n_keys, dt, p.device)
     ab = _group_coef(on, w1, b1, w2, nt)
     b = ab[h:] + b2[:, None] if table is None else ab[h:] + b2[:, None] + table.to(dt)  # a table: per column
-    x = _distance_x(p, n, dt)  # [R, T]
-    torch.addcmul(b[:, None], ab[:h, None], x, out=dist)
+    if dt == p.dtype:
+        torch.addcmul(b[:, None], (ab[:h] * p)[:, None], (1 / n)[:, None], out=dist)
+    else:
+        torch.addcmul(b[:, None], ab[:h, None], _distance_x(p, n, dt), out=dist)
     if not runs:
         return rows, ab
     budget = _run_budget(h * nr * nt)
@@ -124,8 +132,8 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
         w = packed[i:i + len(us)]
         i += len(us)
         for a0, z0 in _run_steps(us, a, z, nr, h, budget):
-            hid = torch.addmm(w[:, 1:2], w[:, :1], x[:, a0:z0].reshape(1, -1)).relu_()
-            dist[..., a0:z0] += (w[:, 2:].t() @ hid).view(h, nr, z0 - a0)
+            hid = torch.addmm(w[:, 1:2], w[:, :1], _distance_x(p[a0:z0], n, dt).view(1, -1)).relu_()
+            dist[..., a0:z0].add_((w[:, 2:].t() @ hid).view(h, nr, z0 - a0))  # in place: no write-back
     return rows, ab
 
 
@@ -154,16 +162,52 @@ def _distance_layout(g: Tensor) -> Tensor:
     return buf.as_strided((h, r, r + k - 1), (buf.stride(0), k + r + 1, 1))
 
 
+class _EndBuffer(threading.local):
+    """`_end_layouts`'s buffer, kept per thread for the last shape: the layouts' padding is zeroed
+    once, when it is made, and never written (each call copies the keys over the last's), so a
+    block's backward writes only its triangles' keys, not a fresh zeroed buffer (~1 MiB a block
+    of 128 rows, whose new pages cost more than the copy). Never handed out: read only by the
+    products of the call that filled it."""
+
+    key: tuple | None = None
+    buf: Tensor | None = None
+
+    def get(self, n: int, dt: torch.dtype, device: torch.device) -> Tensor:
+        key = (n, dt, device)
+        if self.key != key:
+            self.key, self.buf = key, torch.zeros(n, dtype=dt, device=device)
+        return self.buf
+
+
+_END_BUFFER = _EndBuffer()
+
+
+def _end_layouts(g: Tensor) -> Tensor:
+    """The distance layout's two end triangles of ``g`` ``[H, R, C]`` (``C >= R - 1``) ``[2H, R, R -
+    1]``: columns ``[0, R - 1)`` (the first ``R - 1`` keys) of each head, then columns ``[C, C + R -
+    1)`` (the last), zeros outside the block's keys, each laid out as `_distance_layout`'s. One
+    buffer (`_EndBuffer`) written by one strided copy; the second triangles' layouts start ``R - 1``
+    elements early, so that all ``2H`` are one batch (one stride: a product takes them as they are)."""
+    h, r, k = g.shape
+    w = r - 1
+    size = 2 * w + r * (w + r)  # `_distance_layout` of w keys, and w to spare
+    buf = _END_BUFFER.get(2 * h * size, g.dtype, g.device)
+    ends = g.as_strided((2, h, r, w), (k - w, g.stride(0), g.stride(1), 1), g.storage_offset())
+    buf.as_strided((2, h, r, w), (h * size - w, size, w + r, 1), w).copy_(ends)  # the layouts' bodies
+    return buf.as_strided((2 * h, r, w), (size, w + r + 1, 1))
+
+
 class _Diagonals:
     """``g`` ``[H, R, C]`` read in the distance layout (`_distance_layout`) without copying most of
     it: columns ``m`` in ``[R - 1, C)`` see every row, ``g[h, r, m - (R - 1) + r]``, a strided view
     of ``g`` itself (rows one element further apart); the two triangles at either end (the first
-    and the last ``R - 1`` keys) are laid out on their own. `pieces` are ``(first column, [H, R,
-    width])`` covering ``[0, R + C - 1)`` in order."""
+    and the last ``R - 1`` keys) are laid out on their own, together (`_end_layouts`). `pieces`
+    are ``(first column, [H, R, width])`` covering ``[0, R + C - 1)`` in order."""
 
     def __init__(self, g: Tensor) -> None:
         h, r, k = g.shape
         g = g if g.stride(-1) == 1 else g.contiguous()
+        self.ends: Tensor | None = None
         if k < r - 1:  # the triangles would overlap: one layout of the whole
             self.pieces = [(0, _distance_layout(g))]
             return
@@ -171,9 +215,8 @@ class _Diagonals:
         if r == 1:
             self.pieces = [(0, mid)]
             return
-        left = _distance_layout(g[..., :r - 1])[..., :r - 1]  # columns [0, R - 1)
-        right = _distance_layout(g[..., k - r + 1:])[..., r - 1:]  # columns [C, C + R - 1)
-        self.pieces = [(0, left), (r - 1, mid), (k, right)]
+        self.ends = _end_layouts(g)
+        self.pieces = [(0, self.ends[:h]), (r - 1, mid), (k, self.ends[h:])]
 
     def columns(self, a: int, z: int) -> Tensor:
         """Columns ``[a, z)`` ``[H, R, z - a]`` (a copy)."""
@@ -182,16 +225,24 @@ class _Diagonals:
         return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, -1)
 
     def matmul_left(self, m: Tensor) -> Tensor:
-        """``m @ layout`` ``[H, X, T]`` for ``m`` ``[X, R]``."""
-        return torch.cat([torch.matmul(m, v) for _, v in self.pieces], -1)
+        """``m @ layout`` ``[H, X, T]`` for ``m`` ``[X, R]`` (both triangles in one product)."""
+        if self.ends is None:
+            return torch.matmul(m, self.pieces[0][1])
+        e = torch.matmul(m, self.ends)  # [2H, X, R - 1]
+        h = e.shape[0] // 2
+        return torch.cat((e[:h], torch.matmul(m, self.pieces[1][1]), e[h:]), -1)
 
-    def matmul_right(self, u: Tensor) -> Tensor:
-        """``layout @ u`` ``[H, R, Y]`` for ``u`` ``[H, T, Y]``."""
-        out = None
-        for c, v in self.pieces:
-            t = torch.matmul(v, u[:, c:c + v.shape[-1]])
-            out = t if out is None else out.add_(t)
-        return out
+    def row_dots(self, u: Tensor) -> Tensor:
+        """``sum_h sum_m layout[h, r, m] u[h, m]`` ``[R]`` for ``u`` ``[H, T]``: each piece's product
+        taken transposed (``u`` as a row times the piece's transpose, a column-major operand: half
+        the time of the piece times a column here)."""
+        if self.ends is None:
+            v = self.pieces[0][1]
+            return torch.matmul(u[:, None], v.transpose(1, 2)).sum((0, 1))
+        _, (c, mid), (k, _) = self.pieces
+        ue = torch.cat((u[:, :c], u[:, k:]))[:, None]  # [2H, 1, R - 1]
+        out = torch.matmul(u[:, None, c:k], mid.transpose(1, 2)).sum((0, 1))
+        return out.add_(torch.matmul(ue, self.ends.transpose(1, 2)).sum((0, 1)))
 
 
 def _diagonal_inputs(c: Tensor, thr: Tensor, q_pos: Tensor, k_pos: Tensor, shift: int) -> tuple[Tensor, Tensor]:
@@ -272,29 +323,34 @@ def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2:
         cz = c * dist
         dpsi = cz.sgn() * dist / (1 + cz.abs())  # d psi(d) / d c  [T]
         gcx = (a * sn).sum(0) @ dpsi
-        gn = gd.matmul_right((a * pd)[:, :, None]).sum(0)[:, 0] * (-inv_n * inv_n)  # [R]
+        gn = gd.row_dots(a * pd) * (-inv_n * inv_n)  # [R]
     if not spans.numel():
         return gw1, gb1, gw2, s0.sum(1), gcx, gn, s0
     budget = _run_budget(h * nr * nt)
     units = spans[:, 0]
     packed = torch.cat((w1[:, None], b1[:, None], w2.t()), 1).index_select(0, units)  # [S, 2 + H]: w1, b1, w2
+    # d loss / d x of the runs' elements, per row against [dpsi, p] of their columns: c's direct
+    # part (sum g_x dpsi / n) and the normalizers' (-sum g_x x / n = -sum g_x p / n^2), one
+    # product per step into [R, 2]
+    dp = None if dist is None else torch.stack((dpsi, pd), 1)  # [T, 2]
+    per_row = None if dist is None else g.new_zeros(nr, 2)
     i = 0
     for us, a, z in _runs(spans):
         w, idx = packed[i:i + len(us)], units[i:i + len(us)]
         i += len(us)
         for a0, z0 in _run_steps(us, a, z, nr, h, budget):
-            xs = _distance_x(p[a0:z0], n, dt)  # [R, S]: the forward's division
-            xf = xs.view(-1)
+            xf = _distance_x(p[a0:z0], n, dt).view(-1)  # [R S]: the forward's division
             hid = torch.addmm(w[:, 1:2], w[:, :1], xf[None]).relu_()  # [U, R S]
             gs = gd.columns(a0, z0).view(h, -1)  # [H, R S]
             gw2.index_add_(1, idx, gs @ hid.t())
             gpre = (w[:, 2:] @ gs).mul_(hid.sign())  # relu' = sign(relu(u)): 0 at u = 0, as torch
             gw1.index_add_(0, idx, gpre @ xf)
             gb1.index_add_(0, idx, gpre.sum(1))
-            if dist is not None:
-                gxr = (w[:, 0] @ gpre).view(nr, z0 - a0)  # d loss / d x  [R, S]
-                gcx = gcx + (gxr @ dpsi[a0:z0]) @ inv_n
-                gn = gn - (gxr * xs).sum(1) * inv_n
+            if per_row is not None:
+                per_row.addmm_((w[:, 0] @ gpre).view(nr, z0 - a0), dp[a0:z0])
+    if per_row is not None:
+        gcx = gcx + inv_n @ per_row[:, 0]
+        gn = gn - per_row[:, 1] * inv_n * inv_n
     return gw1, gb1, gw2, s0.sum(1), gcx, gn, s0
 
 
