@@ -356,14 +356,17 @@ def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2:
 
 def _normalizer_grads(gcx: Tensor, gn: Tensor, c: Tensor, thr: Tensor, q_pos: Tensor) -> tuple[Tensor, Tensor]:
     """``(d c, d L)`` from the direct part of ``c``'s gradient and the rows' ``gn`` (``n_i =
-    psi(max(L, i)) + eps``), with ``max``'s gradient split at ties (as torch)."""
+    psi(max(L, i)) + eps``): with ``t = gn sgn(c m) / (1 + |c m|)`` (``m = max(L, i)``), ``d psi(m) /
+    d c = t m / gn`` and ``d psi(m) / d m = t c / gn``; ``max``'s gradient split at ties (as torch:
+    ``(sgn(L - i) + 1) / 2`` of it to ``L``). Both sums are one product (a row's few operations
+    are most of its cost)."""
     dt = gn.dtype
-    cd = c.to(dt)
     qf, th = q_pos.to(torch.float32), thr.to(torch.float32).abs()
     m = torch.maximum(qf, th).to(dt)
+    cd = c.to(dt)
     cm = cd * m
-    gc = gcx + (gn * cm.sgn() * m / (1 + cm.abs())).sum()
-    gm = gn * cm.sgn() * cd / (1 + cm.abs())
-    share = torch.where(th > qf, 1.0, torch.where(th == qf, 0.5, 0.0))  # torch.maximum's backward
-    gthr = (gm * share).sum() * thr.sgn()
+    t = gn * cm.sgn() / (1 + cm.abs())
+    sums = torch.stack((m, (th - qf).sgn().add_(1).to(dt))) @ t  # [2]: sum t m, 2 sum t share
+    gc = gcx + sums[0]
+    gthr = sums[1] * 0.5 * cd * thr.sgn()
     return gc.reshape(c.shape).to(c.dtype), gthr.reshape(thr.shape).to(thr.dtype)
