@@ -5,6 +5,7 @@ and the helpers it shares with the rows by key are in `functions`."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -283,18 +284,38 @@ class _FireDiagonalRows(torch.autograd.Function):
         c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table = ctx.saved_tensors
         if grad is None:
             return (None,) * 11
-        dt = on.dtype
-        w1d, b1d, w2d = (t.to(dt) for t in (w1, b1, w2))
-        need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        gw1, gb1, gw2, gb2, gcx, gn, s0 = _diagonal_grads(
-            grad[0].to(dt), p, n, w1d, b1d, w2d, on, ab, spans,
-            _distances(q_pos, k_pos, ctx.shift).to(dt) if need_x else None, c.to(dt))
-        gc, gthr = torch.zeros_like(c), torch.zeros_like(thr)
-        if need_x:
-            gc, gthr = _normalizer_grads(gcx, gn, c, thr, q_pos[0])
-        gt = s0.to(table.dtype) if ctx.table and ctx.needs_input_grad[6] else None  # the table: per column
-        return gc, gthr, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb2.to(b2.dtype), gt, \
-            None, None, None, None
+        grads = _pullback(grad, (c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table), ctx.shift,
+                          ctx.needs_input_grad[0] or ctx.needs_input_grad[1], ctx.table and ctx.needs_input_grad[6])
+        return (*grads, None, None, None, None)
+
+
+def rows_and_pullback(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, table: Tensor | None,
+                      q_pos: Tensor, k_pos: Tensor, eps: float, shift: int, need_x: bool
+                      ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor | None, ...]]]:
+    """`_FireDiagonalRows`'s rows and its backward as a pullback, with no autograd Function (no
+    recording, no ``autograd.grad``: a fixed cost of each of the engine's backward blocks,
+    `FireBias.rows_and_pullback`). ``pullback(grad [1, H, R, C])`` gives the Function's
+    gradients ``(c, thr, w1, b1, w2, b2, table)`` (``c``'s and ``thr``'s zeros unless ``need_x``;
+    ``table``'s None without a table)."""
+    rows, n, p, on, spans, ab = _FireDiagonalRows.forward(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift)
+    saved = (c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table)
+    return rows, lambda grad: _pullback(grad, saved, shift, need_x, table is not None)
+
+
+def _pullback(grad: Tensor, saved: tuple, shift: int, need_x: bool, need_table: bool) -> tuple[Tensor | None, ...]:
+    """`_FireDiagonalRows`'s gradients ``(c, thr, w1, b1, w2, b2, table)`` from ``grad`` and its
+    saved tensors (`rows_and_pullback`, the Function's backward)."""
+    c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table = saved
+    dt = on.dtype
+    w1d, b1d, w2d = (t.to(dt) for t in (w1, b1, w2))
+    gw1, gb1, gw2, gb2, gcx, gn, s0 = _diagonal_grads(
+        grad[0].to(dt), p, n, w1d, b1d, w2d, on, ab, spans,
+        _distances(q_pos, k_pos, shift).to(dt) if need_x else None, c.to(dt))
+    gc, gthr = torch.zeros_like(c), torch.zeros_like(thr)
+    if need_x:
+        gc, gthr = _normalizer_grads(gcx, gn, c, thr, q_pos[0])
+    gt = s0.to(table.dtype) if need_table else None  # the table: per column
+    return gc, gthr, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb2.to(b2.dtype), gt
 
 
 def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, on: Tensor, ab: Tensor,
