@@ -89,3 +89,88 @@ def test_mixture_table_in_fire_rows_end_to_end(members, monkeypatch):
             assert a is None or not a.any()
         else:
             torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5 * max(1.0, b.abs().max().item()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gradient_read_by_distance_equals_its_layout(dtype):
+    """`by_distance._Diagonals` (a strided view of the gradient and its two end triangles, laid out
+    together in a buffer kept between calls) against the whole gradient laid out by distance: the
+    products and columns the backward reads, shapes in turn (the kept buffer reshaped and reused,
+    its padding still zero), keys fewer than the rows, one row."""
+    torch.manual_seed(0)
+    for h, r, k in [(4, 5, 9), (4, 5, 9), (3, 7, 6), (2, 6, 4), (4, 1, 7), (2, 6, 5), (4, 5, 9)]:
+        g = torch.randn(h, r, k + 3, dtype=dtype)[..., 1:k + 1]  # not contiguous, as a slice of dS
+        dense = bdist._distance_layout(g.contiguous())  # [H, R, R + C - 1]
+        gd = bdist._Diagonals(g)
+        m = torch.randn(2, r, dtype=dtype)
+        u = torch.randn(h, r + k - 1, dtype=dtype)
+        torch.testing.assert_close(gd.matmul_left(m), m @ dense)
+        torch.testing.assert_close(gd.row_dots(u), (dense * u[:, None]).sum((0, 2)))
+        for a, z in [(0, r + k - 1), (0, 1), (r - 1, r + 1), (max(k - 1, 0), r + k - 1)]:
+            torch.testing.assert_close(gd.columns(a, z), dense[..., a:z])
+
+
+def test_float64_parameters_by_distance():
+    """The rows by distance with float64 parameters (their folded units as ``A x + B`` on the
+    formula's float32 ``x``, not the float32 path's ``B + (A p) / n``) against the formula."""
+    enc = _fire().double()
+    n = 300
+    qp = (torch.arange(n) + 40)[None]
+    bias = enc.bias(None, None, AttentionContext(qp, qp, q_start=40, k_start=40))
+    assert type(bias) is FireBias
+    leaves = list(enc.bias_params())
+    full = enc.bias_tensor(qp, qp)
+    for s, e in [(0, 77), (77, 300)]:
+        new = bias.rows(s, e, e)
+        assert new.dtype == torch.float32  # the rows, as every bias's, in float32
+        torch.testing.assert_close(new, full[..., s:e, :e].float(), rtol=1e-5, atol=1e-6)
+        g = torch.randn_like(full[..., s:e, :e])
+        got = torch.autograd.grad((new.double() * g).sum(), leaves)
+        want = torch.autograd.grad((full[..., s:e, :e] * g).sum(), leaves, retain_graph=True)
+        for a, b in zip(got, want):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-4, (a, b)
+
+
+def _mixture_bias(n: int, start: int, batch: int):
+    enc = build_encoding("mixture", members=("alibi", "relative_bias", "fire"), member_cfgs={"fire": {"init_L": 40.0}})
+    enc.bind(n_heads=4, head_dim=8, d_model=32)
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    pos = (torch.arange(n) + start)[None].expand(batch, n)
+    q = torch.zeros(batch, 4, n, 8)
+    return enc.bias(q, q, AttentionContext(pos, pos, True, q_start=start, k_start=start))
+
+
+@pytest.mark.parametrize("kind", ["fire", "scaled", "mixture"])
+def test_rows_and_pullback_equal_autograd(kind, monkeypatch):
+    """`Bias.rows_and_pullback` (FIRE's rows and gradients with no autograd graph, the engine's
+    backward blocks: `BlockRows.of` with grad mode off) against `rows_from` differentiated
+    (grad mode on), rows and every input's gradient: blocks that do not divide the rows, keys
+    beyond the rows, positions from 5 (not arange from 0), rows on both sides of L (40)."""
+    torch.manual_seed(2)
+    n, start = 90, 5
+    if kind == "mixture":
+        bias = _mixture_bias(n, start, batch=2)
+        assert type(bias) is FireTableSum and bias._fire_term() is not None
+    else:
+        enc = _fire(init_l=40.0)
+        pos = (torch.arange(n) + start)[None]
+        bias = enc.bias(None, None, AttentionContext(pos, pos, True, q_start=start, k_start=start))
+        if kind == "scaled":
+            bias = bias.scaled(torch.tensor(0.7, requires_grad=True))
+    inputs = bias.grad_inputs()
+    need = [t.requires_grad for t in inputs]
+    for s, e, ke in [(0, 17, 17), (17, 50, 63), (33, 34, 34), (50, 90, 90)]:
+        with torch.enable_grad():  # the autograd route
+            ref = _blocks.BlockRows.of(bias, inputs, need, s, e, ke, False)
+        with torch.no_grad(), monkeypatch.context() as m:
+            m.setattr(_blocks, "block_vjp", None)  # the hook's route only
+            got = _blocks.BlockRows.of(bias, inputs, need, s, e, ke, False)
+        torch.testing.assert_close(got.rows, ref.rows, rtol=0, atol=0)
+        d = torch.randn(2 if kind == "mixture" else 1, 4, e - s, ke)
+        acc_ref, acc_got = [torch.zeros_like(t) for t in inputs], [torch.zeros_like(t) for t in inputs]
+        ref.backward(d, acc_ref.__getitem__)
+        got.backward(d, acc_got.__getitem__)
+        for a, b in zip(acc_got, acc_ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

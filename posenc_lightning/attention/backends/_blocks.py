@@ -83,7 +83,9 @@ class BlockRows:
     def of(cls, bias: Bias, inputs: Sequence[Tensor], need: Sequence[bool], start: int, stop: int, k_stop: int,
            compiling: bool, k_start: int = 0) -> BlockRows:
         """The rows ``[start, stop) x [k_start, k_stop)`` of ``bias`` from detached windows of its
-        ``inputs`` (`Bias.grad_inputs`), differentiable to those where ``need``.
+        ``inputs`` (`Bias.grad_inputs`), differentiable to those where ``need``: by the bias's own
+        `Bias.rows_and_pullback` where it has one (eagerly, all the keys, grad mode off), else
+        ``rows_from`` differentiated (`_block_grad.block_vjp`).
 
         Args:
             bias: the bias (`Bias.recomputable`).
@@ -112,6 +114,10 @@ class BlockRows:
 
         if not live:
             return cls(rows_of().detach(), None, live, windows)
+        if not (compiling or k_start or torch.is_grad_enabled()):  # no graph wanted of the gradients
+            fused = bias.rows_and_pullback(start, stop, k_stop, views, need)  # `Bias.rows_and_pullback`
+            if fused is not None:
+                return cls(fused[0], fused[1], live, windows)
         rows, pullback = block_vjp(rows_of, *[views[i] for i in live], compiling=compiling)
         return cls(rows.detach(), pullback, live, windows)
 

@@ -292,6 +292,27 @@ class Bias(ABC):
         """
         return self.rows_from(start, stop, k_stop, views)
 
+    def rows_and_pullback(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor], need: Sequence[bool]
+                          ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]] | None:
+        """`rows_from` and its pullback from one call, with no autograd graph: a kind whose rows are
+        differentiated by hand may skip autograd's fixed cost per block (recording the rows,
+        ``torch.autograd.grad``) in the engine's backward (`attention.backends._blocks.BlockRows`,
+        eagerly, without grad mode). Same values and gradients as differentiating `rows_from`.
+
+        Args:
+            start: first query row.
+            stop: query row past the last.
+            k_stop: keys ``0..k_stop-1``.
+            views: as `rows_from`'s (detached).
+            need: per view, whether its gradient is wanted.
+
+        Returns:
+            ``(rows, pullback)``: the rows as `rows_from`'s and ``pullback(d_rows)``, the gradient of
+            ``<rows, d_rows>`` to each view where ``need``, in order; or None (default: the engine
+            differentiates `rows_from`).
+        """
+        return None
+
     @property
     def terms(self) -> list[Bias]:
         return [self]

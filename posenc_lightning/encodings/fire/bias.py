@@ -6,7 +6,7 @@ the Triton kernels, which also reduce its parameter gradients per tile."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -17,7 +17,7 @@ from posenc_lightning.encodings.bias.kinds import Bias, BiasSum, KernelBias, Opa
 from posenc_lightning.encodings.bias.opaque import register_opaque_kind
 from posenc_lightning.encodings.bias.tile import TileBias
 from posenc_lightning.encodings.bias.windows import same_positions
-from posenc_lightning.encodings.fire import compiled, template
+from posenc_lightning.encodings.fire import by_distance, compiled, template
 from posenc_lightning.encodings.fire.rows import fire_rows
 from posenc_lightning.functional.positions import arange_offset
 
@@ -91,6 +91,35 @@ class FireBias(Bias):
         shift = self.q_start + start - self.k_start if arange else None
         return fire_rows(qp, kp, c, (l_mult * self.init_L).abs(), w1[:, 0], b1, w2, b2, self.eps, shift,
                          table).float()
+
+    def rows_and_pullback(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor], need: Sequence[bool],
+                          table: Tensor | None = None) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]] | None:
+        """At known ``start + arange`` positions (rows by distance), `rows_from` and its gradient
+        by `by_distance.rows_and_pullback`, the chain to the views (``L = |l_mult init_L|``, ``w1``
+        ``[W, 1]``, the scale folded into ``w2``, ``b2``) by hand; ``table`` as `rows_from`'s. With
+        ``table`` the pullback's first gradient is the table's (always), then the views' where
+        ``need``. None elsewhere (the engine differentiates `rows_from`)."""
+        if self.q_start is None or self.k_start is None or not self._one_row or stop <= start or k_stop <= 0 \
+                or torch.compiler.is_compiling():
+            return None
+        c, l_mult, w1, b1, w2, b2 = views[:6]
+        weight = views[6] if len(views) == 7 else None
+        qp, kp = self._positions(start, stop, k_stop)
+        t = l_mult * self.init_L
+        w2s, b2s = (w2, b2) if weight is None else (w2 * weight, b2 * weight)
+        rows, pullback = by_distance.rows_and_pullback(c, t.abs(), w1[:, 0], b1, w2s, b2s, table, qp, kp, self.eps,
+                                                       self.q_start + start - self.k_start, need[0] or need[1])
+
+        def grads(d_rows: Tensor) -> tuple[Tensor, ...]:
+            gc, gthr, gw1, gb1, gw2, gb2, gt = pullback(d_rows)
+            out = [gc, (gthr * t.sgn() * self.init_L).sum_to_size(l_mult.shape), gw1[:, None], gb1,
+                   gw2 if weight is None else gw2 * weight, gb2 if weight is None else gb2 * weight]
+            if weight is not None:
+                out.append(((gw2 * w2).sum() + (gb2 * b2).sum()).reshape(weight.shape))
+            out = [g.to(v.dtype) for g, v, n in zip(out, views, need) if n]
+            return tuple(out) if table is None else (gt, *out)
+
+        return rows.float(), grads
 
     def compiled_rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
         """The traced formula compiled by inductor (`compiled.compiled_rows`)."""
@@ -254,6 +283,26 @@ class FireTableSum(BiasSum):
         if not isinstance(f, FireBias) or f.q_start is None or f.k_start is None or not f._one_row:
             return None
         return rest[0] if same_positions(f.q_pos, g.q_pos) and same_positions(f.k_pos, g.k_pos) else None
+
+    def rows_and_pullback(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor], need: Sequence[bool]
+                          ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]] | None:
+        """Where FIRE's rows take the table (`_fire_term`), `FireBias.rows_and_pullback` with the
+        table's window (``views[0]``, `BiasSum.grad_inputs`' first): its gradient FIRE's column
+        sums; the rows as `_rows`' (expanded to the batch; the pullback sums it)."""
+        i = self._fire_term() if stop > start and k_stop > 0 else None
+        if i is None:
+            return None
+        got = self.parts[i].rows_and_pullback(start, stop, k_stop, views[1:], need[1:], table=views[0])
+        if got is None:
+            return None
+        rows, pullback = got
+        b = self._group.q_pos.shape[0]
+
+        def grads(d_rows: Tensor) -> tuple[Tensor, ...]:
+            gt, *rest = pullback(d_rows if d_rows.shape[0] == 1 else d_rows.sum(0, keepdim=True))
+            return (gt, *rest) if need[0] else tuple(rest)
+
+        return (rows if b == rows.shape[0] else rows.expand(b, *rows.shape[1:])), grads
 
     def _rows(self, start: int, stop: int, k_stop: int, u: Tensor | None,
               views: Sequence[Sequence[Tensor] | None]) -> Tensor:

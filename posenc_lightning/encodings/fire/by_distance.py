@@ -4,6 +4,9 @@ and the helpers it shares with the rows by key are in `functions`."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -106,14 +109,20 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
     """The block ``[1, H, R, C]`` of ``x = p / n`` and the folded units' per-column slope and
     intercept ``[2H, T]``: computed in the distance layout ``[H, R, T]`` of its own buffer
     (`_padded`), per column the folded units' ``A x + B`` (one pass), then the runs' units per
-    element. No skewed copy: the rows are the buffer's other view."""
+    element. No skewed copy: the rows are the buffer's other view.
+
+    In float32 the folded pass is ``B + (A p) (1 / n)``: a ``[H, T]`` and an ``[R]`` factor, so no
+    ``[R, T]`` ``x`` is built or read (the runs take their columns' ``x``, the formula's division);
+    in a wider dtype ``A x + B`` with the formula's float32 ``x``."""
     nr, nt = n.shape[0], p.shape[0]
     h = w2.shape[0]
     rows, dist = _padded(h, nr, n_keys, dt, p.device)
     ab = _group_coef(on, w1, b1, w2, nt)
     b = ab[h:] + b2[:, None] if table is None else ab[h:] + b2[:, None] + table.to(dt)  # a table: per column
-    x = _distance_x(p, n, dt)  # [R, T]
-    torch.addcmul(b[:, None], ab[:h, None], x, out=dist)
+    if dt == p.dtype:
+        torch.addcmul(b[:, None], (ab[:h] * p)[:, None], (1 / n)[:, None], out=dist)
+    else:
+        torch.addcmul(b[:, None], ab[:h, None], _distance_x(p, n, dt), out=dist)
     if not runs:
         return rows, ab
     budget = _run_budget(h * nr * nt)
@@ -124,8 +133,8 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
         w = packed[i:i + len(us)]
         i += len(us)
         for a0, z0 in _run_steps(us, a, z, nr, h, budget):
-            hid = torch.addmm(w[:, 1:2], w[:, :1], x[:, a0:z0].reshape(1, -1)).relu_()
-            dist[..., a0:z0] += (w[:, 2:].t() @ hid).view(h, nr, z0 - a0)
+            hid = torch.addmm(w[:, 1:2], w[:, :1], _distance_x(p[a0:z0], n, dt).view(1, -1)).relu_()
+            dist[..., a0:z0].add_((w[:, 2:].t() @ hid).view(h, nr, z0 - a0))  # in place: no write-back
     return rows, ab
 
 
@@ -154,16 +163,52 @@ def _distance_layout(g: Tensor) -> Tensor:
     return buf.as_strided((h, r, r + k - 1), (buf.stride(0), k + r + 1, 1))
 
 
+class _EndBuffer(threading.local):
+    """`_end_layouts`'s buffer, kept per thread for the last shape: the layouts' padding is zeroed
+    once, when it is made, and never written (each call copies the keys over the last's), so a
+    block's backward writes only its triangles' keys, not a fresh zeroed buffer (~1 MiB a block
+    of 128 rows, whose new pages cost more than the copy). Never handed out: read only by the
+    products of the call that filled it."""
+
+    key: tuple | None = None
+    buf: Tensor | None = None
+
+    def get(self, n: int, dt: torch.dtype, device: torch.device) -> Tensor:
+        key = (n, dt, device)
+        if self.key != key:
+            self.key, self.buf = key, torch.zeros(n, dtype=dt, device=device)
+        return self.buf
+
+
+_END_BUFFER = _EndBuffer()
+
+
+def _end_layouts(g: Tensor) -> Tensor:
+    """The distance layout's two end triangles of ``g`` ``[H, R, C]`` (``C >= R - 1``) ``[2H, R, R -
+    1]``: columns ``[0, R - 1)`` (the first ``R - 1`` keys) of each head, then columns ``[C, C + R -
+    1)`` (the last), zeros outside the block's keys, each laid out as `_distance_layout`'s. One
+    buffer (`_EndBuffer`) written by one strided copy; the second triangles' layouts start ``R - 1``
+    elements early, so that all ``2H`` are one batch (one stride: a product takes them as they are)."""
+    h, r, k = g.shape
+    w = r - 1
+    size = 2 * w + r * (w + r)  # `_distance_layout` of w keys, and w to spare
+    buf = _END_BUFFER.get(2 * h * size, g.dtype, g.device)
+    ends = g.as_strided((2, h, r, w), (k - w, g.stride(0), g.stride(1), 1), g.storage_offset())
+    buf.as_strided((2, h, r, w), (h * size - w, size, w + r, 1), w).copy_(ends)  # the layouts' bodies
+    return buf.as_strided((2 * h, r, w), (size, w + r + 1, 1))
+
+
 class _Diagonals:
     """``g`` ``[H, R, C]`` read in the distance layout (`_distance_layout`) without copying most of
     it: columns ``m`` in ``[R - 1, C)`` see every row, ``g[h, r, m - (R - 1) + r]``, a strided view
     of ``g`` itself (rows one element further apart); the two triangles at either end (the first
-    and the last ``R - 1`` keys) are laid out on their own. `pieces` are ``(first column, [H, R,
-    width])`` covering ``[0, R + C - 1)`` in order."""
+    and the last ``R - 1`` keys) are laid out on their own, together (`_end_layouts`). `pieces`
+    are ``(first column, [H, R, width])`` covering ``[0, R + C - 1)`` in order."""
 
     def __init__(self, g: Tensor) -> None:
         h, r, k = g.shape
         g = g if g.stride(-1) == 1 else g.contiguous()
+        self.ends: Tensor | None = None
         if k < r - 1:  # the triangles would overlap: one layout of the whole
             self.pieces = [(0, _distance_layout(g))]
             return
@@ -171,9 +216,8 @@ class _Diagonals:
         if r == 1:
             self.pieces = [(0, mid)]
             return
-        left = _distance_layout(g[..., :r - 1])[..., :r - 1]  # columns [0, R - 1)
-        right = _distance_layout(g[..., k - r + 1:])[..., r - 1:]  # columns [C, C + R - 1)
-        self.pieces = [(0, left), (r - 1, mid), (k, right)]
+        self.ends = _end_layouts(g)
+        self.pieces = [(0, self.ends[:h]), (r - 1, mid), (k, self.ends[h:])]
 
     def columns(self, a: int, z: int) -> Tensor:
         """Columns ``[a, z)`` ``[H, R, z - a]`` (a copy)."""
@@ -182,16 +226,24 @@ class _Diagonals:
         return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, -1)
 
     def matmul_left(self, m: Tensor) -> Tensor:
-        """``m @ layout`` ``[H, X, T]`` for ``m`` ``[X, R]``."""
-        return torch.cat([torch.matmul(m, v) for _, v in self.pieces], -1)
+        """``m @ layout`` ``[H, X, T]`` for ``m`` ``[X, R]`` (both triangles in one product)."""
+        if self.ends is None:
+            return torch.matmul(m, self.pieces[0][1])
+        e = torch.matmul(m, self.ends)  # [2H, X, R - 1]
+        h = e.shape[0] // 2
+        return torch.cat((e[:h], torch.matmul(m, self.pieces[1][1]), e[h:]), -1)
 
-    def matmul_right(self, u: Tensor) -> Tensor:
-        """``layout @ u`` ``[H, R, Y]`` for ``u`` ``[H, T, Y]``."""
-        out = None
-        for c, v in self.pieces:
-            t = torch.matmul(v, u[:, c:c + v.shape[-1]])
-            out = t if out is None else out.add_(t)
-        return out
+    def row_dots(self, u: Tensor) -> Tensor:
+        """``sum_h sum_m layout[h, r, m] u[h, m]`` ``[R]`` for ``u`` ``[H, T]``: each piece's product
+        taken transposed (``u`` as a row times the piece's transpose, a column-major operand: half
+        the time of the piece times a column here)."""
+        if self.ends is None:
+            v = self.pieces[0][1]
+            return torch.matmul(u[:, None], v.transpose(1, 2)).sum((0, 1))
+        _, (c, mid), (k, _) = self.pieces
+        ue = torch.cat((u[:, :c], u[:, k:]))[:, None]  # [2H, 1, R - 1]
+        out = torch.matmul(u[:, None, c:k], mid.transpose(1, 2)).sum((0, 1))
+        return out.add_(torch.matmul(ue, self.ends.transpose(1, 2)).sum((0, 1)))
 
 
 def _diagonal_inputs(c: Tensor, thr: Tensor, q_pos: Tensor, k_pos: Tensor, shift: int) -> tuple[Tensor, Tensor]:
@@ -232,18 +284,38 @@ class _FireDiagonalRows(torch.autograd.Function):
         c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table = ctx.saved_tensors
         if grad is None:
             return (None,) * 11
-        dt = on.dtype
-        w1d, b1d, w2d = (t.to(dt) for t in (w1, b1, w2))
-        need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        gw1, gb1, gw2, gb2, gcx, gn, s0 = _diagonal_grads(
-            grad[0].to(dt), p, n, w1d, b1d, w2d, on, ab, spans,
-            _distances(q_pos, k_pos, ctx.shift).to(dt) if need_x else None, c.to(dt))
-        gc, gthr = torch.zeros_like(c), torch.zeros_like(thr)
-        if need_x:
-            gc, gthr = _normalizer_grads(gcx, gn, c, thr, q_pos[0])
-        gt = s0.to(table.dtype) if ctx.table and ctx.needs_input_grad[6] else None  # the table: per column
-        return gc, gthr, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb2.to(b2.dtype), gt, \
-            None, None, None, None
+        grads = _pullback(grad, (c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table), ctx.shift,
+                          ctx.needs_input_grad[0] or ctx.needs_input_grad[1], ctx.table and ctx.needs_input_grad[6])
+        return (*grads, None, None, None, None)
+
+
+def rows_and_pullback(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, table: Tensor | None,
+                      q_pos: Tensor, k_pos: Tensor, eps: float, shift: int, need_x: bool
+                      ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor | None, ...]]]:
+    """`_FireDiagonalRows`'s rows and its backward as a pullback, with no autograd Function (no
+    recording, no ``autograd.grad``: a fixed cost of each of the engine's backward blocks,
+    `FireBias.rows_and_pullback`). ``pullback(grad [1, H, R, C])`` gives the Function's
+    gradients ``(c, thr, w1, b1, w2, b2, table)`` (``c``'s and ``thr``'s zeros unless ``need_x``;
+    ``table``'s None without a table)."""
+    rows, n, p, on, spans, ab = _FireDiagonalRows.forward(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift)
+    saved = (c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table)
+    return rows, lambda grad: _pullback(grad, saved, shift, need_x, table is not None)
+
+
+def _pullback(grad: Tensor, saved: tuple, shift: int, need_x: bool, need_table: bool) -> tuple[Tensor | None, ...]:
+    """`_FireDiagonalRows`'s gradients ``(c, thr, w1, b1, w2, b2, table)`` from ``grad`` and its
+    saved tensors (`rows_and_pullback`, the Function's backward)."""
+    c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table = saved
+    dt = on.dtype
+    w1d, b1d, w2d = (t.to(dt) for t in (w1, b1, w2))
+    gw1, gb1, gw2, gb2, gcx, gn, s0 = _diagonal_grads(
+        grad[0].to(dt), p, n, w1d, b1d, w2d, on, ab, spans,
+        _distances(q_pos, k_pos, shift).to(dt) if need_x else None, c.to(dt))
+    gc, gthr = torch.zeros_like(c), torch.zeros_like(thr)
+    if need_x:
+        gc, gthr = _normalizer_grads(gcx, gn, c, thr, q_pos[0])
+    gt = s0.to(table.dtype) if need_table else None  # the table: per column
+    return gc, gthr, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb2.to(b2.dtype), gt
 
 
 def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, on: Tensor, ab: Tensor,
@@ -272,42 +344,50 @@ def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2:
         cz = c * dist
         dpsi = cz.sgn() * dist / (1 + cz.abs())  # d psi(d) / d c  [T]
         gcx = (a * sn).sum(0) @ dpsi
-        gn = gd.matmul_right((a * pd)[:, :, None]).sum(0)[:, 0] * (-inv_n * inv_n)  # [R]
+        gn = gd.row_dots(a * pd) * (-inv_n * inv_n)  # [R]
     if not spans.numel():
         return gw1, gb1, gw2, s0.sum(1), gcx, gn, s0
     budget = _run_budget(h * nr * nt)
     units = spans[:, 0]
     packed = torch.cat((w1[:, None], b1[:, None], w2.t()), 1).index_select(0, units)  # [S, 2 + H]: w1, b1, w2
+    # d loss / d x of the runs' elements, per row against [dpsi, p] of their columns: c's direct
+    # part (sum g_x dpsi / n) and the normalizers' (-sum g_x x / n = -sum g_x p / n^2), one
+    # product per step into [R, 2]
+    dp = None if dist is None else torch.stack((dpsi, pd), 1)  # [T, 2]
+    per_row = None if dist is None else g.new_zeros(nr, 2)
     i = 0
     for us, a, z in _runs(spans):
         w, idx = packed[i:i + len(us)], units[i:i + len(us)]
         i += len(us)
         for a0, z0 in _run_steps(us, a, z, nr, h, budget):
-            xs = _distance_x(p[a0:z0], n, dt)  # [R, S]: the forward's division
-            xf = xs.view(-1)
+            xf = _distance_x(p[a0:z0], n, dt).view(-1)  # [R S]: the forward's division
             hid = torch.addmm(w[:, 1:2], w[:, :1], xf[None]).relu_()  # [U, R S]
             gs = gd.columns(a0, z0).view(h, -1)  # [H, R S]
             gw2.index_add_(1, idx, gs @ hid.t())
             gpre = (w[:, 2:] @ gs).mul_(hid.sign())  # relu' = sign(relu(u)): 0 at u = 0, as torch
             gw1.index_add_(0, idx, gpre @ xf)
             gb1.index_add_(0, idx, gpre.sum(1))
-            if dist is not None:
-                gxr = (w[:, 0] @ gpre).view(nr, z0 - a0)  # d loss / d x  [R, S]
-                gcx = gcx + (gxr @ dpsi[a0:z0]) @ inv_n
-                gn = gn - (gxr * xs).sum(1) * inv_n
+            if per_row is not None:
+                per_row.addmm_((w[:, 0] @ gpre).view(nr, z0 - a0), dp[a0:z0])
+    if per_row is not None:
+        gcx = gcx + inv_n @ per_row[:, 0]
+        gn = gn - per_row[:, 1] * inv_n * inv_n
     return gw1, gb1, gw2, s0.sum(1), gcx, gn, s0
 
 
 def _normalizer_grads(gcx: Tensor, gn: Tensor, c: Tensor, thr: Tensor, q_pos: Tensor) -> tuple[Tensor, Tensor]:
     """``(d c, d L)`` from the direct part of ``c``'s gradient and the rows' ``gn`` (``n_i =
-    psi(max(L, i)) + eps``), with ``max``'s gradient split at ties (as torch)."""
+    psi(max(L, i)) + eps``): with ``t = gn sgn(c m) / (1 + |c m|)`` (``m = max(L, i)``), ``d psi(m) /
+    d c = t m / gn`` and ``d psi(m) / d m = t c / gn``; ``max``'s gradient split at ties (as torch:
+    ``(sgn(L - i) + 1) / 2`` of it to ``L``). Both sums are one product (a row's few operations
+    are most of its cost)."""
     dt = gn.dtype
-    cd = c.to(dt)
     qf, th = q_pos.to(torch.float32), thr.to(torch.float32).abs()
     m = torch.maximum(qf, th).to(dt)
+    cd = c.to(dt)
     cm = cd * m
-    gc = gcx + (gn * cm.sgn() * m / (1 + cm.abs())).sum()
-    gm = gn * cm.sgn() * cd / (1 + cm.abs())
-    share = torch.where(th > qf, 1.0, torch.where(th == qf, 0.5, 0.0))  # torch.maximum's backward
-    gthr = (gm * share).sum() * thr.sgn()
+    t = gn * cm.sgn() / (1 + cm.abs())
+    sums = torch.stack((m, (th - qf).sgn().add_(1).to(dt))) @ t  # [2]: sum t m, 2 sum t share
+    gc = gcx + sums[0]
+    gthr = sums[1] * 0.5 * cd * thr.sgn()
     return gc.reshape(c.shape).to(c.dtype), gthr.reshape(thr.shape).to(thr.dtype)
