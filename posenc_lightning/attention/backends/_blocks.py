@@ -49,11 +49,26 @@ def forward_rows(n_heads: int, n_q: int, n_k: int) -> int:
     return rows_within(n_q, _F32 * n_heads * max(n_k, 1))
 
 
-def backward_rows(b: int, n_heads: int, n_q: int, n_k: int, share: float = 1.0) -> int:
+def backward_rows(b: int, n_heads: int, n_q: int, n_k: int, share: float = 1.0, released: bool = False) -> int:
     """Query rows per block of the own backward passes: half a forward block, as the logits, the
     weights, ``dS`` and the bias rows of a block are alive together; ``share`` of that for a bias
-    whose recomputed rows keep more row-sized state (`Bias.backward_share`)."""
-    rows = rows_within(n_q, _F32 * b * n_heads * max(n_k, 1), live=2)
+    whose recomputed rows keep more row-sized state (`Bias.backward_share`).
+
+    Args:
+        b, n_heads, n_q, n_k: the batch, heads, queries and keys.
+        share: `Bias.backward_share`.
+        released: the caller frees a block's bias rows once they are in its logits
+            (`BlockRows.release`): with ``share`` 1 and more than one thread the block takes the
+            whole budget (the engine's two block buffers, the rows only until the softmax): half
+            the blocks, half the per-block fixed cost, which the threads do not share (at one
+            thread the smaller block measured as fast or faster; CHANGELOG.md). A share below 1
+            keeps half a block times ``share``.
+
+    Returns:
+        The rows per block.
+    """
+    whole = released and share >= 1.0 and torch.get_num_threads() > 1
+    rows = rows_within(n_q, _F32 * b * n_heads * max(n_k, 1), live=1 if whole else 2)
     return rows if share >= 1.0 else max(MIN_ROWS // 2, int(rows * share))
 
 
@@ -72,12 +87,23 @@ def wide_zeros(t: Tensor) -> Tensor:
 @dataclass(eq=False)
 class BlockRows:
     """One block's bias rows (detached) and what routes their gradient to the bias's inputs:
-    ``live`` the inputs differentiated to, ``windows`` the part of each input the rows read."""
+    ``live`` the inputs differentiated to, ``windows`` the part of each input the rows read.
+    ``rows`` is None once `release` dropped it (the rows' shape and dtype are kept for `backward`)."""
 
-    rows: Tensor
+    rows: Tensor | None
     pullback: Callable[[Tensor], tuple[Tensor, ...]] | None
     live: tuple[int, ...]
     windows: tuple
+
+    def __post_init__(self) -> None:
+        self.shape, self.dtype = self.rows.shape, self.rows.dtype
+
+    def release(self) -> Tensor:
+        """The rows, no longer held here: once the caller has added them to the logits, their
+        block-sized memory is free before the block's softmax and ``dS`` (a pullback keeps what
+        it needs itself), so a backward block may take more rows in the same memory."""
+        rows, self.rows = self.rows, None
+        return rows
 
     @classmethod
     def of(cls, bias: Bias, inputs: Sequence[Tensor], need: Sequence[bool], start: int, stop: int, k_stop: int,
@@ -127,8 +153,8 @@ class BlockRows:
         if self.pullback is None:
             return
         for dim in (0, 1):
-            if self.rows.shape[dim] == 1 and d_rows.shape[dim] > 1:
+            if self.shape[dim] == 1 and d_rows.shape[dim] > 1:
                 d_rows = d_rows.sum(dim, keepdim=True)
-        for i, gi in zip(self.live, self.pullback(d_rows.to(self.rows.dtype))):
+        for i, gi in zip(self.live, self.pullback(d_rows.to(self.dtype))):
             acc, w = into(i), self.windows[i]
             (acc if w is None else acc[w]).add_(gi)

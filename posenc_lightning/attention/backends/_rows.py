@@ -133,14 +133,14 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
 
     def add_bias(start: int, stop: int, k_stop: int, s: Tensor) -> None:
         flight.block = BlockRows.of(spec.bias, spec.inputs, live, start, stop, k_stop, compiling)
-        s.add_(flight.block.rows.to(s.dtype).view(-1, *s.shape[1:]))
+        s.add_(flight.block.release().to(s.dtype).view(-1, *s.shape[1:]))  # the rows freed here
         masked(s, spec.mask, start, stop, k_stop, inplace=True, group_dim=True)
 
     def to_inputs(start: int, stop: int, k_stop: int, ds: Tensor) -> None:
         block, flight.block = flight.block, None
         block.backward(ds.reshape(b, h, stop - start, k_stop), into)
 
-    rows = backward_rows(b, h, n_q, n_k, spec.bias.backward_share)
+    rows = backward_rows(b, h, n_q, n_k, spec.bias.backward_share, released=True)  # `add_bias` releases
     if lse is None:
         dq, dk, dv = attention_backward_by_blocks(
             q, k, v, out, d_out, scale=spec.scale, causal=spec.mask.causal, q_offset=spec.mask.q_offset, rows=rows,

@@ -1,0 +1,77 @@
+"""The engine's backward by rows with whole-budget blocks (`_blocks.backward_rows` with
+``released``: more than one thread, the block's bias rows freed once added to its logits,
+`BlockRows.release`): FIRE and a mixture (ALiBi + T5 + FIRE) through sdpa's rows form, forward and
+every gradient against eager attention on the dense bias, at a length that no block size divides,
+at arange and gapped positions, with grouped kv heads."""
+
+import pytest
+import torch
+
+from posenc_lightning.attention.backends import _blocks, eager, sdpa
+from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.encodings.base import AttentionContext
+from posenc_lightning.encodings.bias import DenseBias
+from posenc_lightning.encodings.registry import build_encoding
+
+H, H_KV, D, N, B = 4, 2, 8, 37, 2
+#: one row of logits, ``[B, H, 1, N]`` float32: a budget of 20 rows (37 = 20 + 17 whole, 16 + 16 + 5 halved)
+ROW = 4 * B * H * N
+
+
+def _positions(layout: str) -> torch.Tensor:
+    if layout == "arange":
+        return torch.arange(N)[None].expand(B, N)
+    return torch.cumsum(torch.randint(1, 4, (B, N), generator=torch.Generator().manual_seed(0)), 1)
+
+
+def _encoding(name: str):
+    torch.manual_seed(0)
+    if name == "mixture":
+        enc = build_encoding("mixture", members=("alibi", "relative_bias", "fire"), member_cfgs={"fire": {"init_L": 4.0}})
+    else:
+        enc = build_encoding("fire", init_L=4.0)
+    enc.bind(n_heads=H, head_dim=D, d_model=H * D)
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return enc
+
+
+def test_whole_budget_only_with_released_rows_and_threads(monkeypatch):
+    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 20 * ROW)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert _blocks.backward_rows(B, H, N, N) == 16  # half the budget (at least MIN_ROWS)
+    assert _blocks.backward_rows(B, H, N, N, released=True) == 20
+    assert _blocks.backward_rows(B, H, N, N, 0.75, released=True) == 12  # a share keeps half a block
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert _blocks.backward_rows(B, H, N, N, released=True) == 16
+
+
+@pytest.mark.parametrize("layout", ["arange", "gaps"])
+@pytest.mark.parametrize("name", ["fire", "mixture"])
+def test_whole_budget_blocks_equal_eager(name, layout, monkeypatch):
+    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 20 * ROW)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    released = []
+    release = _blocks.BlockRows.release
+    monkeypatch.setattr(_blocks.BlockRows, "release", lambda self: released.append(self.shape[-2]) or release(self))
+    enc = _encoding(name)
+    pos = _positions(layout)
+    ctx, mask = AttentionContext(pos, pos, True), AttentionMask(True, 0, N, N)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, H, N, D, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, H_KV, N, D, generator=g, requires_grad=True) for _ in range(2))
+    params = list(enc.parameters())
+    bias = enc.bias(q, k, ctx)
+    out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=D ** -0.5, ctx=ctx)
+    w = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad((out * w).sum(), [q, k, v, *params], allow_unused=True, retain_graph=True)
+    assert released == [20, 17]  # the engine's own backward ran, in whole-budget blocks
+    ref_out = eager.attend(q, k, v, bias=DenseBias(bias.materialize()), mask=mask, scale=D ** -0.5, ctx=ctx)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+    ref = torch.autograd.grad((ref_out * w).sum(), [q, k, v, *params], allow_unused=True)
+    for a, b in zip(got, ref):
+        if b is None:
+            assert a is None or not a.abs().max()
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
