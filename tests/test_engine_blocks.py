@@ -39,12 +39,11 @@ def _encoding(name: str):
 
 def test_whole_budget_only_with_released_rows_and_threads(monkeypatch):
     monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 20 * ROW)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert _blocks.backward_rows(B, H, N, N) == 16  # half the budget (at least MIN_ROWS)
-    assert _blocks.backward_rows(B, H, N, N, released=True) == 20
-    assert _blocks.backward_rows(B, H, N, N, 0.75, released=True) == 12  # a share keeps half a block
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert _blocks.backward_rows(B, H, N, N, released=True) == 16
+    assert _blocks.backward_rows(B, H, N, N, threads=2) == 16  # half the budget (at least MIN_ROWS)
+    assert _blocks.backward_rows(B, H, N, N, released=True, threads=2) == 20
+    assert _blocks.backward_rows(B, H, N, N, 0.75, released=True, threads=2) == 12  # a share keeps half a block
+    assert _blocks.backward_rows(B, H, N, N, released=True, threads=1) == 16
+    assert _blocks.backward_rows(B, H, N, N, released=True) == 16  # one thread unless told
 
 
 @pytest.mark.parametrize("layout", ["arange", "gaps"])

@@ -49,7 +49,8 @@ def forward_rows(n_heads: int, n_q: int, n_k: int) -> int:
     return rows_within(n_q, _F32 * n_heads * max(n_k, 1))
 
 
-def backward_rows(b: int, n_heads: int, n_q: int, n_k: int, share: float = 1.0, released: bool = False) -> int:
+def backward_rows(b: int, n_heads: int, n_q: int, n_k: int, share: float = 1.0, released: bool = False,
+                  threads: int = 1) -> int:
     """Query rows per block of the own backward passes: half a forward block, as the logits, the
     weights, ``dS`` and the bias rows of a block are alive together; ``share`` of that for a bias
     whose recomputed rows keep more row-sized state (`Bias.backward_share`).
@@ -63,11 +64,13 @@ def backward_rows(b: int, n_heads: int, n_q: int, n_k: int, share: float = 1.0, 
             the blocks, half the per-block fixed cost, which the threads do not share (at one
             thread the smaller block measured as fast or faster; CHANGELOG.md). A share below 1
             keeps half a block times ``share``.
+        threads: the intra-op threads the backward runs on (1 where traced: no thread count is read
+            inside a compiled graph).
 
     Returns:
         The rows per block.
     """
-    whole = released and share >= 1.0 and torch.get_num_threads() > 1
+    whole = released and share >= 1.0 and threads > 1
     rows = rows_within(n_q, _F32 * b * n_heads * max(n_k, 1), live=1 if whole else 2)
     return rows if share >= 1.0 else max(MIN_ROWS // 2, int(rows * share))
 

@@ -140,7 +140,8 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
         block, flight.block = flight.block, None
         block.backward(ds.reshape(b, h, stop - start, k_stop), into)
 
-    rows = backward_rows(b, h, n_q, n_k, spec.bias.backward_share, released=True)  # `add_bias` releases
+    rows = backward_rows(b, h, n_q, n_k, spec.bias.backward_share, released=True,  # `add_bias` releases
+                         threads=1 if compiling else torch.get_num_threads())
     if lse is None:
         dq, dk, dv = attention_backward_by_blocks(
             q, k, v, out, d_out, scale=spec.scale, causal=spec.mask.causal, q_offset=spec.mask.q_offset, rows=rows,

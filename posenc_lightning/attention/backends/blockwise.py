@@ -29,6 +29,7 @@ from posenc_lightning.attention.backends._normalizers import ModulatedSoftmaxBlo
 from posenc_lightning.attention.backends._tiles import Tiling
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KeyOnly
+from posenc_lightning.functional.positions import host_reads_ok
 
 NAME = "blockwise"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
@@ -96,7 +97,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         spec = TilesSpec(tiling, bias, extra, scale, None,
                          *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)),
                          keep_tails=_keeps_tails(q, k, v, extra, tiling), fold=fold,
-                         ascending=ctx is not None and ctx.ascending, stop_spent=STOP_SPENT)
+                         ascending=ctx is not None and ctx.ascending, stop_spent=STOP_SPENT and host_reads_ok(q))
         return StickBreakingBlocks.apply(q, k, v, spec, *extra)
     if ctx is None:
         raise ValueError(f"{enc.name}: the distance-modulated softmax needs the positions (ctx)")
