@@ -117,7 +117,7 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
 
     ``keep`` (a list): each run step's hidden units ``relu(w1 x + b1)`` ``[U, R S]`` are appended,
     for the pullback to reuse instead of recomputing them, while together they hold at most a
-    quarter of the block's elements (None for a step past that: recomputed there)."""
+    quarter of the block's elements or 2^18 (None for a step past that: recomputed there)."""
     nr, nt = n.shape[0], p.shape[0]
     h = w2.shape[0]
     rows, dist = _padded(h, nr, n_keys, dt, p.device)
@@ -132,7 +132,7 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
     budget = _run_budget(h * nr * nt)
     units = torch.tensor([u for us, _, _ in runs for u in us], device=p.device)
     packed = torch.cat((w1[:, None], b1[:, None], w2.t()), 1).index_select(0, units)  # [S, 2 + H]: w1, b1, w2
-    room = h * nr * nt // 4  # the hidden units kept for the pullback (`keep`)
+    room = max(h * nr * nt // 4, 1 << 18)  # the hidden units kept for the pullback (`keep`)
     i = 0
     for us, a, z in runs:
         w = packed[i:i + len(us)]
