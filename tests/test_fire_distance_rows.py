@@ -174,3 +174,31 @@ def test_rows_and_pullback_equal_autograd(kind, monkeypatch):
         got.backward(d, acc_got.__getitem__)
         for a, b in zip(acc_got, acc_ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["fire", "float64", "mixture"])
+def test_rows_without_grad_equal_the_function(kind):
+    """With grad mode off (the engine's forward) `fire_rows` computes the rows by distance without
+    the autograd Function (`by_distance._forward`): equal to the Function's rows, and to the
+    formula; blocks that do not divide the rows, positions from 5, rows on both sides of L (40)."""
+    torch.manual_seed(3)
+    n, start = 90, 5
+    if kind == "mixture":
+        bias = _mixture_bias(n, start, batch=1)
+        assert type(bias) is FireTableSum and bias._fire_term() is not None
+        full = sum(p.materialize() for p in bias.parts)
+    else:
+        enc = _fire(init_l=40.0)
+        enc = enc.double() if kind == "float64" else enc
+        pos = (torch.arange(n) + start)[None]
+        bias = enc.bias(None, None, AttentionContext(pos, pos, True, q_start=start, k_start=start))
+        assert type(bias) is FireBias
+        full = enc.bias_tensor(pos, pos).float()
+    for s, e, ke in [(0, 17, 17), (17, 50, 63), (33, 34, 34), (50, 90, 90)]:
+        with torch.enable_grad():
+            ref = bias.rows(s, e, ke)
+        assert ref.requires_grad
+        with torch.no_grad():
+            got = bias.rows(s, e, ke)
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+        torch.testing.assert_close(got, full[..., s:e, :ke].expand_as(got), rtol=1e-5, atol=1e-5)

@@ -105,7 +105,7 @@ def _run_steps(units: list[int], a: int, z: int, rows: int, heads: int, budget: 
 
 def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
                    on: Tensor, runs: list[tuple[list[int], int, int]], n_keys: int,
-                   table: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                   table: Tensor | None = None, keep: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
     """The block ``[1, H, R, C]`` of ``x = p / n`` and the folded units' per-column slope and
     intercept ``[2H, T]``: computed in the distance layout ``[H, R, T]`` of its own buffer
     (`_padded`), per column the folded units' ``A x + B`` (one pass), then the runs' units per
@@ -113,7 +113,11 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
 
     In float32 the folded pass is ``B + (A p) (1 / n)``: a ``[H, T]`` and an ``[R]`` factor, so no
     ``[R, T]`` ``x`` is built or read (the runs take their columns' ``x``, the formula's division);
-    in a wider dtype ``A x + B`` with the formula's float32 ``x``."""
+    in a wider dtype ``A x + B`` with the formula's float32 ``x``.
+
+    ``keep`` (a list): each run step's hidden units ``relu(w1 x + b1)`` ``[U, R S]`` are appended,
+    for the pullback to reuse instead of recomputing them, while together they hold at most a
+    quarter of the block's elements or 2^18 (None for a step past that: recomputed there)."""
     nr, nt = n.shape[0], p.shape[0]
     h = w2.shape[0]
     rows, dist = _padded(h, nr, n_keys, dt, p.device)
@@ -128,6 +132,7 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
     budget = _run_budget(h * nr * nt)
     units = torch.tensor([u for us, _, _ in runs for u in us], device=p.device)
     packed = torch.cat((w1[:, None], b1[:, None], w2.t()), 1).index_select(0, units)  # [S, 2 + H]: w1, b1, w2
+    room = max(h * nr * nt // 4, 1 << 18)  # the hidden units kept for the pullback (`keep`)
     i = 0
     for us, a, z in runs:
         w = packed[i:i + len(us)]
@@ -135,6 +140,9 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
         for a0, z0 in _run_steps(us, a, z, nr, h, budget):
             hid = torch.addmm(w[:, 1:2], w[:, :1], _distance_x(p[a0:z0], n, dt).view(1, -1)).relu_()
             dist[..., a0:z0].add_((w[:, 2:].t() @ hid).view(h, nr, z0 - a0))  # in place: no write-back
+            if keep is not None:
+                room -= hid.numel()
+                keep.append(hid if room >= 0 else None)
     return rows, ab
 
 
@@ -252,6 +260,20 @@ def _diagonal_inputs(c: Tensor, thr: Tensor, q_pos: Tensor, k_pos: Tensor, shift
     return n, fire_psi(_distances(q_pos, k_pos, shift), c)
 
 
+def _forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, table: Tensor | None,
+             q_pos: Tensor, k_pos: Tensor, eps: float, shift: int, keep: list[Tensor | None] | None = None
+             ) -> tuple[Tensor, ...]:
+    """`_FireDiagonalRows`'s outputs; ``keep``: `_diagonal_rows`' (the runs' hidden units)."""
+    n, p = _diagonal_inputs(c, thr, q_pos, k_pos, shift)
+    n = n + eps
+    dt = torch.promote_types(torch.promote_types(n.dtype, p.dtype), w2.dtype)
+    w1, b1, w2, b2 = (t.to(dt) for t in (w1, b1, w2, b2))
+    on, runs = _diagonal_select(p, n, dt, w1, b1)
+    spans = torch.tensor([(u, a, z) for units, a, z in runs for u in units], dtype=torch.long).view(-1, 3)
+    rows, ab = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], table, keep)
+    return rows, n, p, on, spans, ab
+
+
 class _FireDiagonalRows(torch.autograd.Function):
     """`fire_rows` at ``start + arange`` positions (one row of positions), in the distance layout:
     outputs ``(rows, n, p, on, spans, ab)``, all but rows for backward (the selection of
@@ -260,14 +282,7 @@ class _FireDiagonalRows(torch.autograd.Function):
     @staticmethod
     def forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,  # type: ignore[override]
                 table: Tensor | None, q_pos: Tensor, k_pos: Tensor, eps: float, shift: int):
-        n, p = _diagonal_inputs(c, thr, q_pos, k_pos, shift)
-        n = n + eps
-        dt = torch.promote_types(torch.promote_types(n.dtype, p.dtype), w2.dtype)
-        w1, b1, w2, b2 = (t.to(dt) for t in (w1, b1, w2, b2))
-        on, runs = _diagonal_select(p, n, dt, w1, b1)
-        spans = torch.tensor([(u, a, z) for units, a, z in runs for u in units], dtype=torch.long).view(-1, 3)
-        rows, ab = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], table)
-        return rows, n, p, on, spans, ab
+        return _forward(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
@@ -296,21 +311,25 @@ def rows_and_pullback(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor
     recording, no ``autograd.grad``: a fixed cost of each of the engine's backward blocks,
     `FireBias.rows_and_pullback`). ``pullback(grad [1, H, R, C])`` gives the Function's
     gradients ``(c, thr, w1, b1, w2, b2, table)`` (``c``'s and ``thr``'s zeros unless ``need_x``;
-    ``table``'s None without a table)."""
-    rows, n, p, on, spans, ab = _FireDiagonalRows.forward(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift)
+    ``table``'s None without a table). The runs' hidden units of the rows are kept for the
+    pullback (`_diagonal_rows`' ``keep``), not recomputed."""
+    hids: list[Tensor | None] = []
+    rows, n, p, on, spans, ab = _forward(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, hids)
     saved = (c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table)
-    return rows, lambda grad: _pullback(grad, saved, shift, need_x, table is not None)
+    return rows, lambda grad: _pullback(grad, saved, shift, need_x, table is not None, hids)
 
 
-def _pullback(grad: Tensor, saved: tuple, shift: int, need_x: bool, need_table: bool) -> tuple[Tensor | None, ...]:
+def _pullback(grad: Tensor, saved: tuple, shift: int, need_x: bool, need_table: bool,
+              hids: list[Tensor | None] | None = None) -> tuple[Tensor | None, ...]:
     """`_FireDiagonalRows`'s gradients ``(c, thr, w1, b1, w2, b2, table)`` from ``grad`` and its
-    saved tensors (`rows_and_pullback`, the Function's backward)."""
+    saved tensors (`rows_and_pullback`, the Function's backward); ``hids``: the forward's hidden
+    units of the run steps (`_diagonal_rows`' ``keep``), recomputed where None or absent."""
     c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table = saved
     dt = on.dtype
     w1d, b1d, w2d = (t.to(dt) for t in (w1, b1, w2))
     gw1, gb1, gw2, gb2, gcx, gn, s0 = _diagonal_grads(
         grad[0].to(dt), p, n, w1d, b1d, w2d, on, ab, spans,
-        _distances(q_pos, k_pos, shift).to(dt) if need_x else None, c.to(dt))
+        _distances(q_pos, k_pos, shift).to(dt) if need_x else None, c.to(dt), hids)
     gc, gthr = torch.zeros_like(c), torch.zeros_like(thr)
     if need_x:
         gc, gthr = _normalizer_grads(gcx, gn, c, thr, q_pos[0])
@@ -319,14 +338,20 @@ def _pullback(grad: Tensor, saved: tuple, shift: int, need_x: bool, need_table: 
 
 
 def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, on: Tensor, ab: Tensor,
-                    spans: Tensor, dist: Tensor | None, c: Tensor
+                    spans: Tensor, dist: Tensor | None, c: Tensor, hids: list[Tensor | None] | None = None
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor]:
     """The gradients of `_diagonal_rows` (``d rows = g`` ``[H, R, C]``) to ``(w1, b1, w2, b2)``, and
     with ``dist`` (the block's descending distances) the direct part of ``c``'s (through ``p``),
     the rows' normalizers' ``gn`` ``[R]`` and the column sums of ``g`` ``[H, T]`` (a table's). With
     ``g`` read in the distance layout (`_Diagonals`) the folded units need two products: its
     column sums (of ``g`` and ``g / n``: ``sum_r g x = p * sum_r g / n``) and its row sums against
-    ``A p`` (``sum_m g A x``, for ``n``); the runs' units per element."""
+    ``A p`` (``sum_m g A x``, for ``n``); the runs' units per element, their hidden units from
+    ``hids`` (the forward's, one per run step) where given.
+
+    A run step's gradient to the pre-activations ``gpre`` ``[U, R, S]`` is reduced once, against
+    its columns' ``[p, 1, dpsi]`` (``[U R, S] @ [S, 3]``), into ``acc`` ``[W, R, 3]``: ``w1``'s
+    gradient is ``sum_r acc[.., r, 0] / n_r`` (``x = p / n``), ``b1``'s ``sum_r acc[.., r, 1]``, and
+    ``sum_u w1_u acc[u]`` the rows' ``sum g_x p`` and ``sum g_x dpsi`` (the normalizers', ``c``'s)."""
     dt = g.dtype
     h, nr, nk = g.shape
     gd = _Diagonals(g)  # [H, R, T]
@@ -350,28 +375,28 @@ def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2:
     budget = _run_budget(h * nr * nt)
     units = spans[:, 0]
     packed = torch.cat((w1[:, None], b1[:, None], w2.t()), 1).index_select(0, units)  # [S, 2 + H]: w1, b1, w2
-    # d loss / d x of the runs' elements, per row against [dpsi, p] of their columns: c's direct
-    # part (sum g_x dpsi / n) and the normalizers' (-sum g_x x / n = -sum g_x p / n^2), one
-    # product per step into [R, 2]
-    dp = None if dist is None else torch.stack((dpsi, pd), 1)  # [T, 2]
-    per_row = None if dist is None else g.new_zeros(nr, 2)
+    # each run step's d loss / d pre-activation against its columns' [p, 1, dpsi]
+    cols = torch.stack((pd, torch.ones_like(pd)) if dist is None else (pd, torch.ones_like(pd), dpsi), 1)
+    acc = g.new_zeros(w1.shape[0], nr, cols.shape[1])  # [W, R, 2 or 3]
+    steps = iter(hids or ())
     i = 0
     for us, a, z in _runs(spans):
         w, idx = packed[i:i + len(us)], units[i:i + len(us)]
         i += len(us)
         for a0, z0 in _run_steps(us, a, z, nr, h, budget):
-            xf = _distance_x(p[a0:z0], n, dt).view(-1)  # [R S]: the forward's division
-            hid = torch.addmm(w[:, 1:2], w[:, :1], xf[None]).relu_()  # [U, R S]
+            hid = next(steps, None)
+            if hid is None:  # recomputed as the forward did: x its division
+                hid = torch.addmm(w[:, 1:2], w[:, :1], _distance_x(p[a0:z0], n, dt).view(1, -1)).relu_()
             gs = gd.columns(a0, z0).view(h, -1)  # [H, R S]
             gw2.index_add_(1, idx, gs @ hid.t())
             gpre = (w[:, 2:] @ gs).mul_(hid.sign())  # relu' = sign(relu(u)): 0 at u = 0, as torch
-            gw1.index_add_(0, idx, gpre @ xf)
-            gb1.index_add_(0, idx, gpre.sum(1))
-            if per_row is not None:
-                per_row.addmm_((w[:, 0] @ gpre).view(nr, z0 - a0), dp[a0:z0])
-    if per_row is not None:
-        gcx = gcx + inv_n @ per_row[:, 0]
-        gn = gn - per_row[:, 1] * inv_n * inv_n
+            acc.index_add_(0, idx, (gpre.view(-1, z0 - a0) @ cols[a0:z0]).view(len(us), nr, -1))
+    gw1 = gw1 + acc[..., 0] @ inv_n
+    gb1 = gb1 + acc[..., 1].sum(1)
+    if dist is not None:
+        per_row = (w1 @ acc.view(w1.shape[0], -1)).view(nr, -1)  # [R, 3]: sum g_x p, -, sum g_x dpsi
+        gcx = gcx + inv_n @ per_row[:, 2]
+        gn = gn - per_row[:, 0] * inv_n * inv_n
     return gw1, gb1, gw2, s0.sum(1), gcx, gn, s0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from posenc_lightning.encodings.fire.by_distance import _FireDiagonalRows
+from posenc_lightning.encodings.fire.by_distance import _FireDiagonalRows, _forward
 from posenc_lightning.encodings.fire.functions import _FireRows, fire_mlp
 from posenc_lightning.functional.fire import fire_normalized_distance
 
@@ -33,5 +33,7 @@ def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Te
         x = fire_normalized_distance(q_pos, k_pos, c, threshold, eps)
         return fire_mlp(x.flatten(1), w1, b1, w2, b2).unflatten(-1, x.shape[1:])
     if diagonal:
+        if not torch.is_grad_enabled():  # nothing to record: the Function's forward without `apply`'s
+            return _forward(c, threshold, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift)[0]  # binding
         return _FireDiagonalRows.apply(c, threshold, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift)[0]
     return _FireRows.apply(c, threshold, w1, b1, w2, b2, q_pos, k_pos, eps, shift)[0]
