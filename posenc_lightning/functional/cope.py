@@ -226,7 +226,7 @@ class _CoPECausalRows(torch.autograd.Function):
     def grads(ctx, grad: Tensor) -> tuple:
         q, k, emb, g, lo, w, slope = ctx.saved_tensors
         b, h, r, d = q.shape
-        h_kv, n_p = k.shape[1], emb.shape[-1]
+        h_kv = k.shape[1]
         grad_top, grad = grad[..., :ctx.clamped].sum(-1), grad[..., ctx.clamped:]  # z_i[top] at the clamped keys
         # p_ij = sum_{t=j..i} g_it: dg_it = sum_{j <= t} dp_ij; sigmoid' = g (1 - g); 0 after the query
         dl = torch.ops.aten.sigmoid_backward(torch.mul(grad, slope).cumsum_(-1), g)
@@ -234,20 +234,29 @@ class _CoPECausalRows(torch.autograd.Function):
         dl = _grouped(dl, h_kv)
         dq = torch.matmul(dl, k).mul_(ctx.scale).view(b, h, r, d)
         dk = torch.matmul(dl.mT, _grouped(q, h_kv)).mul_(ctx.scale)
-        # dz[m]: grad (1 - w) summed where floor(p) = m, grad w where floor(p) = m - 1: scattered
-        # into columns 0..P-1 and 1..P of one more column than z has (w = 0 at the top: no index
-        # arithmetic), in key order
-        gw = grad * w
-        wide = torch.zeros(b, h, r, n_p + 1, dtype=grad.dtype, device=grad.device)
-        wide[..., :n_p].scatter_add_(-1, lo, grad.sub(gw))
-        wide[..., 1:].scatter_add_(-1, lo, gw)
-        gz = wide[..., :n_p]
-        gz[..., ctx.top] += grad_top
-        dq += torch.matmul(gz, emb.mT)
-        demb = torch.matmul(q.mT, gz).sum(0, keepdim=True)
-        if emb.shape[0] == 1:
-            demb = demb.sum(1)
-        return dq, dk, demb.view(emb.shape), None, None, None, None, None
+        return dq, dk, _lookup_grads(grad, w, lo, grad_top, ctx.top, q, emb, dq), None, None, None, None, None
+
+
+def _lookup_grads(grad: Tensor, w: Tensor, lo: Tensor, grad_top: Tensor, top: int, q: Tensor, emb: Tensor,
+                  dq: Tensor) -> Tensor:
+    """The lookup's backward (eq. 5) from the rows' gradient ``grad`` at ``floor(p) = lo`` with fraction
+    ``w``, and ``grad_top`` for ``z_i[top]``: ``z = q @ emb``'s gradient added to ``dq`` (in place), and
+    ``emb``'s returned. ``dz[m]``: ``grad (1 - w)`` summed where ``floor(p) = m``, ``grad w`` where
+    ``floor(p) = m - 1``: scattered into columns ``0..P-1`` and ``1..P`` of one more column than ``z``
+    has (``w = 0`` at the top: no index arithmetic), in key order."""
+    b, h, r, _ = grad.shape
+    n_p = emb.shape[-1]
+    gw = grad * w
+    wide = torch.zeros(b, h, r, n_p + 1, dtype=grad.dtype, device=grad.device)
+    wide[..., :n_p].scatter_add_(-1, lo, grad.sub(gw))
+    wide[..., 1:].scatter_add_(-1, lo, gw)
+    gz = wide[..., :n_p]
+    gz[..., top] += grad_top
+    dq += torch.matmul(gz, emb.mT)
+    demb = torch.matmul(q.mT, gz).sum(0, keepdim=True)
+    if emb.shape[0] == 1:
+        demb = demb.sum(1)
+    return demb.view(emb.shape)
 
 
 def cope_band_counts(q: Tensor, k: Tensor, scale: float, width: int) -> tuple[Tensor, Tensor]:
@@ -339,7 +348,7 @@ class _CoPEBandRows(torch.autograd.Function):
     def grads(ctx, grad: Tensor) -> tuple:
         q, k, emb, g, lo, w, slope = ctx.saved_tensors
         b, h, r, d = q.shape
-        h_kv, n_k, n_p = k.shape[1], k.shape[-2], emb.shape[-1]
+        h_kv, n_k = k.shape[1], k.shape[-2]
         band = _band(grad, ctx.width, ctx.lead)
         grad_top = grad.sum(-1) - band.sum(-1)  # every column off the bands holds z_i[top]
         # as `_CoPECausalRows.grads`, on the bands: dg_it = sum_{j <= t} dp_ij along the band
@@ -350,14 +359,4 @@ class _CoPEBandRows(torch.autograd.Function):
         wide_dl = _grouped(wide_dl, h_kv)
         dq = torch.matmul(wide_dl, k).mul_(ctx.scale).view(b, h, r, d)
         dk = torch.matmul(wide_dl.mT, _grouped(q, h_kv)).mul_(ctx.scale)
-        gw = band * w
-        wide = torch.zeros(b, h, r, n_p + 1, dtype=grad.dtype, device=grad.device)
-        wide[..., :n_p].scatter_add_(-1, lo, band.sub(gw))
-        wide[..., 1:].scatter_add_(-1, lo, gw)
-        gz = wide[..., :n_p]
-        gz[..., ctx.top] += grad_top
-        dq += torch.matmul(gz, emb.mT)
-        demb = torch.matmul(q.mT, gz).sum(0, keepdim=True)
-        if emb.shape[0] == 1:
-            demb = demb.sum(1)
-        return dq, dk, demb.view(emb.shape), None, None, None, None, None
+        return dq, dk, _lookup_grads(band, w, lo, grad_top, ctx.top, q, emb, dq), None, None, None, None, None
