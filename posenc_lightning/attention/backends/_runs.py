@@ -71,18 +71,26 @@ def run_blocks(bias: Bias, mask: AttentionMask, batch: int, heads: int, n_q: int
         start = stop
 
 
-def _band_mask(rows: Tensor, mask: AttentionMask, start: int, stop: int, c: int, k_stop: int) -> Tensor:
-    """The rows of keys ``[c, k_stop)`` as the kernel's float mask: a copy, ``-inf`` where the causal
-    mask hides key ``c + j`` from query ``start + i`` (at key ``start + q_offset + i``)."""
-    return _hide_after(rows.clone(), mask, start, c, k_stop)
+def _band_mask(rows: Tensor, bias: Bias, mask: AttentionMask, start: int, c: int, k_stop: int) -> Tensor:
+    """The rows of keys ``[c, k_stop)`` as the kernel's float mask, ``-inf`` where the causal mask hides
+    key ``c + j`` from query ``start + i`` (at key ``start + q_offset + i``): written into the rows
+    where they are new (`Bias.fresh_rows`, none of the bias's inputs), else into a copy. The
+    kernel reads the mask with any row stride."""
+    ptr = rows.untyped_storage().data_ptr()
+    own = bias.fresh_rows and all(t.untyped_storage().data_ptr() != ptr for t in bias.grad_inputs() or ())
+    return _hide_after(rows if own else rows.clone(), mask, start, c, k_stop)
 
 
 def _hide_after(t: Tensor, mask: AttentionMask, start: int, c: int, k_stop: int) -> Tensor:
     """``t [..., r, k_stop - c]``, keys ``[c, k_stop)`` of queries from ``start``, with ``-inf`` added in
-    place where the causal mask hides the key (a 0/-inf upper triangle: one pass)."""
+    place where the causal mask hides the key: the keys after the first query only, a 0/-inf
+    upper triangle (one pass over the block's diagonal corner)."""
     first = start + mask.q_offset
     if mask.causal and k_stop - 1 > first:
-        t.add_(torch.full(t.shape[-2:], float("-inf"), dtype=t.dtype, device=t.device).triu_(first - c + 1))
+        j0 = max(0, first - c + 1)  # key c + j0 is the first one hidden from some row
+        # key c + j0 + j is hidden from row i where j0 + j > first - c + i
+        t[..., j0:].add_(torch.full((t.shape[-2], t.shape[-1] - j0), float("-inf"), dtype=t.dtype,
+                                    device=t.device).triu_(first - c + 1 - j0))
     return t
 
 
@@ -105,7 +113,7 @@ def attend_run(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask,
     qb = q[:, :, start:stop]
     o_run, l_run = _flash(qb, k[:, :, :c], v[:, :, :c], 0.0, False, scale=scale)
     o_band, l_band = _flash(qb, k[:, :, c:k_stop], v[:, :, c:k_stop], 0.0, False,
-                            attn_mask=_band_mask(rows[..., 1:], mask, start, stop, c, k_stop), scale=scale)
+                            attn_mask=_band_mask(rows[..., 1:], bias, mask, start, c, k_stop), scale=scale)
     l_run = l_run + rows[..., 0]
     joint = torch.logaddexp(l_run, l_band)
     lse[:, :, start:stop] = joint
