@@ -201,20 +201,26 @@ def _causal_rows(q: Tensor, k: Tensor, z: Tensor, scale: float, top: int, q_offs
     return out, g, lo, w, slope
 
 
-class _CoPECausalRows(torch.autograd.Function):
+class _CoPELookupRows(torch.autograd.Function):
+    """What the rows' Functions share: inputs ``(q, k, emb, *ints and floats, counted)``, outputs
+    ``(rows, gates, floor, frac, slope)``; the lookup's state is saved for the backward, the other
+    arguments kept as ``ctx.args``."""
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
+        q, k, emb, *args, _ = inputs
+        _, g, lo, w, slope = output
+        ctx.save_for_backward(q, k, emb, g, lo, w, slope)
+        ctx.args = tuple(args)
+        ctx.mark_non_differentiable(g, lo, w, slope)
+        ctx.set_materialize_grads(False)  # no zeros for the saved outputs' gradients
+
+
+class _CoPECausalRows(_CoPELookupRows):
     @staticmethod
     def forward(q: Tensor, k: Tensor, emb: Tensor, scale: float, top: int, q_offset: int,  # type: ignore[override]
                 clamped: int, counted: tuple[Tensor, Tensor] | None):
         return _causal_rows(q, k, torch.matmul(q, emb), scale, top, q_offset, clamped, True, counted)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
-        q, k, emb, scale, top, q_offset, clamped, _ = inputs
-        _, g, lo, w, slope = output
-        ctx.save_for_backward(q, k, emb, g, lo, w, slope)
-        ctx.scale, ctx.top, ctx.q_offset, ctx.clamped = scale, top, q_offset - clamped, clamped
-        ctx.mark_non_differentiable(g, lo, w, slope)
-        ctx.set_materialize_grads(False)  # no zeros for the saved outputs' gradients
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -225,16 +231,17 @@ class _CoPECausalRows(torch.autograd.Function):
     @staticmethod
     def grads(ctx, grad: Tensor) -> tuple:
         q, k, emb, g, lo, w, slope = ctx.saved_tensors
+        scale, top, q_offset, clamped = ctx.args
         b, h, r, d = q.shape
         h_kv = k.shape[1]
-        grad_top, grad = grad[..., :ctx.clamped].sum(-1), grad[..., ctx.clamped:]  # z_i[top] at the clamped keys
+        grad_top, grad = grad[..., :clamped].sum(-1), grad[..., clamped:]  # z_i[top] at the clamped keys
         # p_ij = sum_{t=j..i} g_it: dg_it = sum_{j <= t} dp_ij; sigmoid' = g (1 - g); 0 after the query
         dl = torch.ops.aten.sigmoid_backward(torch.mul(grad, slope).cumsum_(-1), g)
-        _after_query(dl, ctx.q_offset)
+        _after_query(dl, q_offset - clamped)
         dl = _grouped(dl, h_kv)
-        dq = torch.matmul(dl, k).mul_(ctx.scale).view(b, h, r, d)
-        dk = torch.matmul(dl.mT, _grouped(q, h_kv)).mul_(ctx.scale)
-        return dq, dk, _lookup_grads(grad, w, lo, grad_top, ctx.top, q, emb, dq), None, None, None, None, None
+        dq = torch.matmul(dl, k).mul_(scale).view(b, h, r, d)
+        dk = torch.matmul(dl.mT, _grouped(q, h_kv)).mul_(scale)
+        return dq, dk, _lookup_grads(grad, w, lo, grad_top, top, q, emb, dq), None, None, None, None, None
 
 
 def _lookup_grads(grad: Tensor, w: Tensor, lo: Tensor, grad_top: Tensor, top: int, q: Tensor, emb: Tensor,
@@ -323,20 +330,11 @@ def _band_rows(q: Tensor, k: Tensor, z: Tensor, scale: float, top: int, width: i
     return out, g, lo, w, torch.mul(pair.imag, w.sign())
 
 
-class _CoPEBandRows(torch.autograd.Function):
+class _CoPEBandRows(_CoPELookupRows):
     @staticmethod
     def forward(q: Tensor, k: Tensor, emb: Tensor, scale: float, top: int, width: int, lead: int,  # type: ignore[override]
                 counted: tuple[Tensor, Tensor] | None):
         return _band_rows(q, k, torch.matmul(q, emb), scale, top, width, lead, True, counted)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
-        q, k, emb, scale, top, width, lead, _ = inputs
-        _, g, lo, w, slope = output
-        ctx.save_for_backward(q, k, emb, g, lo, w, slope)
-        ctx.scale, ctx.top, ctx.width, ctx.lead = scale, top, width, lead
-        ctx.mark_non_differentiable(g, lo, w, slope)
-        ctx.set_materialize_grads(False)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -347,16 +345,17 @@ class _CoPEBandRows(torch.autograd.Function):
     @staticmethod
     def grads(ctx, grad: Tensor) -> tuple:
         q, k, emb, g, lo, w, slope = ctx.saved_tensors
+        scale, top, width, lead = ctx.args
         b, h, r, d = q.shape
         h_kv, n_k = k.shape[1], k.shape[-2]
-        band = _band(grad, ctx.width, ctx.lead)
+        band = _band(grad, width, lead)
         grad_top = grad.sum(-1) - band.sum(-1)  # every column off the bands holds z_i[top]
         # as `_CoPECausalRows.grads`, on the bands: dg_it = sum_{j <= t} dp_ij along the band
         dl = torch.ops.aten.sigmoid_backward(torch.mul(band, slope).cumsum_(-1), g)
         wide_dl = torch.zeros(b, h, r, n_k, dtype=grad.dtype, device=grad.device)
-        _band(wide_dl, ctx.width).copy_(dl)
+        _band(wide_dl, width).copy_(dl)
         del dl
         wide_dl = _grouped(wide_dl, h_kv)
-        dq = torch.matmul(wide_dl, k).mul_(ctx.scale).view(b, h, r, d)
-        dk = torch.matmul(wide_dl.mT, _grouped(q, h_kv)).mul_(ctx.scale)
-        return dq, dk, _lookup_grads(band, w, lo, grad_top, ctx.top, q, emb, dq), None, None, None, None, None
+        dq = torch.matmul(wide_dl, k).mul_(scale).view(b, h, r, d)
+        dk = torch.matmul(wide_dl.mT, _grouped(q, h_kv)).mul_(scale)
+        return dq, dk, _lookup_grads(band, w, lo, grad_top, top, q, emb, dq), None, None, None, None, None
