@@ -9,8 +9,8 @@ import torch
 from posenc_lightning import inject
 from posenc_lightning.attention.backends import _blocks, _rows, _runs, sdpa
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings import cope as ecope
 from posenc_lightning.encodings.base import DenseBias, span
+from posenc_lightning.encodings.cope import encoding as ecope
 from tests.helpers import Attn
 
 R = 9  # distances from R on share one table entry: the bias is q_i . w_h + t_h[min(i - j, R)]

@@ -9,8 +9,9 @@ import torch
 
 from posenc_lightning import build_encoding, inject
 from posenc_lightning.attention.backends import _blocks
-from posenc_lightning.encodings import cope as ecope
 from posenc_lightning.encodings.base import AttentionContext, DenseBias
+from posenc_lightning.encodings.cope import encoding as ecope
+from posenc_lightning.encodings.cope import rows as rcope
 from posenc_lightning.functional import cope as fcope
 from tests.helpers import Attn
 
@@ -175,10 +176,10 @@ def test_band_rows_equal_the_paper_formula(per_head, hkv, lead):
     want = torch.where(after, z[..., top:].expand_as(want).double(), want)
     scale = enc.softmax_scale(8)
     for found in (counted, None):  # the search's counts, or counted anew
-        rows = fcope.cope_band_rows(q, k[:, :, c:], enc.pos_emb, scale, 6, width, lead, found)
+        rows = rcope.cope_band_rows(q, k[:, :, c:], enc.pos_emb, scale, 6, width, lead, found)
         torch.testing.assert_close(rows.double(), want, rtol=1e-4, atol=1e-4)
         with torch.no_grad():
-            torch.testing.assert_close(fcope.cope_band_rows(q, k[:, :, c:], enc.pos_emb, scale, 6, width, lead), rows)
+            torch.testing.assert_close(rcope.cope_band_rows(q, k[:, :, c:], enc.pos_emb, scale, 6, width, lead), rows)
         grad = torch.randn_like(want)
         got = torch.autograd.grad((rows * grad).sum(), [q, k, enc.pos_emb])
         ref_g = torch.autograd.grad((want * grad.double()).sum(), [q, k, enc.pos_emb], retain_graph=True)

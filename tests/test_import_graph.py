@@ -1,6 +1,6 @@
-"""The package's import graph (issue 17): no circles, dependencies one way (functional ->
-encodings -> attention -> curriculum -> callbacks -> recipes), attention never imports a concrete
-encoding.
+"""The package's import graph (issue 17): no circles, dependencies one way (autograd -> functional
+-> encodings -> attention -> curriculum -> callbacks -> recipes), attention never imports a concrete
+encoding; `functional` is formulas only, no autograd Function.
 
 Every module is parsed (imports inside functions included) and each intra-package import resolved
 to the module it loads. `GRAPH` leaves out the imports under ``if TYPE_CHECKING`` (they never run);
@@ -144,7 +144,7 @@ def test_no_import_cycles_between_parts_of_the_package():
 
 def test_dependencies_point_one_way():
     """Lower parts never import upper ones."""
-    order = ["functional", "encodings", "kernels", "attention", "adapters", "inject", "models", "curriculum", "callbacks",
+    order = ["autograd", "functional", "encodings", "kernels", "attention", "adapters", "inject", "models", "curriculum", "callbacks",
              "recipes", "cli"]
     rank = {p: i for i, p in enumerate(order)}
     bad = [f"{m} -> {d}" for m, deps in GRAPH.items() for d in deps
@@ -157,3 +157,16 @@ def test_attention_never_imports_a_concrete_encoding():
     bad = [f"{m} -> {d}" for m, deps in GRAPH.items() if _layer(m) in ("attention", "kernels")
            for d in deps if _layer(d) == "encodings" and d not in allowed]
     assert bad == []
+
+
+def test_functional_is_formulas_without_autograd_functions():
+    """`functional/` is the papers' formulas; a hand-written backward lives in `autograd/` (shared by
+    the formulas) or with its encoding (`encodings/fire/`, `encodings/cope/`)."""
+    def functions(path: Path) -> list[str]:
+        tree = ast.parse(path.read_text())
+        return [f"{path.name}:{node.name}" for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+                and any("Function" in ast.unparse(base) for base in node.bases)]
+
+    assert functions(ROOT / "autograd" / "rotary.py")  # the check sees a Function where there is one
+    assert [f for p in sorted((ROOT / "functional").glob("*.py")) for f in functions(p)] == []
+    assert GRAPH[f"{PKG}.autograd.rotary"] == set() and GRAPH[f"{PKG}.autograd.lie"] == set()

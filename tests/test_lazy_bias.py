@@ -90,7 +90,8 @@ def test_fire_mlp_equals_the_mlp_forward_and_backward(dtype, monkeypatch):
 # ------------------------------------------------------------------------------- cope_lookup
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_cope_lookup_equals_clamp_then_interpolate(dtype):
-    from posenc_lightning.functional.cope import cope_interpolate, cope_lookup
+    from posenc_lightning.encodings.cope.rows import cope_lookup
+    from posenc_lightning.functional.cope import cope_interpolate
 
     torch.manual_seed(3)
     z = torch.randn(2, 3, 5, 6, dtype=dtype)  # P = 6: positions clamp at 5

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from posenc_lightning.autograd.rotary import RotaryHalf, rotary_dtype
+
 __all__ = ["apply_rotary", "apply_rotary_reference", "rope_angles", "rope_cos_sin", "rope_inv_freq", "rotate_half"]
 
 
@@ -51,44 +53,6 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _compute_dtype(x: Tensor, cos: Tensor) -> torch.dtype:
-    """float32 math (float64 when given float64), whatever the activation dtype."""
-    return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), torch.float32)
-
-
-def _rotate_half_into(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Half layout written into one preallocated buffer: no chunk/cat temporaries (on CPU each
-    temporary is a fresh allocation, which costs more than the arithmetic)."""
-    h = cos.shape[-1]
-    r = 2 * h
-    wdt = _compute_dtype(x, cos)
-    cos, sin = cos.to(wdt), sin.to(wdt)
-    out = torch.empty(x.shape, dtype=wdt, device=x.device)
-    x1, x2, o1, o2 = x[..., :h], x[..., h:r], out[..., :h], out[..., h:r]
-    torch.mul(x1, cos, out=o1)
-    o1.addcmul_(x2, sin, value=-1.0)  # x1 cos - x2 sin
-    torch.mul(x2, cos, out=o2)
-    o2.addcmul_(x1, sin)  # x2 cos + x1 sin
-    if x.shape[-1] > r:
-        out[..., r:].copy_(x[..., r:])
-    return out if out.dtype == x.dtype else out.to(x.dtype)
-
-
-class _RotaryHalf(torch.autograd.Function):
-    """The half-layout rotation with a hand-written backward: a rotation's adjoint is the
-    rotation by the opposite angle (``sin -> -sin``), so nothing but cos/sin is saved."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(cos, sin)
-        return _rotate_half_into(x, cos, sin)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
-        cos, sin = ctx.saved_tensors
-        return _RotaryHalf.apply(grad, cos, -sin), None, None
-
-
 def _complex_viewable(x: Tensor) -> bool:
     return x.stride(-1) == 1 and x.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in x.stride()[:-1])
 
@@ -111,9 +75,9 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "half") -> T
     if layout == "half":
         if cos.requires_grad or sin.requires_grad:  # learned frequencies: plain autograd
             return apply_rotary_reference(x, cos, sin, layout)
-        return _RotaryHalf.apply(x, cos, sin)
+        return RotaryHalf.apply(x, cos, sin)
     r = cos.shape[-1] * 2
-    wdt = _compute_dtype(x, cos)
+    wdt = rotary_dtype(x, cos)
     xr = x[..., :r].to(wdt)
     if not _complex_viewable(xr):
         xr = xr.clone(memory_format=torch.contiguous_format)  # a fresh, aligned buffer
@@ -127,7 +91,7 @@ def apply_rotary_reference(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "h
     r = cos.shape[-1] * 2
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
-    xr, rest = x[..., :r].to(_compute_dtype(x, cos)), x[..., r:]
+    xr, rest = x[..., :r].to(rotary_dtype(x, cos)), x[..., r:]
     if layout == "half":
         x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -7,15 +7,13 @@ import torch
 from torch import Tensor, nn
 
 from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, span
+from posenc_lightning.encodings.cope.rows import cope_band_rows, cope_causal_rows, cope_lookup
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.functional.cope import (
     cope_band_counts,
-    cope_band_rows,
-    cope_causal_rows,
     cope_clamped_count,
     cope_counts,
     cope_interpolate,
-    cope_lookup,
     cope_positions,
 )
 from posenc_lightning.functional.positions import host_reads_ok
