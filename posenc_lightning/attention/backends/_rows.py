@@ -98,7 +98,8 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
     With the forward's log-sum-exp (``lse``, `RowsSpec.kernel_runs`), a block whose bias is one
     value per row before key ``c`` (`Bias.constant_before`) runs on SDPA's CPU kernel, with ``dS``
     for the keys from ``c`` on only (`_runs.run_backward`). Other blocks run the engine's own
-    backward (`_block_grad.attention_backward_by_blocks`).
+    backward (`_block_grad.attention_backward_by_blocks`), with the weights from that log-sum-exp
+    (base-2 logits: the rows are added times `_block_grad.LOG2E`), each stretch of them in one call.
 
     Args:
         q, k, v, out, d_out: the forward's tensors and the output's gradient.
