@@ -91,3 +91,49 @@ def test_backward_by_blocks_equals_autograd(causal, rows, grad_mode):
                                                   q_offset=0, rows=rows, add_bias=add_bias, on_ds=on_ds)
     for got, want in ((dq, eq), (dk, ek), (dv, ev), (got_bias, eb)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("spread", [1.0, 60.0])
+def test_backward_by_blocks_from_the_log_sum_exp(causal, spread):
+    """Given the forward's log-sum-exp, the weights are ``exp2`` of the logits in base 2
+    (`_block_grad.LOG2E`; ``add_bias`` adds the bias in those units): the same gradients as
+    autograd's, for blocks that do not divide N, blocks run in two calls into shared
+    accumulators (``blocks``), GQA, transposed layouts, and logits far below their row's maximum
+    (``spread``: weights under float32's smallest normal, where ``exp`` takes a slow path). Against
+    float64: the log-sum-exp is one rounded float32 per row, which the weights are not normalized
+    against again (as in any flash backward), so the tolerance is relative to each gradient's scale."""
+    torch.manual_seed(0)
+    b, h, h_kv, n, d = 2, 4, 2, 37, 8
+    q = torch.randn(b, n, h, d).transpose(1, 2)
+    k, v = (torch.randn(b, n, h_kv, d).transpose(1, 2) for _ in range(2))
+    bias = torch.randn(h, n, n) * spread
+    scale = d ** -0.5
+    qr, kr, vr, br = (t.double().requires_grad_() for t in (q, k, v, bias))
+    s = qr @ kr.repeat_interleave(2, 1).transpose(-1, -2) * scale + br
+    if causal:
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1).detach().float()
+    out = torch.softmax(s, -1) @ vr.repeat_interleave(2, 1)
+    d_out = torch.randn_like(out)
+    eq, ek, ev, eb = torch.autograd.grad(out, (qr, kr, vr, br), d_out)
+    out, d_out = out.detach().float(), d_out.float()
+    got_bias = torch.zeros(h, n, n)
+
+    def add_bias(start, stop, k_stop, s_blk):  # [B, H_kv, g, r, k_stop], in base 2
+        s_blk += _block_grad.LOG2E * bias[:, start:stop, :k_stop].view(h_kv, 2, stop - start, k_stop)
+        if causal:
+            hidden = torch.arange(k_stop)[None, :] > torch.arange(start, stop)[:, None]
+            s_blk.masked_fill_(hidden, float("-inf"))
+
+    def on_ds(start, stop, k_stop, ds):
+        got_bias[:, start:stop, :k_stop] += ds.sum(0).reshape(h, stop - start, k_stop)
+
+    dq, dk, dv = (torch.zeros(t.shape) for t in (q, k, v))
+    with torch.no_grad():
+        for blocks in ([(0, 10), (10, 20)], [(20, 30), (30, n)]):
+            attention_backward_by_blocks(q, k, v, out, d_out, scale=scale, causal=causal, q_offset=0,
+                                         rows=10, add_bias=add_bias, on_ds=on_ds, dq=dq, dk=dk, dv=dv, lse=lse,
+                                         blocks=blocks)
+    for got, want in ((dq, eq), (dk, ek), (dv, ev), (got_bias, eb)):
+        torch.testing.assert_close(got.double(), want, atol=2e-5 * want.abs().max().item(), rtol=0)

@@ -9,7 +9,7 @@ With ``S = q k^T s + bias``, ``P = softmax(S)``, ``O = P v``: ``dS = P * (dO v^T
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -21,7 +21,8 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
                                  on_ds: Callable[[int, int, int, Tensor], None] | None = None,
                                  reverse_rows: bool = False, dq: Tensor | None = None,
                                  dk: Tensor | None = None, dv: Tensor | None = None, empty_rows: bool = False,
-                                 scratch: Scratch | None = None, compiling: bool = False
+                                 scratch: Scratch | None = None, compiling: bool = False,
+                                 lse: Tensor | None = None, blocks: Sequence[tuple[int, int]] | None = None
                                  ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the dtypes of q, k, v, computed ``rows`` query rows at a time.
 
@@ -37,40 +38,53 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
     ``scratch``: the blocks' buffers (`Scratch`, two of a block's size at least); buffer 1 is free
     while ``on_ds`` runs (a caller may use it there). ``compiling``: traced by ``torch.compile``
     (as the caller's `_mode.Mode` says), for the default ``scratch``.
+    ``lse``: the forward's log-sum-exp of each query's logits (bias and mask included), ``[B, H,
+    Nq]``, float32 or wider: the logits are then in base 2 (times `LOG2E`, folded into q; ``add_bias``
+    adds the bias times `LOG2E`) and the weights ``exp2(S - lse log2(e))`` in place, two passes where
+    a softmax takes three and a buffer (not with ``empty_rows``: a row with no key has no lse).
+    ``blocks``: the ``(start, stop)`` query rows of each block (at most ``rows`` each), where not
+    every block of the queries is wanted; consecutive blocks by default.
     """
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[-2]
     g = h // h_kv
     wt = torch.promote_types(q.dtype, torch.float32)
     kf, vf = k.to(wt), v.to(wt)
-    # k, v laid out once where a block's keys would otherwise be copied by each matmul (heads
-    # inside tokens, ``[B, N, H, D]`` viewed as ``[B, H, N, D]``, with B > 1); slices then fold
-    kc, vc = _foldable(kf), _foldable(vf)
-    delta = (d_out.to(wt) * out.to(wt)).sum(-1, keepdim=True)  # [B, H, Nq, 1]
     add_dq = dq is not None
     dq = torch.empty_like(q, dtype=wt) if dq is None else dq  # q's layout: returned without a copy
     dk = torch.zeros_like(kf) if dk is None else dk
     dv = torch.zeros_like(vf) if dv is None else dv
     block = b * h * min(rows, n_q) * n_k
     scratch = Scratch((block, block), wt, q.device, compiling) if scratch is None else scratch
+    blocks = [(s0, min(n_q, s0 + rows)) for s0 in range(0, n_q, rows)] if blocks is None else blocks
+    delta = _delta(d_out, out, wt, blocks, n_q)  # [B, H, Nq, 1]
 
     def grouped(t: Tensor, start: int, stop: int) -> Tensor:  # [B, H, r, X] -> [B, H_kv, g*r, X]
         t = t[:, :, start:stop]
         t = t.flip(-2) if reverse_rows else t
         return t.to(wt).reshape(b, h_kv, g * (stop - start), t.shape[-1])
 
-    for start in range(0, n_q, rows):
-        stop = min(n_q, start + rows)
+    unit = LOG2E if lse is not None and not empty_rows else 1.0  # the logits' units: e, or 2 with the lse
+    # k, v laid out once where a block's keys would otherwise be copied by each matmul (heads
+    # inside tokens, ``[B, N, H, D]`` viewed as ``[B, H, N, D]``, with B > 1); slices then fold
+    kc, vc = _foldable(kf), _foldable(vf)
+    for start, stop in blocks:
         r = stop - start
         k_stop = min(n_k, q_offset + stop) if causal else n_k
         kb = kc[:, :, :k_stop]
-        qs, dob = grouped(q, start, stop) * scale, grouped(d_out, start, stop)  # s folded into q: one pass less
+        # s (and log2(e) with the lse) folded into q: one pass less
+        qs, dob = grouped(q, start, stop) * (scale * unit), grouped(d_out, start, stop)
         shape = (b, h_kv, g * r, k_stop)
-        s = scratch.matmul(0, qs, kb.transpose(-1, -2), shape)
-        add_bias(start, stop, k_stop, s.view(b, h_kv, g, r, k_stop))
-        p = scratch.softmax(1, s, shape)
-        if empty_rows:
-            p = p.nan_to_num_(0.0)
+        if unit == 1.0:
+            s = scratch.matmul(0, qs, kb.transpose(-1, -2), shape)
+            add_bias(start, stop, k_stop, s.view(b, h_kv, g, r, k_stop))
+            p = scratch.softmax(1, s, shape)
+            if empty_rows:
+                p = p.nan_to_num_(0.0)
+        else:  # exp2 of (S - lse) log2(e), in place in buffer 1
+            p = scratch.matmul(1, qs, kb.transpose(-1, -2), shape)
+            add_bias(start, stop, k_stop, p.view(b, h_kv, g, r, k_stop))
+            p = p.sub_(grouped(lse.unsqueeze(-1), start, stop), alpha=LOG2E).exp2_()
         ds = scratch.matmul(0, dob, vc[:, :, :k_stop].transpose(-1, -2), shape)  # s is dead: its buffer takes dS
         ds.sub_(grouped(delta, start, stop)).mul_(p)
         dv[:, :, :k_stop] += torch.matmul(p.transpose(-1, -2), dob)
@@ -81,11 +95,27 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
             dq[:, :, start:stop] += dq_b
         else:
             dq[:, :, start:stop] = dq_b
-        dk[:, :, :k_stop] += torch.matmul(ds.transpose(-1, -2), qs)
+        dk[:, :, :k_stop].add_(torch.matmul(ds.transpose(-1, -2), qs), alpha=1 / unit)
         if on_ds is not None:
             on_ds(start, stop, k_stop, ds.view(b, h_kv, g, r, k_stop))
         del ds
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _delta(d_out: Tensor, out: Tensor, wt: torch.dtype, blocks: Sequence[tuple[int, int]], n_q: int) -> Tensor:
+    """``rowsum(dO * O)`` ``[B, H, Nq, 1]``, of the blocks' rows only where they are not all the queries."""
+    lo, hi = min(s for s, _ in blocks), max(e for _, e in blocks)
+    if (lo, hi) == (0, n_q):
+        return (d_out.to(wt) * out.to(wt)).sum(-1, keepdim=True)
+    delta = d_out.new_zeros(*d_out.shape[:-1], 1, dtype=wt)
+    delta[:, :, lo:hi] = (d_out[:, :, lo:hi].to(wt) * out[:, :, lo:hi].to(wt)).sum(-1, keepdim=True)
+    return delta
+
+
+#: ``log2(e)``: with the forward's log-sum-exp the logits are in base 2, for ``exp2`` (``exp`` has a
+#: slow path where its result is under float32's smallest normal: logits far below their row's
+#: maximum; ``exp2`` has none)
+LOG2E = 1.4426950408889634
 
 
 def _foldable(t: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends._block_grad import Scratch, attention_backward_by_blocks
+from posenc_lightning.attention.backends._block_grad import LOG2E, attention_backward_by_blocks
 from posenc_lightning.attention.backends._blocks import BlockRows, backward_rows, wide_zeros
 from posenc_lightning.attention.backends._runs import run_backward, run_blocks
 from posenc_lightning.attention.mask import AttentionMask
@@ -98,7 +98,8 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
     With the forward's log-sum-exp (``lse``, `RowsSpec.kernel_runs`), a block whose bias is one
     value per row before key ``c`` (`Bias.constant_before`) runs on SDPA's CPU kernel, with ``dS``
     for the keys from ``c`` on only (`_runs.run_backward`). Other blocks run the engine's own
-    backward (`_block_grad.attention_backward_by_blocks`).
+    backward (`_block_grad.attention_backward_by_blocks`), with the weights from that log-sum-exp
+    (base-2 logits: the rows are added times `_block_grad.LOG2E`), each stretch of them in one call.
 
     Args:
         q, k, v, out, d_out: the forward's tensors and the output's gradient.
@@ -131,9 +132,9 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
             g_extra[tg.slot] = wide_zeros(spec.inputs[i])
         return g_extra[tg.slot]
 
-    def add_bias(start: int, stop: int, k_stop: int, s: Tensor) -> None:
+    def add_bias(start: int, stop: int, k_stop: int, s: Tensor, unit: float = 1.0) -> None:
         flight.block = BlockRows.of(spec.bias, spec.inputs, live, start, stop, k_stop, compiling)
-        s.add_(flight.block.release().to(s.dtype).view(-1, *s.shape[1:]))  # the rows freed here
+        s.add_(flight.block.release().to(s.dtype).view(-1, *s.shape[1:]), alpha=unit)  # the rows freed here
         masked(s, spec.mask, start, stop, k_stop, inplace=True, group_dim=True)
 
     def to_inputs(start: int, stop: int, k_stop: int, ds: Tensor) -> None:
@@ -142,26 +143,32 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
 
     rows = backward_rows(b, h, n_q, n_k, spec.bias.backward_share, released=True,  # `add_bias` releases
                          threads=1 if compiling else torch.get_num_threads())
+    on_ds = to_inputs if any(live) else None
     if lse is None:
         dq, dk, dv = attention_backward_by_blocks(
             q, k, v, out, d_out, scale=spec.scale, causal=spec.mask.causal, q_offset=spec.mask.q_offset, rows=rows,
-            add_bias=add_bias, on_ds=to_inputs if any(live) else None, dq=dq, dk=dk,
-            empty_rows=spec.mask.k_valid is not None, compiling=compiling)
+            add_bias=add_bias, on_ds=on_ds, dq=dq, dk=dk, empty_rows=spec.mask.k_valid is not None,
+            compiling=compiling)
     else:
         dv = torch.zeros(v.shape, dtype=wt, device=v.device)
-        size = b * h * min(rows, n_q) * n_k
-        scratch = Scratch((size, size), wt, q.device, compiling)  # the own blocks' buffers, shared
+        own: list[tuple[int, int]] = []  # consecutive blocks of the own backward, run together
+
+        def run_own() -> None:
+            if own:  # the logits come in base 2 (`_block_grad.LOG2E`)
+                attention_backward_by_blocks(
+                    q, k, v, out, d_out, scale=spec.scale, causal=spec.mask.causal, q_offset=spec.mask.q_offset,
+                    rows=rows, add_bias=lambda s0, s1, ks, s: add_bias(s0, s1, ks, s, LOG2E), on_ds=on_ds, dq=dq,
+                    dk=dk, dv=dv, compiling=compiling, lse=lse, blocks=own)
+                own.clear()
+
         for start, stop, k_stop, c in run_blocks(spec.bias, spec.mask, b, h, n_q, n_k, rows):
             if c:
+                run_own()
                 run_backward(q, k, v, out, d_out, lse, spec.bias, spec.inputs, live, spec.mask, spec.scale, start,
                              stop, k_stop, c, (dq, dk, dv), into, compiling)
-                continue
-            attention_backward_by_blocks(
-                q[:, :, start:stop], k, v, out[:, :, start:stop], d_out[:, :, start:stop], scale=spec.scale,
-                causal=spec.mask.causal, q_offset=spec.mask.q_offset + start, rows=stop - start,
-                add_bias=lambda s0, s1, ks, s, a=start: add_bias(a + s0, a + s1, ks, s),
-                on_ds=(lambda s0, s1, ks, ds, a=start: to_inputs(a + s0, a + s1, ks, ds)) if any(live) else None,
-                dq=dq[:, :, start:stop], dk=dk, dv=dv, scratch=scratch, compiling=compiling)
+            else:
+                own.append((start, stop))
+        run_own()
     firsts = [next(i for i, tg in enumerate(spec.targets) if tg.slot == s) for s in range(len(need_extra))]
     g_all = [None if g is None else g.to(spec.inputs[i].dtype) for g, i in zip(g_extra, firsts)]
     return dq, dk, dv, g_all
