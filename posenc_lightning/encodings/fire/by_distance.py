@@ -319,8 +319,22 @@ def _forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Ten
     dt = torch.promote_types(torch.promote_types(torch.float32, c.dtype), w2.dtype)  # n's, p's and w2's
     w1, b1, w2, b2 = (t if t.dtype == dt else t.to(dt) for t in (w1, b1, w2, b2))
     n, p, on, runs, spans = _selection(c, thr, w1, b1, q_pos, k_pos, eps, shift, dt, memo)
-    rows, ab = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], table, keep)
+    if not _below(q_pos, thr):
+        rows, ab = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], table, keep)
+        return rows, n, p, on, spans, ab
+    # every row the same (one normalizer): its one row of the distance layout, then copied to each
+    one, ab = _diagonal_rows(p, n[:1], dt, w1, b1, w2, b2, on, runs, p.shape[0], table, keep)
+    rows, dist = _padded(w2.shape[0], n.shape[0], k_pos.shape[1], dt, p.device)
+    dist.copy_(one[0].expand_as(dist))
     return rows, n, p, on, spans, ab
+
+
+def _below(q_pos: Tensor, thr: Tensor) -> bool:
+    """Every query of the block (``start + arange``, ascending) below ``L``, and more than one: the
+    rows share one normalizer ``psi(L) + eps``, so in the distance layout every row is the same
+    (``psi(i - j)`` a function of the distance alone). Strictly below: ``max(L, i)``'s gradient
+    goes to ``L`` whole for each (at a tie torch splits it)."""
+    return q_pos.shape[1] > 1 and bool(q_pos[0, -1] < thr.abs())
 
 
 class _FireDiagonalRows(torch.autograd.Function):
@@ -375,13 +389,18 @@ def _pullback(grad: Tensor, saved: tuple, shift: int, need_x: bool, need_table: 
     units of the run steps (`_diagonal_rows`' ``keep``), recomputed where None or absent."""
     c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table = saved
     dt = on.dtype
-    w1d, b1d, w2d = (t.to(dt) for t in (w1, b1, w2))
+    w1d, b1d, w2d = (t if t.dtype == dt else t.to(dt) for t in (w1, b1, w2))
+    g = grad[0] if grad.dtype == dt else grad[0].to(dt)
+    qp = q_pos[0]
+    if _below(q_pos, thr):  # one row (`_forward`): its gradient is the column sums of the layout
+        g = _Diagonals(g).matmul_left(torch.ones(1, n.shape[0], dtype=dt, device=g.device))  # [H, 1, T]
+        n, qp = n[:1], qp[:1]
     gw1, gb1, gw2, gb2, gcx, gn, s0 = _diagonal_grads(
-        grad[0].to(dt), p, n, w1d, b1d, w2d, on, ab, spans,
-        _distances(q_pos, k_pos, shift).to(dt) if need_x else None, c.to(dt), hids)
+        g, p, n, w1d, b1d, w2d, on, ab, spans, _distances(q_pos, k_pos, shift).to(dt) if need_x else None, c.to(dt),
+        hids)
     gc, gthr = torch.zeros_like(c), torch.zeros_like(thr)
     if need_x:
-        gc, gthr = _normalizer_grads(gcx, gn, c, thr, q_pos[0])
+        gc, gthr = _normalizer_grads(gcx, gn, c, thr, qp)
     gt = s0.to(table.dtype) if need_table else None  # the table: per column
     return gc, gthr, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb2.to(b2.dtype), gt
 
