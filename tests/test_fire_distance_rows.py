@@ -202,3 +202,56 @@ def test_rows_without_grad_equal_the_function(kind):
             got = bias.rows(s, e, ke)
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
         torch.testing.assert_close(got, full[..., s:e, :ke].expand_as(got), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("last", [39, 40, 54])  # L = 40: the block's last query below it, at it (a tie), past it
+def test_block_below_threshold_is_one_row(last):
+    """A block whose queries are all below ``L`` computes one row of the distance layout and copies
+    it (`by_distance._below`), its gradient the layout's column sums: rows and every parameter's
+    gradient against the float64 formula, through the engine's hook and through autograd; a block
+    whose last query is at ``L`` (a tie: ``max``'s gradient split) or past it takes the rows whole."""
+    enc = _fire(init_l=40.0)
+    with torch.no_grad():
+        enc.L_multiplier.fill_(1.0)
+    n, start = 60, 10
+    pos = (torch.arange(n) + start)[None]
+    bias = enc.bias(None, None, AttentionContext(pos, pos, True, q_start=start, k_start=start))
+    assert type(bias) is FireBias
+    exact = copy.deepcopy(enc).double()
+    full64 = exact.bias_tensor(pos, pos)
+    e = last - start + 1
+    s, ke = e - 17, e + 4  # keys past the last query: negative distances too
+    assert bdist._below(pos[:, s:e], bias.l_mult * bias.init_L) == (last < 40)
+    ref = full64[..., s:e, :ke]
+    g = torch.randn_like(ref)
+    want = torch.autograd.grad((ref * g).sum(), list(exact.bias_params()))
+    inputs = bias.grad_inputs()
+    with torch.no_grad():
+        block = _blocks.BlockRows.of(bias, inputs, [True] * len(inputs), s, e, ke, False)
+    torch.testing.assert_close(block.rows, ref.float(), rtol=1e-5, atol=1e-6)
+    acc = [torch.zeros_like(t) for t in inputs]
+    block.backward(g.float(), acc.__getitem__)
+    new = bias.rows(s, e, ke)
+    got = torch.autograd.grad((new * g.float()).sum(), list(enc.bias_params()))
+    for grads in (acc, got):
+        for a, b in zip(grads, want):
+            assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max() + 1e-4, (a, b)
+
+
+def test_selection_kept_between_forward_and_backward():
+    """The engine's forward and backward blocks of the same rows share their selection (kept on
+    the bias, `FireBias._memo`); an in-place change of a parameter in between is seen (its version)."""
+    enc = _fire(init_l=40.0)
+    n, start = 90, 5
+    pos = (torch.arange(n) + start)[None]
+    bias = enc.bias(None, None, AttentionContext(pos, pos, True, q_start=start, k_start=start))
+    with torch.no_grad():
+        first = bias.rows(20, 70, 70)
+        assert len(bias._selections) == 1
+        again = bias.rows(20, 70, 70)
+        torch.testing.assert_close(again, first, rtol=0, atol=0)
+        assert len(bias._selections) == 1
+        enc.mlp[0].bias.add_(0.5)  # another selection
+        changed = bias.rows(20, 70, 70)
+        assert len(bias._selections) == 2
+    torch.testing.assert_close(changed, enc.bias_tensor(pos, pos)[..., 20:70, :70], rtol=1e-5, atol=1e-5)

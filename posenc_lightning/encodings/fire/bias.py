@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -56,6 +56,8 @@ class FireBias(Bias):
     k_start: int | None = None
     recomputable = True
     fused_in: ClassVar[frozenset[str]] = frozenset({"kernel", "score_mod"})
+    #: the blocks' selections by distance (`_memo`), for this call's forward and backward
+    _selections: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def rows_shape(self) -> tuple[int, int] | None:
@@ -90,7 +92,8 @@ class FireBias(Bias):
         arange = self.q_start is not None and self.k_start is not None  # psi(i - j) then by distance
         shift = self.q_start + start - self.k_start if arange else None
         return fire_rows(qp, kp, c, (l_mult * self.init_L).abs(), w1[:, 0], b1, w2, b2, self.eps, shift,
-                         table).float()
+                         table, self._memo(start, stop, k_stop, views) if arange and not torch.is_grad_enabled()
+                         else None).float()
 
     def rows_and_pullback(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor], need: Sequence[bool],
                           table: Tensor | None = None) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]] | None:
@@ -108,7 +111,8 @@ class FireBias(Bias):
         t = l_mult * self.init_L
         w2s, b2s = (w2, b2) if weight is None else (w2 * weight, b2 * weight)
         rows, pullback = by_distance.rows_and_pullback(c, t.abs(), w1[:, 0], b1, w2s, b2s, table, qp, kp, self.eps,
-                                                       self.q_start + start - self.k_start, need[0] or need[1])
+                                                       self.q_start + start - self.k_start, need[0] or need[1],
+                                                       self._memo(start, stop, k_stop, views))
 
         def grads(d_rows: Tensor) -> tuple[Tensor, ...]:
             gc, gthr, gw1, gb1, gw2, gb2, gt = pullback(d_rows)
@@ -120,6 +124,18 @@ class FireBias(Bias):
             return tuple(out) if table is None else (gt, *out)
 
         return rows.float(), grads
+
+    def _memo(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> by_distance.Memo | None:
+        """Where a block's selection by distance is kept (`by_distance._selection`): computed once
+        for the engine's forward and backward blocks of the same rows (grad mode off), keyed by the
+        block and the storage and version of ``c``, ``l_mult``, ``w1``, ``b1`` (the views of the
+        same parameters share them; an in-place update changes the version). None for tensors
+        with no storage of their own (a functorch transform's)."""
+        try:
+            key = (start, stop, k_stop, *((v.data_ptr(), v._version) for v in views[:4]))
+        except RuntimeError:
+            return None
+        return self._selections, key
 
     def compiled_rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
         """The traced formula compiled by inductor (`compiled.compiled_rows`)."""

@@ -53,8 +53,9 @@ def _diagonal_select(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tens
     flips = edges.nonzero().tolist()  # (unit, group) where a span starts, then where it stops
     runs = _merge_spans([[u, f, e] for (u, f), (_, e) in zip(flips[::2], flips[1::2])], n.shape[0])
     on = pos[0] & pos[1]
-    for units, a, z in runs:  # evaluated per element there: folded nowhere in the run
-        on[a:z, units] = False
+    if runs:  # evaluated per element there: folded nowhere in the run (one indexing for all runs)
+        w = on.shape[1]
+        on.view(-1)[torch.tensor([q * w + u for units, a, z in runs for q in range(a, z) for u in units])] = False
     return on.to(dt), [(units, a * g, min(z * g, nc)) for units, a, z in runs]
 
 
@@ -103,6 +104,38 @@ def _run_steps(units: list[int], a: int, z: int, rows: int, heads: int, budget: 
         yield a0, min(z, a0 + step)
 
 
+class _RunSteps:
+    """A block's runs (`_diagonal_select`) as steps ``(i, j, a, z)``: the run's units ``[i, j)`` of
+    `units` (in runs' order) over columns ``[a, z)`` (`_run_steps`), and each step's units one after
+    another (`step_units`, for one ``index_add_`` of every step's unit gradients). The runs' units
+    are taken as rows of a ``[S, 2 + H]`` packing of ``w1``, ``b1``, ``w2`` (`packed`)."""
+
+    def __init__(self, runs: list[tuple[list[int], int, int]], rows: int, heads: int, budget: int,
+                 device: torch.device) -> None:
+        self.steps: list[tuple[int, int, int, int]] = []
+        flat: list[int] = []
+        each: list[int] = []
+        for us, a, z in runs:
+            i = len(flat)
+            flat.extend(us)
+            for a0, z0 in _run_steps(us, a, z, rows, heads, budget):
+                self.steps.append((i, len(flat), a0, z0))
+                each.extend(us)
+        self.units = torch.tensor(flat, device=device)
+        self.step_units = self.units if len(each) == len(flat) else torch.tensor(each, device=device)
+
+    def packed(self, w1: Tensor, b1: Tensor, w2: Tensor) -> Tensor:
+        """``[S, 2 + H]``: ``w1``, ``b1`` and ``w2`` of the runs' units."""
+        return torch.cat((w1[:, None], b1[:, None], w2.t()), 1).index_select(0, self.units)
+
+
+def _step_x(p: Tensor, n_col: Tensor, a: int, z: int, dt: torch.dtype) -> Tensor:
+    """``x = p / n`` ``[1, R (z - a)]`` of columns ``[a, z)`` (the formula's division), in ``dt``;
+    ``n_col`` ``[R, 1]``."""
+    x = torch.div(p[a:z], n_col).view(1, -1)
+    return x if x.dtype == dt else x.to(dt)
+
+
 def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
                    on: Tensor, runs: list[tuple[list[int], int, int]], n_keys: int,
                    table: Tensor | None = None, keep: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
@@ -129,20 +162,17 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
         torch.addcmul(b[:, None], ab[:h, None], _distance_x(p, n, dt), out=dist)
     if not runs:
         return rows, ab
-    budget = _run_budget(h * nr * nt)
-    units = torch.tensor([u for us, _, _ in runs for u in us], device=p.device)
-    packed = torch.cat((w1[:, None], b1[:, None], w2.t()), 1).index_select(0, units)  # [S, 2 + H]: w1, b1, w2
+    plan = _RunSteps(runs, nr, h, _run_budget(h * nr * nt), p.device)
+    packed = plan.packed(w1, b1, w2)  # [S, 2 + H]
+    n_col = n[:, None]
     room = max(h * nr * nt // 4, 1 << 18)  # the hidden units kept for the pullback (`keep`)
-    i = 0
-    for us, a, z in runs:
-        w = packed[i:i + len(us)]
-        i += len(us)
-        for a0, z0 in _run_steps(us, a, z, nr, h, budget):
-            hid = torch.addmm(w[:, 1:2], w[:, :1], _distance_x(p[a0:z0], n, dt).view(1, -1)).relu_()
-            dist[..., a0:z0].add_((w[:, 2:].t() @ hid).view(h, nr, z0 - a0))  # in place: no write-back
-            if keep is not None:
-                room -= hid.numel()
-                keep.append(hid if room >= 0 else None)
+    for i, j, a0, z0 in plan.steps:
+        w = packed[i:j]
+        hid = torch.addmm(w[:, 1:2], w[:, :1], _step_x(p, n_col, a0, z0, dt)).relu_()  # [U, R S]
+        dist.narrow(2, a0, z0 - a0).add_(torch.mm(w[:, 2:].t(), hid).view(h, nr, z0 - a0))  # in place: no write-back
+        if keep is not None:
+            room -= hid.numel()
+            keep.append(hid if room >= 0 else None)
     return rows, ab
 
 
@@ -260,18 +290,51 @@ def _diagonal_inputs(c: Tensor, thr: Tensor, q_pos: Tensor, k_pos: Tensor, shift
     return n, fire_psi(_distances(q_pos, k_pos, shift), c)
 
 
-def _forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, table: Tensor | None,
-             q_pos: Tensor, k_pos: Tensor, eps: float, shift: int, keep: list[Tensor | None] | None = None
-             ) -> tuple[Tensor, ...]:
-    """`_FireDiagonalRows`'s outputs; ``keep``: `_diagonal_rows`' (the runs' hidden units)."""
+#: a block's selection (`_selection`) kept by its bias between the engine's forward and backward
+#: (the same blocks where both take a block of the same rows), under a key of its inputs
+Memo = tuple[dict, tuple]
+
+
+def _selection(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, q_pos: Tensor, k_pos: Tensor, eps: float,
+               shift: int, dt: torch.dtype, memo: Memo | None = None) -> tuple:
+    """``(n, p, on, runs, spans)`` of a block (`_diagonal_inputs`, `_diagonal_select`); ``memo``: a
+    dict and the key of this block's inputs there (the bias's, `FireBias`): computed once per key."""
+    if memo is not None and memo[1] in memo[0]:
+        return memo[0][memo[1]]
     n, p = _diagonal_inputs(c, thr, q_pos, k_pos, shift)
     n = n + eps
-    dt = torch.promote_types(torch.promote_types(n.dtype, p.dtype), w2.dtype)
-    w1, b1, w2, b2 = (t.to(dt) for t in (w1, b1, w2, b2))
     on, runs = _diagonal_select(p, n, dt, w1, b1)
     spans = torch.tensor([(u, a, z) for units, a, z in runs for u in units], dtype=torch.long).view(-1, 3)
-    rows, ab = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], table, keep)
+    out = (n, p, on, runs, spans)
+    if memo is not None:
+        memo[0][memo[1]] = out
+    return out
+
+
+def _forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, table: Tensor | None,
+             q_pos: Tensor, k_pos: Tensor, eps: float, shift: int, keep: list[Tensor | None] | None = None,
+             memo: Memo | None = None) -> tuple[Tensor, ...]:
+    """`_FireDiagonalRows`'s outputs; ``keep``: `_diagonal_rows`' (the runs' hidden units); ``memo``:
+    `_selection`'s."""
+    dt = torch.promote_types(torch.promote_types(torch.float32, c.dtype), w2.dtype)  # n's, p's and w2's
+    w1, b1, w2, b2 = (t if t.dtype == dt else t.to(dt) for t in (w1, b1, w2, b2))
+    n, p, on, runs, spans = _selection(c, thr, w1, b1, q_pos, k_pos, eps, shift, dt, memo)
+    if not _below(q_pos, thr):
+        rows, ab = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], table, keep)
+        return rows, n, p, on, spans, ab
+    # every row the same (one normalizer): its one row of the distance layout, then copied to each
+    one, ab = _diagonal_rows(p, n[:1], dt, w1, b1, w2, b2, on, runs, p.shape[0], table, keep)
+    rows, dist = _padded(w2.shape[0], n.shape[0], k_pos.shape[1], dt, p.device)
+    dist.copy_(one[0].expand_as(dist))
     return rows, n, p, on, spans, ab
+
+
+def _below(q_pos: Tensor, thr: Tensor) -> bool:
+    """Every query of the block (``start + arange``, ascending) below ``L``, and more than one: the
+    rows share one normalizer ``psi(L) + eps``, so in the distance layout every row is the same
+    (``psi(i - j)`` a function of the distance alone). Strictly below: ``max(L, i)``'s gradient
+    goes to ``L`` whole for each (at a tie torch splits it)."""
+    return q_pos.shape[1] > 1 and bool(q_pos[0, -1] < thr.abs())
 
 
 class _FireDiagonalRows(torch.autograd.Function):
@@ -305,16 +368,16 @@ class _FireDiagonalRows(torch.autograd.Function):
 
 
 def rows_and_pullback(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, table: Tensor | None,
-                      q_pos: Tensor, k_pos: Tensor, eps: float, shift: int, need_x: bool
+                      q_pos: Tensor, k_pos: Tensor, eps: float, shift: int, need_x: bool, memo: Memo | None = None
                       ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor | None, ...]]]:
     """`_FireDiagonalRows`'s rows and its backward as a pullback, with no autograd Function (no
     recording, no ``autograd.grad``: a fixed cost of each of the engine's backward blocks,
     `FireBias.rows_and_pullback`). ``pullback(grad [1, H, R, C])`` gives the Function's
     gradients ``(c, thr, w1, b1, w2, b2, table)`` (``c``'s and ``thr``'s zeros unless ``need_x``;
     ``table``'s None without a table). The runs' hidden units of the rows are kept for the
-    pullback (`_diagonal_rows`' ``keep``), not recomputed."""
+    pullback (`_diagonal_rows`' ``keep``), not recomputed; ``memo``: `_selection`'s."""
     hids: list[Tensor | None] = []
-    rows, n, p, on, spans, ab = _forward(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, hids)
+    rows, n, p, on, spans, ab = _forward(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, hids, memo)
     saved = (c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table)
     return rows, lambda grad: _pullback(grad, saved, shift, need_x, table is not None, hids)
 
@@ -326,13 +389,18 @@ def _pullback(grad: Tensor, saved: tuple, shift: int, need_x: bool, need_table: 
     units of the run steps (`_diagonal_rows`' ``keep``), recomputed where None or absent."""
     c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table = saved
     dt = on.dtype
-    w1d, b1d, w2d = (t.to(dt) for t in (w1, b1, w2))
+    w1d, b1d, w2d = (t if t.dtype == dt else t.to(dt) for t in (w1, b1, w2))
+    g = grad[0] if grad.dtype == dt else grad[0].to(dt)
+    qp = q_pos[0]
+    if _below(q_pos, thr):  # one row (`_forward`): its gradient is the column sums of the layout
+        g = _Diagonals(g).matmul_left(torch.ones(1, n.shape[0], dtype=dt, device=g.device))  # [H, 1, T]
+        n, qp = n[:1], qp[:1]
     gw1, gb1, gw2, gb2, gcx, gn, s0 = _diagonal_grads(
-        grad[0].to(dt), p, n, w1d, b1d, w2d, on, ab, spans,
-        _distances(q_pos, k_pos, shift).to(dt) if need_x else None, c.to(dt), hids)
+        g, p, n, w1d, b1d, w2d, on, ab, spans, _distances(q_pos, k_pos, shift).to(dt) if need_x else None, c.to(dt),
+        hids)
     gc, gthr = torch.zeros_like(c), torch.zeros_like(thr)
     if need_x:
-        gc, gthr = _normalizer_grads(gcx, gn, c, thr, q_pos[0])
+        gc, gthr = _normalizer_grads(gcx, gn, c, thr, qp)
     gt = s0.to(table.dtype) if need_table else None  # the table: per column
     return gc, gthr, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb2.to(b2.dtype), gt
 
@@ -372,25 +440,25 @@ def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2:
         gn = gd.row_dots(a * pd) * (-inv_n * inv_n)  # [R]
     if not spans.numel():
         return gw1, gb1, gw2, s0.sum(1), gcx, gn, s0
-    budget = _run_budget(h * nr * nt)
-    units = spans[:, 0]
-    packed = torch.cat((w1[:, None], b1[:, None], w2.t()), 1).index_select(0, units)  # [S, 2 + H]: w1, b1, w2
+    plan = _RunSteps(_runs(spans), nr, h, _run_budget(h * nr * nt), g.device)  # the forward's steps
+    packed = plan.packed(w1, b1, w2)  # [S, 2 + H]
     # each run step's d loss / d pre-activation against its columns' [p, 1, dpsi]
     cols = torch.stack((pd, torch.ones_like(pd)) if dist is None else (pd, torch.ones_like(pd), dpsi), 1)
-    acc = g.new_zeros(w1.shape[0], nr, cols.shape[1])  # [W, R, 2 or 3]
     steps = iter(hids or ())
-    i = 0
-    for us, a, z in _runs(spans):
-        w, idx = packed[i:i + len(us)], units[i:i + len(us)]
-        i += len(us)
-        for a0, z0 in _run_steps(us, a, z, nr, h, budget):
-            hid = next(steps, None)
-            if hid is None:  # recomputed as the forward did: x its division
-                hid = torch.addmm(w[:, 1:2], w[:, :1], _distance_x(p[a0:z0], n, dt).view(1, -1)).relu_()
-            gs = gd.columns(a0, z0).view(h, -1)  # [H, R S]
-            gw2.index_add_(1, idx, gs @ hid.t())
-            gpre = (w[:, 2:] @ gs).mul_(hid.sign())  # relu' = sign(relu(u)): 0 at u = 0, as torch
-            acc.index_add_(0, idx, (gpre.view(-1, z0 - a0) @ cols[a0:z0]).view(len(us), nr, -1))
+    n_col = n[:, None]
+    per_w2, per_acc = [], []
+    for i, j, a0, z0 in plan.steps:
+        w = packed[i:j]
+        hid = next(steps, None)
+        if hid is None:  # recomputed as the forward did: x its division
+            hid = torch.addmm(w[:, 1:2], w[:, :1], _step_x(p, n_col, a0, z0, dt)).relu_()
+        gs = gd.columns(a0, z0).view(h, -1)  # [H, R S]
+        per_w2.append(gs @ hid.t())  # [H, U]
+        gpre = torch.ops.aten.threshold_backward(torch.mm(w[:, 2:], gs), hid, 0)  # relu': 0 at u = 0, as torch
+        per_acc.append(gpre.view(-1, z0 - a0) @ cols[a0:z0])  # [U R, 2|3]
+    gw2.index_add_(1, plan.step_units, torch.cat(per_w2, 1))
+    acc = g.new_zeros(w1.shape[0], nr, cols.shape[1])  # [W, R, 2 or 3]
+    acc.index_add_(0, plan.step_units, torch.cat(per_acc).view(-1, nr, cols.shape[1]))
     gw1 = gw1 + acc[..., 0] @ inv_n
     gb1 = gb1 + acc[..., 1].sum(1)
     if dist is not None:
