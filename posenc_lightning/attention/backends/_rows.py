@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends._block_grad import LOG2E, attention_backward_by_blocks
+from posenc_lightning.attention.backends._block_grad import LOG2E, Scratch, attention_backward_by_blocks
 from posenc_lightning.attention.backends._blocks import BlockRows, backward_rows, wide_zeros
 from posenc_lightning.attention.backends._runs import run_backward, run_blocks
 from posenc_lightning.attention.mask import AttentionMask
@@ -153,13 +153,17 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
     else:
         dv = torch.zeros(v.shape, dtype=wt, device=v.device)
         own: list[tuple[int, int]] = []  # consecutive blocks of the own backward, run together
+        size = b * h * min(rows, n_q) * n_k
+        scratch: list[Scratch] = []  # the own blocks' buffers, made once and shared by every stretch
 
         def run_own() -> None:
             if own:  # the logits come in base 2 (`_block_grad.LOG2E`)
+                if not scratch:
+                    scratch.append(Scratch((size, size), wt, q.device, compiling))
                 attention_backward_by_blocks(
                     q, k, v, out, d_out, scale=spec.scale, causal=spec.mask.causal, q_offset=spec.mask.q_offset,
                     rows=rows, add_bias=lambda s0, s1, ks, s: add_bias(s0, s1, ks, s, LOG2E), on_ds=on_ds, dq=dq,
-                    dk=dk, dv=dv, compiling=compiling, lse=lse, blocks=own)
+                    dk=dk, dv=dv, scratch=scratch[0], compiling=compiling, lse=lse, blocks=own)
                 own.clear()
 
         for start, stop, k_stop, c in run_blocks(spec.bias, spec.mask, b, h, n_q, n_k, rows):
