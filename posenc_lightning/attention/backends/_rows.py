@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends._block_grad import LOG2E, attention_backward_by_blocks
+from posenc_lightning.attention.backends._block_grad import LOG2E, Scratch, attention_backward_by_blocks
 from posenc_lightning.attention.backends._blocks import BlockRows, backward_rows, wide_zeros
 from posenc_lightning.attention.backends._runs import run_backward, run_blocks
 from posenc_lightning.attention.mask import AttentionMask
@@ -121,6 +121,7 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
     dk = torch.zeros(k.shape, dtype=wt, device=k.device)
     g_extra: list[Tensor | None] = [None] * len(need_extra)
     flight = _InFlight()
+    hides: dict | None = None if compiling else {}  # the blocks' causal triangles (`masked`)
 
     def into(i: int) -> Tensor:  # the accumulator of input i's gradient
         tg = spec.targets[i]
@@ -135,7 +136,7 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
     def add_bias(start: int, stop: int, k_stop: int, s: Tensor, unit: float = 1.0) -> None:
         flight.block = BlockRows.of(spec.bias, spec.inputs, live, start, stop, k_stop, compiling)
         s.add_(flight.block.release().to(s.dtype).view(-1, *s.shape[1:]), alpha=unit)  # the rows freed here
-        masked(s, spec.mask, start, stop, k_stop, inplace=True, group_dim=True)
+        masked(s, spec.mask, start, stop, k_stop, inplace=True, group_dim=True, hides=hides)
 
     def to_inputs(start: int, stop: int, k_stop: int, ds: Tensor) -> None:
         block, flight.block = flight.block, None
@@ -152,13 +153,17 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
     else:
         dv = torch.zeros(v.shape, dtype=wt, device=v.device)
         own: list[tuple[int, int]] = []  # consecutive blocks of the own backward, run together
+        size = b * h * min(rows, n_q) * n_k
+        scratch: list[Scratch] = []  # the own blocks' buffers, made once and shared by every stretch
 
         def run_own() -> None:
             if own:  # the logits come in base 2 (`_block_grad.LOG2E`)
+                if not scratch:
+                    scratch.append(Scratch((size, size), wt, q.device, compiling))
                 attention_backward_by_blocks(
                     q, k, v, out, d_out, scale=spec.scale, causal=spec.mask.causal, q_offset=spec.mask.q_offset,
                     rows=rows, add_bias=lambda s0, s1, ks, s: add_bias(s0, s1, ks, s, LOG2E), on_ds=on_ds, dq=dq,
-                    dk=dk, dv=dv, compiling=compiling, lse=lse, blocks=own)
+                    dk=dk, dv=dv, scratch=scratch[0], compiling=compiling, lse=lse, blocks=own)
                 own.clear()
 
         for start, stop, k_stop, c in run_blocks(spec.bias, spec.mask, b, h, n_q, n_k, rows):
@@ -191,11 +196,13 @@ def mask_rows(mask: AttentionMask, start: int, stop: int, k_stop: int, device: t
 
 
 def masked(t: Tensor, mask: AttentionMask, start: int, stop: int, k_stop: int, inplace: bool,
-           group_dim: bool = False) -> Tensor:
+           group_dim: bool = False, hides: dict | None = None) -> Tensor:
     """``t [..., r, k_stop]`` with ``-inf`` where query ``start + r`` may not see the key, in place
     or on a copy. A purely causal mask writes only the block's diagonal keys (those before its
     first query are visible to every row of it); other masks go through `mask_rows`
-    (``group_dim``: ``t`` has a query-group dim after the heads, as in the own backward)."""
+    (``group_dim``: ``t`` has a query-group dim after the heads, as in the own backward).
+    ``hides``: a dict kept by the caller across the blocks of one call (eagerly), where the causal
+    triangle of each block shape is built once."""
     if mask.causal and mask.q_segments is None and mask.k_valid is None:
         first = start + mask.q_offset
         if k_stop - 1 <= first:  # the last key is visible to the first query: nothing hidden
@@ -204,8 +211,13 @@ def masked(t: Tensor, mask: AttentionMask, start: int, stop: int, k_stop: int, i
         t = t if inplace else t.clone()
         # key c0 + c is hidden from row i where c - i > first - c0: the sum with a 0/-inf upper
         # triangle (finite logits): one pass, where a broadcast masked_fill also builds its mask
-        hide = torch.full((stop - start, k_stop - c0), float("-inf"), dtype=t.dtype, device=t.device)
-        t[..., c0:k_stop].add_(hide.triu_(first - c0 + 1))
+        key = (stop - start, k_stop - c0, first - c0 + 1, t.dtype)
+        hide = None if hides is None else hides.get(key)
+        if hide is None:
+            hide = torch.full(key[:2], float("-inf"), dtype=t.dtype, device=t.device).triu_(key[2])
+            if hides is not None:
+                hides[key] = hide
+        t[..., c0:k_stop].add_(hide)
         return t
     m = mask_rows(mask, start, stop, k_stop, t.device)
     if m is None:

@@ -245,16 +245,17 @@ class _ToeplitzAttention(torch.autograd.Function):
 
 
 def _attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,
-                 start: int, stop: int, compiling: bool, lse: Tensor | None = None) -> Tensor:
+                 start: int, stop: int, compiling: bool, lse: Tensor | None = None, hides: dict | None = None
+                 ) -> Tensor:
     """SDPA for the queries ``[start, stop)`` with their bias rows as its float mask; ``compiling``:
     traced by ``torch.compile`` (the mask is then never written into the rows in place); ``lse``:
     ``[B, H, Nq]`` to write the rows' log-sum-exp into, from SDPA's CPU kernel (eagerly, no key
-    padding: `RowsSpec.kernel_runs`)."""
+    padding: `RowsSpec.kernel_runs`); ``hides``: the causal triangles of a call's blocks (`_rows.masked`)."""
     # causal by index: the queries [start, stop) see keys [0, q_offset + stop) only
     k_stop = min(k.shape[-2], mask.q_offset + stop) if mask.causal else k.shape[-2]
     attn_mask = bias.rows(start, stop, k_stop).to(q.dtype)
     attn_mask = masked(attn_mask, mask, start, stop, k_stop,
-                       inplace=owned_rows(attn_mask, bias, mask, q.shape[0], compiling))
+                       inplace=owned_rows(attn_mask, bias, mask, q.shape[0], compiling), hides=hides)
     empty = None
     if mask.k_valid is not None:
         # a query whose keys are all padding: its output is 0 (as eager's), and an all -inf row
@@ -282,8 +283,9 @@ def _attend_by_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attention
     n_q = q.shape[-2]
     if lse is not None:
         blocks = _runs.run_blocks(bias, mask, q.shape[0], q.shape[1], n_q, k.shape[-2], rows)
+        hides: dict = {}  # eagerly (`lse`): the blocks' causal triangles, built once a shape
         return collect_rows(q, v, ((s, e, _runs.attend_run(q, k, v, bias, mask, scale, s, e, ke, c, lse) if c else
-                                    _attend_rows(q, k, v, bias, mask, scale, gqa, s, e, compiling, lse))
+                                    _attend_rows(q, k, v, bias, mask, scale, gqa, s, e, compiling, lse, hides))
                                    for s, e, ke, c in blocks))
 
     def block(start: int) -> tuple[int, int, Tensor]:
