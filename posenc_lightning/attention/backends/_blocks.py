@@ -1,6 +1,7 @@
 """The block engine shared by sdpa's rows (`sdpa`) and the blockwise backend's tiles (`_tiles`): how many
 query rows one block takes (one budget, `BIAS_BLOCK_BYTES`), and a block's bias rows recomputed from
-stand-ins for the bias's inputs with their gradient routed back to those inputs (`BlockRows`).
+stand-ins for the bias's inputs with their gradient routed back to those inputs (`BlockRows`), and
+whether a block's rows are new, so that its mask may be written into them (`owned_rows`).
 
 A bias is never materialized ``[H, N, N]``: a block of query rows gets its slice (`Bias.rows`), and
 backward recomputes it from detached windows of `Bias.grad_inputs` (`Bias.rows_from`,
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.attention.backends._block_grad import block_vjp
+from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias
 
 #: the bytes of one block of bias rows (``[B|1, H, rows, keys]`` float32), never the whole
@@ -161,3 +163,16 @@ class BlockRows:
         for i, gi in zip(self.live, self.pullback(d_rows.to(self.dtype))):
             acc, w = into(i), self.windows[i]
             (acc if w is None else acc[w]).add_(gi)
+
+
+def owned_rows(rows: Tensor, bias: Bias, mask: AttentionMask, batch: int, compiling: bool) -> bool:
+    """The rows were computed just now (not a view or one of the bias's own tensors), so the mask
+    may be written into them: one block-sized copy less. Only for kinds whose rows are new
+    tensors (`Bias.fresh_rows`), eagerly, and not rows shared by a batch (``[1, ...]``) that a
+    per-batch mask (documents, padding) would have to widen."""
+    if not bias.fresh_rows or rows.requires_grad or rows._base is not None or compiling:
+        return False
+    if rows.shape[0] != batch and (mask.q_segments is not None or mask.k_valid is not None):
+        return False
+    ptr = rows.untyped_storage().data_ptr()
+    return all(t.untyped_storage().data_ptr() != ptr for t in bias.grad_inputs() or ())

@@ -226,19 +226,6 @@ def masked(t: Tensor, mask: AttentionMask, start: int, stop: int, k_stop: int, i
     return t.masked_fill_(hidden, float("-inf")) if inplace else t.masked_fill(hidden, float("-inf"))
 
 
-def owned_rows(rows: Tensor, bias: Bias, mask: AttentionMask, batch: int, compiling: bool) -> bool:
-    """The rows were computed just now (not a view or one of the bias's own tensors), so the mask
-    may be written into them: one block-sized copy less. Only for kinds whose rows are new
-    tensors (`Bias.fresh_rows`), eagerly, and not rows shared by a batch (``[1, ...]``) that a
-    per-batch mask (documents, padding) would have to widen."""
-    if not bias.fresh_rows or rows.requires_grad or rows._base is not None or compiling:
-        return False
-    if rows.shape[0] != batch and (mask.q_segments is not None or mask.k_valid is not None):
-        return False
-    ptr = rows.untyped_storage().data_ptr()
-    return all(t.untyped_storage().data_ptr() != ptr for t in bias.grad_inputs() or ())
-
-
 def collect_rows(q: Tensor, v: Tensor, blocks: Iterable[tuple[int, int, Tensor]]) -> Tensor:
     """The attention output from its blocks of query rows ``(start, stop, out)``. Without autograd
     each block is written into one buffer as it comes (never the list of blocks and their

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.attention.backends import _blocks
-from posenc_lightning.attention.backends._blocks import BlockRows
+from posenc_lightning.attention.backends._blocks import BlockRows, owned_rows
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias, cut
 
@@ -71,13 +71,11 @@ def run_blocks(bias: Bias, mask: AttentionMask, batch: int, heads: int, n_q: int
         start = stop
 
 
-def _band_mask(rows: Tensor, bias: Bias, mask: AttentionMask, start: int, c: int, k_stop: int) -> Tensor:
+def _band_mask(rows: Tensor, own: bool, mask: AttentionMask, start: int, c: int, k_stop: int) -> Tensor:
     """The rows of keys ``[c, k_stop)`` as the kernel's float mask, ``-inf`` where the causal mask hides
     key ``c + j`` from query ``start + i`` (at key ``start + q_offset + i``): written into the rows
-    where they are new (`Bias.fresh_rows`, none of the bias's inputs), else into a copy. The
-    kernel reads the mask with any row stride."""
-    ptr = rows.untyped_storage().data_ptr()
-    own = bias.fresh_rows and all(t.untyped_storage().data_ptr() != ptr for t in bias.grad_inputs() or ())
+    where they are the caller's own (`_blocks.owned_rows`), else into a copy. The kernel reads the
+    mask with any row stride."""
     return _hide_after(rows if own else rows.clone(), mask, start, c, k_stop)
 
 
@@ -110,10 +108,11 @@ def attend_run(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask,
     """
     views = cut(bias.grad_inputs(), bias.input_windows(start, stop, k_stop))
     rows = bias.rows_past(start, stop, c - 1, k_stop, views).to(q.dtype)
+    own = owned_rows(rows, bias, mask, q.shape[0], compiling=False)  # the run form runs eagerly
     qb = q[:, :, start:stop]
     o_run, l_run = _flash(qb, k[:, :, :c], v[:, :, :c], 0.0, False, scale=scale)
     o_band, l_band = _flash(qb, k[:, :, c:k_stop], v[:, :, c:k_stop], 0.0, False,
-                            attn_mask=_band_mask(rows[..., 1:], bias, mask, start, c, k_stop), scale=scale)
+                            attn_mask=_band_mask(rows[..., 1:], own, mask, start, c, k_stop), scale=scale)
     l_run = l_run + rows[..., 0]
     joint = torch.logaddexp(l_run, l_band)
     lse[:, :, start:stop] = joint

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posenc_lightning.attention.backends import _runs
-from posenc_lightning.attention.backends._blocks import backward_rows, forward_rows
+from posenc_lightning.attention.backends._blocks import backward_rows, forward_rows, owned_rows
 from posenc_lightning.attention.backends._denormals import (
     _DenormalsOffAfterBackward,
     _DenormalsOnForBackward,
@@ -31,7 +31,6 @@ from posenc_lightning.attention.backends._rows import (
     Sink,
     collect_rows,
     masked,
-    owned_rows,
     rows_backward,
 )
 from posenc_lightning.attention.backends._toeplitz import template_at, toeplitz_backward, toeplitz_shift
