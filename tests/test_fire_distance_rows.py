@@ -255,3 +255,44 @@ def test_selection_kept_between_forward_and_backward():
         changed = bias.rows(20, 70, 70)
         assert len(bias._selections) == 2
     torch.testing.assert_close(changed, enc.bias_tensor(pos, pos)[..., 20:70, :70], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["fire", "mixture"])
+def test_causal_rows_exact_where_the_mask_shows_keys(kind, monkeypatch):
+    """`Bias.causal_rows` and `Bias.rows_and_pullback` with ``diagonal`` (the engine's causal blocks,
+    which mask the keys past it): the switching units' runs stop at the diagonal, so the rows equal
+    `rows` wherever the mask shows a key and are finite where it hides one (and differ there: the
+    skipped units); the pullback of a gradient that is 0 on the hidden keys equals the full
+    rows'. Blocks that do not divide the rows, keys up to the last query and beyond it, rows on both
+    sides of L (40), positions from 5, a mixture's table (not symmetric in the distance)."""
+    torch.manual_seed(3)
+    n, start = 90, 5
+    if kind == "mixture":
+        bias = _mixture_bias(n, start, batch=1)
+        assert type(bias) is FireTableSum and bias._fire_term() is not None
+    else:
+        bias = _fire(init_l=40.0).bias(None, None, AttentionContext((torch.arange(n) + start)[None],
+                                                                   (torch.arange(n) + start)[None], True,
+                                                                   q_start=start, k_start=start))
+    inputs = bias.grad_inputs()
+    need = [t.requires_grad for t in inputs]
+    differ = False
+    for s, e, ke in [(0, 17, 17), (17, 50, 50), (33, 34, 34), (50, 90, 90), (20, 61, 80)]:
+        shown = torch.arange(ke)[None, :] <= s + torch.arange(e - s)[:, None]  # diagonal s: key j <= s + r
+        with torch.no_grad():
+            full, part = bias.rows(s, e, ke), bias.causal_rows(s, e, ke, s)
+        assert part.shape == full.shape and torch.isfinite(part).all()
+        torch.testing.assert_close(part[..., shown], full[..., shown], rtol=0, atol=1e-6)
+        differ |= bool((part[..., ~shown] != full[..., ~shown]).any())
+        with torch.no_grad(), monkeypatch.context() as m:
+            m.setattr(_blocks, "block_vjp", None)  # the hook's route only
+            ref = _blocks.BlockRows.of(bias, inputs, need, s, e, ke, False)
+            got = _blocks.BlockRows.of(bias, inputs, need, s, e, ke, False, diagonal=s)
+        torch.testing.assert_close(got.rows[..., shown], ref.rows[..., shown], rtol=0, atol=1e-6)
+        d = torch.randn(1, 4, e - s, ke) * shown
+        acc_ref, acc_got = [torch.zeros_like(t) for t in inputs], [torch.zeros_like(t) for t in inputs]
+        ref.backward(d, acc_ref.__getitem__)
+        got.backward(d, acc_got.__getitem__)
+        for a, b in zip(acc_got, acc_ref):  # sums over other run steps: float32 rounding apart
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert differ  # some unit switching about distance 0 was skipped on the hidden keys

@@ -220,7 +220,7 @@ def test_blockwise_sdpa_equals_eager_dense_formula_fwd_bwd(name, layout, monkeyp
                 t.fn = lambda s, e, ke, *ins, fn=fn: (requested.append(e - s), fn(s, e, ke, *ins))[1]
             elif isinstance(t, FireBias):
                 fn = t.rows_from
-                t.rows_from = lambda s, e, ke, views, fn=fn: (requested.append(e - s), fn(s, e, ke, views))[1]
+                t.rows_from = lambda s, e, ke, views, fn=fn, **kw: (requested.append(e - s), fn(s, e, ke, views, **kw))[1]
         return bias
 
     monkeypatch.setattr(enc, "bias", spy)

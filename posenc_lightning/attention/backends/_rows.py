@@ -134,7 +134,8 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
         return g_extra[tg.slot]
 
     def add_bias(start: int, stop: int, k_stop: int, s: Tensor, unit: float = 1.0) -> None:
-        flight.block = BlockRows.of(spec.bias, spec.inputs, live, start, stop, k_stop, compiling)
+        flight.block = BlockRows.of(spec.bias, spec.inputs, live, start, stop, k_stop, compiling,
+                                    diagonal=start + spec.mask.q_offset if spec.mask.causal else None)
         s.add_(flight.block.release().to(s.dtype).view(-1, *s.shape[1:]), alpha=unit)  # the rows freed here
         masked(s, spec.mask, start, stop, k_stop, inplace=True, group_dim=True, hides=hides)
 

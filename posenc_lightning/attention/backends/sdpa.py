@@ -252,7 +252,9 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMas
     padding: `RowsSpec.kernel_runs`); ``hides``: the causal triangles of a call's blocks (`_rows.masked`)."""
     # causal by index: the queries [start, stop) see keys [0, q_offset + stop) only
     k_stop = min(k.shape[-2], mask.q_offset + stop) if mask.causal else k.shape[-2]
-    attn_mask = bias.rows(start, stop, k_stop).to(q.dtype)
+    # where the causal mask hides keys, the bias may leave them unspecified (`Bias.causal_rows`)
+    attn_mask = (bias.causal_rows(start, stop, k_stop, start + mask.q_offset) if mask.causal
+                 else bias.rows(start, stop, k_stop)).to(q.dtype)
     attn_mask = masked(attn_mask, mask, start, stop, k_stop,
                        inplace=owned_rows(attn_mask, bias, mask, q.shape[0], compiling), hides=hides)
     empty = None

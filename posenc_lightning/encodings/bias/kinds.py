@@ -53,6 +53,22 @@ class Bias(ABC):
             ``[B|1, H, stop - start, k_stop]``.
         """
 
+    def causal_rows(self, start: int, stop: int, k_stop: int, diagonal: int) -> Tensor:
+        """`rows` for a caller whose causal mask hides key ``j`` from row ``start + r`` where ``j >
+        diagonal + r``: the rows there may hold any finite value (the caller masks them), so a kind
+        may skip work there. By default `rows`.
+
+        Args:
+            start: first query row.
+            stop: query row past the last.
+            k_stop: keys ``0..k_stop-1``.
+            diagonal: the last key the first row sees.
+
+        Returns:
+            As `rows`'s, exact where the caller's mask shows a key.
+        """
+        return self.rows(start, stop, k_stop)
+
     def grad_inputs(self) -> tuple[Tensor, ...] | None:
         """Backends with their own backward recompute rows (`rows_from`) and differentiate to these.
 
@@ -292,7 +308,8 @@ class Bias(ABC):
         """
         return self.rows_from(start, stop, k_stop, views)
 
-    def rows_and_pullback(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor], need: Sequence[bool]
+    def rows_and_pullback(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor], need: Sequence[bool],
+                          diagonal: int | None = None
                           ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]] | None:
         """`rows_from` and its pullback from one call, with no autograd graph: a kind whose rows are
         differentiated by hand may skip autograd's fixed cost per block (recording the rows,
@@ -305,6 +322,8 @@ class Bias(ABC):
             k_stop: keys ``0..k_stop-1``.
             views: as `rows_from`'s (detached).
             need: per view, whether its gradient is wanted.
+            diagonal: as `causal_rows`': the caller hides the keys past it (the rows may hold any
+                finite value there, and ``d_rows`` is 0 there); None: every key is seen.
 
         Returns:
             ``(rows, pullback)``: the rows as `rows_from`'s and ``pullback(d_rows)``, the gradient of

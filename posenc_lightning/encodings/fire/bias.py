@@ -78,11 +78,11 @@ class FireBias(Bias):
         return (qp[:1], kp[:1]) if self._one_row else (qp, kp)  # rows shared by the batch: computed once
 
     def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor],
-                  table: Tensor | None = None) -> Tensor:
+                  table: Tensor | None = None, diagonal: int | None = None) -> Tensor:
         """The rows from ``views`` of `grad_inputs`; ``table``: a distance-only term's window ``[H,
         rows + k_stop - 1]`` (``table[h, rows - 1 - r + j]`` at row r, key j) added to them, inside
         the MLP's per-distance intercept (`FireTableSum`; only at known ``start + arange``
-        positions)."""
+        positions); ``diagonal``: as `causal_rows`'."""
         c, l_mult, w1, b1 = views[:4]
         w2, b2 = self._mlp_out(views)
         qp, kp = self._positions(start, stop, k_stop)
@@ -91,17 +91,27 @@ class FireBias(Bias):
             return compiled.traced_rows(qp, kp, c, l_mult * self.init_L, w1, b1, w2, b2, self.eps)
         arange = self.q_start is not None and self.k_start is not None  # psi(i - j) then by distance
         shift = self.q_start + start - self.k_start if arange else None
+        last = _last_column(start, stop, diagonal)
         return fire_rows(qp, kp, c, (l_mult * self.init_L).abs(), w1[:, 0], b1, w2, b2, self.eps, shift,
-                         table, self._memo(start, stop, k_stop, views) if arange and not torch.is_grad_enabled()
-                         else None).float()
+                         table, self._memo(start, stop, k_stop, views, last)
+                         if arange and not torch.is_grad_enabled() else None, last).float()
+
+    def causal_rows(self, start: int, stop: int, k_stop: int, diagonal: int) -> Tensor:
+        """`rows`; at known ``start + arange`` positions (by distance) the switching units are not
+        evaluated on the keys the caller's mask hides (the block's negative distances, where a
+        unit that switches about distance 0 would be evaluated a second time): those keys hold the
+        folded units' values only."""
+        return self.rows_from(start, stop, k_stop, self.grad_inputs(), diagonal=diagonal)
 
     def rows_and_pullback(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor], need: Sequence[bool],
-                          table: Tensor | None = None) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]] | None:
+                          diagonal: int | None = None, table: Tensor | None = None
+                          ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]] | None:
         """At known ``start + arange`` positions (rows by distance), `rows_from` and its gradient
         by `by_distance.rows_and_pullback`, the chain to the views (``L = |l_mult init_L|``, ``w1``
         ``[W, 1]``, the scale folded into ``w2``, ``b2``) by hand; ``table`` as `rows_from`'s. With
         ``table`` the pullback's first gradient is the table's (always), then the views' where
-        ``need``. None elsewhere (the engine differentiates `rows_from`)."""
+        ``need``; ``diagonal``: as `causal_rows`' (and ``d_rows`` 0 past it). None elsewhere (the
+        engine differentiates `rows_from`)."""
         if self.q_start is None or self.k_start is None or not self._one_row or stop <= start or k_stop <= 0 \
                 or torch.compiler.is_compiling():
             return None
@@ -110,9 +120,10 @@ class FireBias(Bias):
         qp, kp = self._positions(start, stop, k_stop)
         t = l_mult * self.init_L
         w2s, b2s = (w2, b2) if weight is None else (w2 * weight, b2 * weight)
+        last = _last_column(start, stop, diagonal)
         rows, pullback = by_distance.rows_and_pullback(c, t.abs(), w1[:, 0], b1, w2s, b2s, table, qp, kp, self.eps,
                                                        self.q_start + start - self.k_start, need[0] or need[1],
-                                                       self._memo(start, stop, k_stop, views))
+                                                       self._memo(start, stop, k_stop, views, last), last)
 
         def grads(d_rows: Tensor) -> tuple[Tensor, ...]:
             gc, gthr, gw1, gb1, gw2, gb2, gt = pullback(d_rows)
@@ -125,14 +136,16 @@ class FireBias(Bias):
 
         return rows.float(), grads
 
-    def _memo(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> by_distance.Memo | None:
+    def _memo(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor], last: int | None = None
+              ) -> by_distance.Memo | None:
         """Where a block's selection by distance is kept (`by_distance._selection`): computed once
         for the engine's forward and backward blocks of the same rows (grad mode off), keyed by the
         block and the storage and version of ``c``, ``l_mult``, ``w1``, ``b1`` (the views of the
-        same parameters share them; an in-place update changes the version). None for tensors
+        same parameters share them; an in-place update changes the version) and ``last`` (the
+        selection stops there, `by_distance._selection`). None for tensors
         with no storage of their own (a functorch transform's)."""
         try:
-            key = (start, stop, k_stop, *((v.data_ptr(), v._version) for v in views[:4]))
+            key = (start, stop, k_stop, last, *((v.data_ptr(), v._version) for v in views[:4]))
         except RuntimeError:
             return None
         return self._selections, key
@@ -267,6 +280,13 @@ class FireBias(Bias):
 
 
 
+def _last_column(start: int, stop: int, diagonal: int | None) -> int | None:
+    """The last column of a block's distance layout (`by_distance`) that a causal mask shows: row
+    ``r`` reads key ``m - (R - 1 - r)`` at column ``m`` and sees keys up to ``diagonal + r``, so every
+    row sees columns up to ``diagonal + R - 1``, and none past it."""
+    return None if diagonal is None else diagonal + stop - start - 1
+
+
 @dataclass(eq=False)
 class FireTableSum(BiasSum):
     """FIRE's bias plus distance-only terms (a mixture's ALiBi and T5 buckets): a `BiasSum` whose
@@ -300,15 +320,17 @@ class FireTableSum(BiasSum):
             return None
         return rest[0] if same_positions(f.q_pos, g.q_pos) and same_positions(f.k_pos, g.k_pos) else None
 
-    def rows_and_pullback(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor], need: Sequence[bool]
+    def rows_and_pullback(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor], need: Sequence[bool],
+                          diagonal: int | None = None
                           ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]] | None:
         """Where FIRE's rows take the table (`_fire_term`), `FireBias.rows_and_pullback` with the
         table's window (``views[0]``, `BiasSum.grad_inputs`' first): its gradient FIRE's column
-        sums; the rows as `_rows`' (expanded to the batch; the pullback sums it)."""
+        sums; the rows as `_rows`' (expanded to the batch; the pullback sums it); ``diagonal``: as
+        `FireBias.causal_rows`'."""
         i = self._fire_term() if stop > start and k_stop > 0 else None
         if i is None:
             return None
-        got = self.parts[i].rows_and_pullback(start, stop, k_stop, views[1:], need[1:], table=views[0])
+        got = self.parts[i].rows_and_pullback(start, stop, k_stop, views[1:], need[1:], diagonal, table=views[0])
         if got is None:
             return None
         rows, pullback = got
@@ -320,8 +342,14 @@ class FireTableSum(BiasSum):
 
         return (rows if b == rows.shape[0] else rows.expand(b, *rows.shape[1:])), grads
 
+    def causal_rows(self, start: int, stop: int, k_stop: int, diagonal: int) -> Tensor:
+        """`rows`, FIRE's as `FireBias.causal_rows` where its rows take the table."""
+        if self._fire_term() is None or stop <= start or k_stop <= 0:
+            return self.rows(start, stop, k_stop)
+        return self._rows(start, stop, k_stop, None, [None] * len(self.parts), diagonal)
+
     def _rows(self, start: int, stop: int, k_stop: int, u: Tensor | None,
-              views: Sequence[Sequence[Tensor] | None]) -> Tensor:
+              views: Sequence[Sequence[Tensor] | None], diagonal: int | None = None) -> Tensor:
         i = self._fire_term() if stop > start and k_stop > 0 else None
         if i is None:
             return super()._rows(start, stop, k_stop, u, views)
@@ -329,6 +357,6 @@ class FireTableSum(BiasSum):
         if u is None:  # the table's own window (`BiasSum.rows`)
             g = self._group
             u = g.u[g.window(start, stop, k_stop)]
-        rows = f.rows_from(start, stop, k_stop, f.grad_inputs() if v is None else v, table=u)
+        rows = f.rows_from(start, stop, k_stop, f.grad_inputs() if v is None else v, table=u, diagonal=diagonal)
         b = self._group.q_pos.shape[0]  # as the table's rows: one row of positions, expanded
         return rows if b == rows.shape[0] else rows.expand(b, *rows.shape[1:])

@@ -296,14 +296,18 @@ Memo = tuple[dict, tuple]
 
 
 def _selection(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, q_pos: Tensor, k_pos: Tensor, eps: float,
-               shift: int, dt: torch.dtype, memo: Memo | None = None) -> tuple:
+               shift: int, dt: torch.dtype, memo: Memo | None = None, last: int | None = None) -> tuple:
     """``(n, p, on, runs, spans)`` of a block (`_diagonal_inputs`, `_diagonal_select`); ``memo``: a
-    dict and the key of this block's inputs there (the bias's, `FireBias`): computed once per key."""
+    dict and the key of this block's inputs there (the bias's, `FireBias`): computed once per key.
+    ``last``: the last column the caller's causal mask shows (`FireBias.causal_rows`): the runs stop
+    there, and the columns past it hold the folded units only (finite, masked by the caller)."""
     if memo is not None and memo[1] in memo[0]:
         return memo[0][memo[1]]
     n, p = _diagonal_inputs(c, thr, q_pos, k_pos, shift)
     n = n + eps
     on, runs = _diagonal_select(p, n, dt, w1, b1)
+    if last is not None:
+        runs = [(units, a, min(z, last + 1)) for units, a, z in runs if a <= last]
     spans = torch.tensor([(u, a, z) for units, a, z in runs for u in units], dtype=torch.long).view(-1, 3)
     out = (n, p, on, runs, spans)
     if memo is not None:
@@ -313,12 +317,12 @@ def _selection(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, q_pos: Tensor, k_
 
 def _forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, table: Tensor | None,
              q_pos: Tensor, k_pos: Tensor, eps: float, shift: int, keep: list[Tensor | None] | None = None,
-             memo: Memo | None = None) -> tuple[Tensor, ...]:
-    """`_FireDiagonalRows`'s outputs; ``keep``: `_diagonal_rows`' (the runs' hidden units); ``memo``:
-    `_selection`'s."""
+             memo: Memo | None = None, last: int | None = None) -> tuple[Tensor, ...]:
+    """`_FireDiagonalRows`'s outputs; ``keep``: `_diagonal_rows`' (the runs' hidden units); ``memo``
+    and ``last``: `_selection`'s."""
     dt = torch.promote_types(torch.promote_types(torch.float32, c.dtype), w2.dtype)  # n's, p's and w2's
     w1, b1, w2, b2 = (t if t.dtype == dt else t.to(dt) for t in (w1, b1, w2, b2))
-    n, p, on, runs, spans = _selection(c, thr, w1, b1, q_pos, k_pos, eps, shift, dt, memo)
+    n, p, on, runs, spans = _selection(c, thr, w1, b1, q_pos, k_pos, eps, shift, dt, memo, last)
     if not _below(q_pos, thr):
         rows, ab = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], table, keep)
         return rows, n, p, on, spans, ab
@@ -368,16 +372,17 @@ class _FireDiagonalRows(torch.autograd.Function):
 
 
 def rows_and_pullback(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, table: Tensor | None,
-                      q_pos: Tensor, k_pos: Tensor, eps: float, shift: int, need_x: bool, memo: Memo | None = None
-                      ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor | None, ...]]]:
+                      q_pos: Tensor, k_pos: Tensor, eps: float, shift: int, need_x: bool, memo: Memo | None = None,
+                      last: int | None = None) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor | None, ...]]]:
     """`_FireDiagonalRows`'s rows and its backward as a pullback, with no autograd Function (no
     recording, no ``autograd.grad``: a fixed cost of each of the engine's backward blocks,
     `FireBias.rows_and_pullback`). ``pullback(grad [1, H, R, C])`` gives the Function's
     gradients ``(c, thr, w1, b1, w2, b2, table)`` (``c``'s and ``thr``'s zeros unless ``need_x``;
     ``table``'s None without a table). The runs' hidden units of the rows are kept for the
-    pullback (`_diagonal_rows`' ``keep``), not recomputed; ``memo``: `_selection`'s."""
+    pullback (`_diagonal_rows`' ``keep``), not recomputed; ``memo``: `_selection`'s; ``last``: as
+    `_selection`'s, ``grad`` then 0 past it (the caller's mask)."""
     hids: list[Tensor | None] = []
-    rows, n, p, on, spans, ab = _forward(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, hids, memo)
+    rows, n, p, on, spans, ab = _forward(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, hids, memo, last)
     saved = (c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table)
     return rows, lambda grad: _pullback(grad, saved, shift, need_x, table is not None, hids)
 

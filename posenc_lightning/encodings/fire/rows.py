@@ -13,7 +13,7 @@ from posenc_lightning.functional.fire import fire_normalized_distance
 
 def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Tensor, b1: Tensor, w2: Tensor,
               b2: Tensor, eps: float = 1e-6, shift: int | None = None, table: Tensor | None = None,
-              memo: Memo | None = None) -> Tensor:
+              memo: Memo | None = None, last: int | None = None) -> Tensor:
     """FIRE's bias ``[B, H, Nq, Nk]`` (eq. 3): `fire_mlp` of `fire_normalized_distance`, the same
     arithmetic, as one autograd Function. The units are selected per group of keys (`_select`): the
     forward folds those on throughout a group into ``A x + B`` (`_column_rows`), the backward (eq. 3
@@ -26,7 +26,9 @@ def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Te
     ``q_pos[0, r] - k_pos[0, j] = shift + r - j``; the rows are then computed by distance
     (`_FireDiagonalRows`). ``table`` (with ``shift``): ``[H, Nq + Nk - 1]`` values of a
     distance-only term added to the rows, ``table[h, Nq - 1 - r + j]`` at row r, key j. ``memo``:
-    where the rows by distance keep their selection without grad (`by_distance._selection`).
+    where the rows by distance keep their selection without grad (`by_distance._selection`); ``last``
+    (with ``shift``, without grad): the last column of the distance layout a caller's causal mask
+    shows, past which the rows need only be finite (`FireBias.causal_rows`).
     """
     diagonal = shift is not None and q_pos.shape[0] == k_pos.shape[0] == 1 and q_pos.shape[1] and k_pos.shape[1]
     if table is not None and (not diagonal or torch.compiler.is_compiling()):
@@ -36,6 +38,6 @@ def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Te
         return fire_mlp(x.flatten(1), w1, b1, w2, b2).unflatten(-1, x.shape[1:])
     if diagonal:
         if not torch.is_grad_enabled():  # nothing to record: the Function's forward, no `apply` (binding)
-            return _forward(c, threshold, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, None, memo)[0]
+            return _forward(c, threshold, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, None, memo, last)[0]
         return _FireDiagonalRows.apply(c, threshold, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift)[0]
     return _FireRows.apply(c, threshold, w1, b1, w2, b2, q_pos, k_pos, eps, shift)[0]
