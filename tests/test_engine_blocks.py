@@ -74,3 +74,18 @@ def test_whole_budget_blocks_equal_eager(name, layout, monkeypatch):
             assert a is None or not a.abs().max()
             continue
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("first, k0", [(5, 0), (5, 3), (-2, 0), (9, 0), (2, 6), (11, 4)])
+def test_causal_triangle_of_a_block(first, k0):
+    """`_blocks.hide_after_diagonal`: ``-inf`` added exactly where key ``k0 + j`` is past row ``i``'s
+    last key ``first + i`` (keys before the first row's last key untouched, a block with nothing
+    hidden unchanged); the triangle built once per shape in ``hides``, and the same on reuse."""
+    r, width = 4, 10
+    t = torch.randn(2, r, width)
+    hidden = (k0 + torch.arange(width))[None, :] > first + torch.arange(r)[:, None]
+    hides: dict = {}
+    for _ in range(2):
+        got = _blocks.hide_after_diagonal(t.clone(), first, k0, hides)
+        torch.testing.assert_close(got, t.masked_fill(hidden, float("-inf")), rtol=0, atol=0)
+    assert len(hides) == (1 if hidden.any() else 0)

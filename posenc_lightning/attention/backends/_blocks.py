@@ -1,7 +1,8 @@
 """The block engine shared by sdpa's rows (`sdpa`) and the blockwise backend's tiles (`_tiles`): how many
 query rows one block takes (one budget, `BIAS_BLOCK_BYTES`), and a block's bias rows recomputed from
-stand-ins for the bias's inputs with their gradient routed back to those inputs (`BlockRows`), and
-whether a block's rows are new, so that its mask may be written into them (`owned_rows`).
+stand-ins for the bias's inputs with their gradient routed back to those inputs (`BlockRows`),
+whether a block's rows are new, so that its mask may be written into them (`owned_rows`), and a
+block's causal mask added to it (`hide_after_diagonal`).
 
 A bias is never materialized ``[H, N, N]``: a block of query rows gets its slice (`Bias.rows`), and
 backward recomputes it from detached windows of `Bias.grad_inputs` (`Bias.rows_from`,
@@ -165,6 +166,34 @@ class BlockRows:
         for i, gi in zip(self.live, self.pullback(d_rows.to(self.dtype))):
             acc, w = into(i), self.windows[i]
             (acc if w is None else acc[w]).add_(gi)
+
+
+def hide_after_diagonal(t: Tensor, first: int, k0: int = 0, hides: dict | None = None) -> Tensor:
+    """``t [..., r, K]`` (column ``j``: key ``k0 + j``; row ``i`` sees keys up to ``first + i``) with
+    ``-inf`` added in place where a row may not see the key: a 0/-inf triangle over the columns from
+    the first key hidden from row 0 on (the keys before it are seen by every row), the logits finite.
+
+    Args:
+        t: the block, written in place.
+        first: the last key the first row sees.
+        k0: the key of ``t``'s first column.
+        hides: a dict kept by the caller across the blocks of one call (eagerly), where the triangle
+            of each block shape is built once.
+
+    Returns:
+        ``t``.
+    """
+    j0 = max(0, first - k0 + 1)
+    if j0 >= t.shape[-1]:  # the last key is visible to the first row: nothing hidden
+        return t
+    key = (t.shape[-2], t.shape[-1] - j0, first - k0 + 1 - j0, t.dtype)  # column j0 + j hidden from row i
+    hide = None if hides is None else hides.get(key)  # where j >= i + key[2]
+    if hide is None:
+        hide = torch.full(key[:2], float("-inf"), dtype=t.dtype, device=t.device).triu_(key[2])
+        if hides is not None:
+            hides[key] = hide
+    t[..., j0:].add_(hide)
+    return t
 
 
 def owned_rows(rows: Tensor, bias: Bias, mask: AttentionMask, batch: int, compiling: bool) -> bool:

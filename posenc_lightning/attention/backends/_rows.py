@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.attention.backends._block_grad import LOG2E, Scratch, attention_backward_by_blocks
-from posenc_lightning.attention.backends._blocks import BlockRows, backward_rows, wide_zeros
+from posenc_lightning.attention.backends._blocks import BlockRows, backward_rows, hide_after_diagonal, wide_zeros
 from posenc_lightning.attention.backends._runs import run_backward, run_blocks
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias
@@ -208,18 +208,9 @@ def masked(t: Tensor, mask: AttentionMask, start: int, stop: int, k_stop: int, i
         first = start + mask.q_offset
         if k_stop - 1 <= first:  # the last key is visible to the first query: nothing hidden
             return t
-        c0 = max(0, first)
-        t = t if inplace else t.clone()
-        # key c0 + c is hidden from row i where c - i > first - c0: the sum with a 0/-inf upper
-        # triangle (finite logits): one pass, where a broadcast masked_fill also builds its mask
-        key = (stop - start, k_stop - c0, first - c0 + 1, t.dtype)
-        hide = None if hides is None else hides.get(key)
-        if hide is None:
-            hide = torch.full(key[:2], float("-inf"), dtype=t.dtype, device=t.device).triu_(key[2])
-            if hides is not None:
-                hides[key] = hide
-        t[..., c0:k_stop].add_(hide)
-        return t
+        # the sum with a 0/-inf triangle (finite logits): one pass, where a broadcast masked_fill
+        # also builds its mask
+        return hide_after_diagonal(t if inplace else t.clone(), first, 0, hides)
     m = mask_rows(mask, start, stop, k_stop, t.device)
     if m is None:
         return t

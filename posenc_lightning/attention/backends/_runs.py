@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.attention.backends import _blocks
-from posenc_lightning.attention.backends._blocks import BlockRows, owned_rows
+from posenc_lightning.attention.backends._blocks import BlockRows, hide_after_diagonal, owned_rows
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias, cut
 
@@ -81,15 +81,9 @@ def _band_mask(rows: Tensor, own: bool, mask: AttentionMask, start: int, c: int,
 
 def _hide_after(t: Tensor, mask: AttentionMask, start: int, c: int, k_stop: int) -> Tensor:
     """``t [..., r, k_stop - c]``, keys ``[c, k_stop)`` of queries from ``start``, with ``-inf`` added in
-    place where the causal mask hides the key: the keys after the first query only, a 0/-inf
-    upper triangle (one pass over the block's diagonal corner)."""
-    first = start + mask.q_offset
-    if mask.causal and k_stop - 1 > first:
-        j0 = max(0, first - c + 1)  # key c + j0 is the first one hidden from some row
-        # key c + j0 + j is hidden from row i where j0 + j > first - c + i
-        t[..., j0:].add_(torch.full((t.shape[-2], t.shape[-1] - j0), float("-inf"), dtype=t.dtype,
-                                    device=t.device).triu_(first - c + 1 - j0))
-    return t
+    place where the causal mask hides the key (`_blocks.hide_after_diagonal`: the block's diagonal
+    corner only)."""
+    return hide_after_diagonal(t, start + mask.q_offset, c) if mask.causal else t
 
 
 def attend_run(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, start: int,
