@@ -142,6 +142,18 @@ def _mixture_bias(n: int, start: int, batch: int):
     return enc.bias(q, q, AttentionContext(pos, pos, True, q_start=start, k_start=start))
 
 
+def _bias_from(kind: str, n: int, start: int, batch: int = 1):
+    """FIRE's bias at positions ``start + arange(n)`` (L 40): ``"scaled"`` times a learnable weight,
+    ``"mixture"`` a mixture's (`FireTableSum`, rows for a batch of ``batch``)."""
+    if kind == "mixture":
+        bias = _mixture_bias(n, start, batch)
+        assert type(bias) is FireTableSum and bias._fire_term() is not None
+        return bias
+    pos = (torch.arange(n) + start)[None]
+    bias = _fire(init_l=40.0).bias(None, None, AttentionContext(pos, pos, True, q_start=start, k_start=start))
+    return bias.scaled(torch.tensor(0.7, requires_grad=True)) if kind == "scaled" else bias
+
+
 @pytest.mark.parametrize("kind", ["fire", "scaled", "mixture"])
 def test_rows_and_pullback_equal_autograd(kind, monkeypatch):
     """`Bias.rows_and_pullback` (FIRE's rows and gradients with no autograd graph, the engine's
@@ -150,15 +162,7 @@ def test_rows_and_pullback_equal_autograd(kind, monkeypatch):
     beyond the rows, positions from 5 (not arange from 0), rows on both sides of L (40)."""
     torch.manual_seed(2)
     n, start = 90, 5
-    if kind == "mixture":
-        bias = _mixture_bias(n, start, batch=2)
-        assert type(bias) is FireTableSum and bias._fire_term() is not None
-    else:
-        enc = _fire(init_l=40.0)
-        pos = (torch.arange(n) + start)[None]
-        bias = enc.bias(None, None, AttentionContext(pos, pos, True, q_start=start, k_start=start))
-        if kind == "scaled":
-            bias = bias.scaled(torch.tensor(0.7, requires_grad=True))
+    bias = _bias_from(kind, n, start, batch=2)
     inputs = bias.grad_inputs()
     need = [t.requires_grad for t in inputs]
     for s, e, ke in [(0, 17, 17), (17, 50, 63), (33, 34, 34), (50, 90, 90)]:
@@ -267,13 +271,7 @@ def test_causal_rows_exact_where_the_mask_shows_keys(kind, monkeypatch):
     sides of L (40), positions from 5, a mixture's table (not symmetric in the distance)."""
     torch.manual_seed(3)
     n, start = 90, 5
-    if kind == "mixture":
-        bias = _mixture_bias(n, start, batch=1)
-        assert type(bias) is FireTableSum and bias._fire_term() is not None
-    else:
-        bias = _fire(init_l=40.0).bias(None, None, AttentionContext((torch.arange(n) + start)[None],
-                                                                   (torch.arange(n) + start)[None], True,
-                                                                   q_start=start, k_start=start))
+    bias = _bias_from(kind, n, start)
     inputs = bias.grad_inputs()
     need = [t.requires_grad for t in inputs]
     differ = False
