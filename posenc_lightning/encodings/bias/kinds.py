@@ -16,8 +16,7 @@ from torch import Tensor
 
 from posenc_lightning.encodings.bias._distance_table import DistanceTable, accumulate
 from posenc_lightning.encodings.bias.forms import HeadScaled, KernelBias, KeyOnly, OpaqueOperands
-from posenc_lightning.encodings.bias.windows import Index, cut, same_positions, span
-from posenc_lightning.functional.positions import arange_offset, host_reads_ok
+from posenc_lightning.encodings.bias.windows import Index, cut, span
 
 __all__ = ["Bias", "BiasSum", "HeadScaled", "KernelBias", "KeyOnly", "OpaqueOperands", "ScaledBias", "cut", "span"]
 
@@ -424,28 +423,8 @@ class BiasSum(Bias):
 
     @cached_property
     def _table(self) -> DistanceTable | None:
-        """The distance-only terms at the same integer positions (readable on the host), beside
-        other terms, as one table over every distance their rows read (None: no such terms, or
-        distances spread wider than ``16 (Nq + Nk)``)."""
-        cand = [i for i, p in enumerate(self.parts) if p.distance_only and p.positions is not None
-                and host_reads_ok(p.positions[0]) and not p.positions[0].dtype.is_floating_point
-                and p.positions[0].numel() and p.positions[1].numel()]
-        if len(self.parts) < 2 or not cand:
-            return None
-        q, k = self.parts[cand[0]].positions
-        terms = [i for i in cand if same_positions(self.parts[i].positions[0], q) and same_positions(self.parts[i].positions[1], k)]
-        a, c = arange_offset(q), arange_offset(k)
-        if a is not None and c is not None:  # row i, key j at distance a - c + i - j
-            base, length = a - c + q.shape[1] - 1, q.shape[1] + k.shape[1] - 1
-        else:
-            base, length = int(q.max() - k.min()), int(q.max() - k.min() - q.min() + k.max()) + 1
-            if length > 16 * (q.shape[1] + k.shape[1]):  # a table far larger than a block of rows
-                return None
-        at = (torch.full((1, 1), base, dtype=q.dtype, device=q.device),
-              torch.arange(length, dtype=q.dtype, device=q.device)[None])
-        with torch.enable_grad():  # kept for the whole bias: first asked for maybe in a no-grad Function forward
-            u = sum(self.parts[i].at(*at).materialize() for i in terms)[0, :, 0]
-        return DistanceTable(terms, u, base, a is not None and c is not None, q, k)
+        """The distance-only terms as one table of distances (`DistanceTable.of`)."""
+        return DistanceTable.of(self.parts)
 
     def grad_inputs(self) -> tuple[Tensor, ...] | None:
         g = self._group
