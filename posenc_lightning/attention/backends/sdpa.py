@@ -83,8 +83,14 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
     if plan.form is Form.SDPA:
         return F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, scale=scale, enable_gqa=gqa)
     if plan.form is Form.MASK:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.materialize(q.device), scale=scale,
-                                              enable_gqa=gqa)
+        allowed = mask.materialize(q.device)
+        if mask.k_valid is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+        # a query whose keys are all padding: its output is 0 (as eager's). SDPA's CUDA kernels give
+        # such a row other values in bf16, so open the row and zero its output.
+        empty = ~allowed.any(-1, keepdim=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | empty, scale=scale, enable_gqa=gqa)
+        return out.masked_fill(empty, 0.0)
     # a causal offset SDPA's is_causal cannot express, larger than a bias block: a zero bias by rows
     zero = _zero_rows(q.shape[1], n_q, n_k, q.device)
     return _run(plan, q, k, v, zero, mask, scale, gqa, None, None, mode)

@@ -222,7 +222,8 @@ class DecayBias(Bias):
         return DecayBias(self.c_q * w, self.c_k * w)
 
     def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
-        cq, ck = self.c_q.to(torch.float32), self.c_k.to(torch.float32)
+        # compiled flex differentiates a captured tensor indexed once: c_k is often c_q itself
+        cq, ck = self.c_q.to(torch.float32), self.c_k.to(torch.float32).clone()
         return lambda b, h, qi, ki: cq[b, h, qi] - ck[b, h, ki]
 
     def fold_into(self, args: KernelBias) -> None:
