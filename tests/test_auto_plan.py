@@ -76,10 +76,14 @@ def test_auto_on_cuda_picks_a_backend_that_fuses_the_bias(case, requires_grad, a
             assert why is not None and "N x N" in why and "sdpa" in why
 
 
-def test_fire_is_fused_by_triton_and_flex_on_cuda():
+def test_fire_is_fused_by_triton_and_by_flex_without_grad_on_cuda():
     enc = _bound("fire_past_L")
     assert get_backend("triton").supports(enc, CUDA, True) is None
-    assert flex.supports(enc, CUDA, True) is None
+    assert flex.supports(enc, CUDA, False) is None
+    why = flex.supports(enc, CUDA, True)  # inductor's flex backward does not lower FIRE's MLP
+    assert why is not None and "FireBias" in why and "triton" in why
+    assert flex.supports(_bound("mixture"), CUDA, True) is not None  # a FIRE member
+    assert flex.supports(_bound("fox"), CUDA, True) is None
     assert flex.supports(_bound("cope"), torch.device("cpu"), False) is None  # CPU flex: the eager reference
 
 

@@ -52,7 +52,12 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
         if encoding.head_dim is not None and encoding.head_dim < MIN_COMPILED_HEAD_DIM:
             return (f"compiled flex attention needs head_dim >= {MIN_COMPILED_HEAD_DIM} (inductor's tl.dot), "
                     f"got {encoding.head_dim}; use backend='sdpa'")
-        return unfused_bias(encoding, FUSED_BIAS, "flex attention")
+        no_backward = [k.__name__ for k in encoding.bias_kinds if not k.score_mod_backward]
+        why = unfused_bias(encoding, FUSED_BIAS, "flex attention")
+        if why is None and requires_grad and no_backward:
+            why = (f"compiled flex attention has no backward for {', '.join(no_backward)}'s score_mod; "
+                   f"use backend='triton' or 'sdpa' to train")
+        return why
     return None
 
 

@@ -33,6 +33,8 @@ class Bias(ABC):
     #: one form refuse encodings declaring a kind without it (`Encoding.bias_kinds`); blocks of
     #: rows (`rows`, SDPA) compute every kind.
     fused_in: ClassVar[frozenset[str]] = frozenset()
+    #: whether compiled flex attention (CUDA) differentiates this kind's ``score_term``
+    score_mod_backward: ClassVar[bool] = True
 
     @abstractmethod
     def materialize(self) -> Tensor:
