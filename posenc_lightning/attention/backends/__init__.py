@@ -16,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-from posenc_lightning.attention.backends.proven import unproven
+from posenc_lightning.attention.backends.proven import CUSTOM_KERNELS, unproven
 from posenc_lightning.encodings.base import Encoding
 
 BACKENDS = ("eager", "sdpa", "flex", "triton", "blockwise")
@@ -83,8 +83,8 @@ def resolve_backend(name: str, encoding: Encoding, device: torch.device, require
     """The backend module to run ``encoding`` on ``device``; ``auto`` picks the fastest that can."""
     if name == "auto":
         for cand in _AUTO_ORDER.get(device.type, _AUTO_ORDER["cpu"]):
-            if cand == "flex" and "bias" not in encoding.stages:
-                continue  # nothing to fuse into a score_mod: SDPA's flash kernels are faster
+            if cand in CUSTOM_KERNELS and not {"bias", "normalize"} & set(encoding.stages):
+                continue  # nothing to fuse: SDPA's flash kernels are faster (benchmarks/results/gpu-*.md)
             if unproven(cand, encoding.name, device.type):
                 continue
             if _why_not(cand, encoding, device, requires_grad) is None:
