@@ -3,9 +3,10 @@
 Reads the JUnit report that benchmarks/gpu_check.sh keeps beside its results page and prints the
 custom-kernel pairs (`proven.CUSTOM_KERNELS`) of tests/gpu/test_conformance_cuda.py that passed
 in every case they ran (forward and backward, fp32 and bf16, every scenario) and failed
-in none; a pair with any failure, or with a dtype or scenario it never passed, is left out.
+in none; a pair with any failure, with a case the report lacks (a suite cut at its deadline), or
+with a dtype or scenario it never passed, is left out.
 
-    python benchmarks/gpu_proven.py benchmarks/results/gpu-<device>-<date>.junit.xml \\
+    python benchmarks/gpu_proven.py benchmarks/results/gpu-<device>-<date>.junit.xml [<rerun>.junit.xml] \\
         --record "benchmarks/results/gpu-<device>-<date>.md (<GPU name>)"
 """
 
@@ -25,38 +26,48 @@ TEST = "test_cuda_backend_equals_eager_reference"
 DTYPES, SCENARIOS = {"fp32", "bf16"}, {"arange", "offset", "packed", "decode", "padding"}
 
 
-def proven_pairs(junit: Path) -> list[tuple[str, str]]:
-    """The pairs of custom kernel and encoding whose every conformance case in ``junit`` passed.
+def proven_pairs(*junits: Path) -> list[tuple[str, str]]:
+    """The pairs of custom kernel and encoding whose every conformance case passed.
 
     Args:
-        junit: a pytest ``--junitxml`` report of the GPU mode.
+        *junits: pytest ``--junitxml`` reports of the GPU mode, in the order they ran: a case's
+            last outcome counts (``benchmarks/gpu_suite.py --rerun`` runs what an earlier one
+            lacked or failed).
 
     Returns:
         Sorted (backend, encoding) pairs.
     """
     from posenc_lightning.attention.backends.proven import CUSTOM_KERNELS
 
+    outcomes: dict[tuple[str, str, str, str], str] = {}
+    for junit in junits:
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            name = case.get("name", "")
+            if not name.startswith(TEST + "["):
+                continue
+            encoding, backend, dtype, scenario = name[len(TEST) + 1:-1].split("-")
+            if backend in CUSTOM_KERNELS:
+                tags = {child.tag for child in case}
+                outcomes[(backend, encoding, dtype, scenario)] = (
+                    "failed" if tags & {"failure", "error"} else "skipped" if "skipped" in tags else "passed")
+    ran: dict[tuple[str, str], set[tuple[str, str]]] = defaultdict(set)
     passed: dict[tuple[str, str], set[tuple[str, str]]] = defaultdict(set)
     failed: set[tuple[str, str]] = set()
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        name = case.get("name", "")
-        if not name.startswith(TEST + "["):
-            continue
-        encoding, backend, dtype, scenario = name[len(TEST) + 1:-1].split("-")
-        if backend not in CUSTOM_KERNELS:
-            continue
-        outcome = {child.tag for child in case}
-        if outcome & {"failure", "error"}:
+    for (backend, encoding, dtype, scenario), outcome in outcomes.items():
+        ran[(backend, encoding)].add((dtype, scenario))
+        if outcome == "failed":
             failed.add((backend, encoding))
-        elif "skipped" not in outcome:
+        elif outcome == "passed":
             passed[(backend, encoding)].add((dtype, scenario))
-    return sorted(pair for pair, seen in passed.items() if pair not in failed
+    every_case = {(d, s) for d in DTYPES for s in SCENARIOS}
+    return sorted(pair for pair, seen in passed.items() if pair not in failed and ran[pair] == every_case
                   and {d for d, _ in seen} == DTYPES and {s for _, s in seen} == SCENARIOS)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("junit", type=Path, help="the run's JUnit report (gpu-<device>-<date>.junit.xml)")
+    p.add_argument("junit", type=Path, nargs="+",
+                   help="the run's JUnit reports (gpu-<device>-<date>.junit.xml), a rerun's after the first")
     p.add_argument("--record", default="<results page> (<GPU>)",
                    help="what each entry records: the results page and the GPU it ran on")
     return p.parse_args(argv)
@@ -64,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    pairs = proven_pairs(a.junit)
+    pairs = proven_pairs(*a.junit)
     print("PROVEN: dict[tuple[str, str], str] = {")
     for backend, encoding in pairs:
         print(f"    ({backend!r}, {encoding!r}): {a.record!r},")

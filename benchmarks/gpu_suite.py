@@ -3,8 +3,11 @@ shard (``POSENC_GPU_SHARD=i/n``, tests/gpu/conftest.py), so the Triton and induc
 of a cold cache spread over the CPU cores while the tests share the one GPU. Merges the shards'
 JUnit reports into one (the input of benchmarks/gpu_proven.py) and prints each shard's summary.
 Past ``--deadline-s`` the shards are interrupted (pytest still reports what ran) and it fails.
+``--rerun REPORT`` runs only the tests that an earlier report lacks or failed (a lease's device
+time is short: a second run picks up where the first was cut off).
 
     python benchmarks/gpu_suite.py --shards 6 --deadline-s 240 --junit gpu.junit.xml
+    python benchmarks/gpu_suite.py --rerun gpu.junit.xml --junit gpu-rerun.junit.xml -- -k "not slow"
 """
 
 from __future__ import annotations
@@ -39,13 +42,46 @@ def merge_junit(parts: list[Path], out: Path) -> dict[str, int]:
     return totals
 
 
+def node_id(case: ET.Element) -> str:
+    """A JUnit ``<testcase>``'s pytest node id (``tests/gpu/x.py::test[param]``)."""
+    return f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name', '')}"
+
+
+def left_by(report: Path, ids: list[str]) -> list[str]:
+    """The node ids of ``ids`` that ``report`` lacks or holds as failed (or as an error).
+
+    Args:
+        report: a JUnit report of an earlier run (this script's ``--junit``).
+        ids: the node ids to run, in collection order.
+
+    Returns:
+        The ids to run again, in the same order.
+    """
+    done = {node_id(c) for c in ET.parse(report).getroot().iter("testcase")
+            if not {child.tag for child in c} & {"failure", "error"}}
+    return [i for i in ids if i not in done]
+
+
+def collected(tests: str, pytest_args: list[str]) -> list[str]:
+    """The node ids of the GPU tests under ``tests`` (``pytest --collect-only``)."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-o", "addopts=", "-q", "-m", "gpu", tests,
+                        "-p", "no:cacheprovider", *pytest_args], cwd=ROOT, capture_output=True, text=True, check=False)
+    return [ln.strip() for ln in r.stdout.splitlines() if "::" in ln]
+
+
 def run_shards(a: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="gpu-suite-"))
+    targets = [a.tests]
+    if a.rerun is not None:
+        targets = left_by(a.rerun, collected(a.tests, a.pytest_args))
+        print(f"-- rerun: {len(targets)} tests that {a.rerun} lacks or failed")
+        if not targets:
+            return 0
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     procs = []
     for i in range(a.shards):
         env_i = {**env, "POSENC_GPU_SHARD": f"{i}/{a.shards}"}
-        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", a.tests, "-q", "-rfE", "-p", "no:cacheprovider",
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *targets, "-q", "-rfE", "-p", "no:cacheprovider",
                f"--junitxml={tmp / f'shard-{i}.xml'}", *a.pytest_args]
         log = open(tmp / f"shard-{i}.log", "w")  # noqa: SIM115 - closed after the shard ends
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env_i, stdout=log, stderr=subprocess.STDOUT), log))
@@ -86,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=240.0, help="interrupt the shards after this many seconds")
     p.add_argument("--junit", type=Path, required=True, help="the merged JUnit report")
     p.add_argument("--tests", default="tests", help="the test path handed to pytest")
+    p.add_argument("--rerun", type=Path, default=None,
+                   help="an earlier JUnit report: run only the tests it lacks or failed")
     p.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     a = p.parse_args(argv)
     if a.shards < 1:

@@ -101,11 +101,43 @@ def test_gpu_proven_takes_only_pairs_that_passed_every_case(tmp_path):
              + full("fire", "triton") + [case("fire", "triton", "bf16", "decode", '<failure message="x"/>')]
              + full("fox", "triton")[:-1]  # never passed padding in bf16: ...
              + [case("fox", "triton", "bf16", "padding", '<skipped message="x"/>')]  # ... but fp32 did
-             + [case("cope", "triton", d, s, '<skipped message="refused"/>') for d in ("fp32", "bf16") for s in scenarios])
+             + [case("cope", "triton", d, s, '<skipped message="refused"/>') for d in ("fp32", "bf16") for s in scenarios]
+             + full("sba", "triton")[:-1])  # its last case never ran: the suite was cut at its deadline
     junit = tmp_path / "r.xml"
     junit.write_text(f'<testsuites><testsuite name="pytest">{"".join(cases)}</testsuite></testsuites>')
     assert proven_pairs(junit) == [("flex", "alibi"), ("triton", "fox"), ("triton", "rope")]
     assert main([str(junit), "--record", "benchmarks/results/x.md (H100)"]) == 0
+
+
+def _report(path: Path, cases: list[tuple[str, str]]) -> Path:
+    """A JUnit report of ``(test name, outcome element)`` cases of the conformance module."""
+    body = "".join(f'<testcase classname="tests.gpu.test_conformance_cuda" name="{n}">{o}</testcase>' for n, o in cases)
+    path.write_text(f'<testsuites><testsuite name="pytest">{body}</testsuite></testsuites>')
+    return path
+
+
+def test_a_rerun_report_completes_the_first_and_its_outcomes_count(tmp_path):
+    from benchmarks.gpu_proven import proven_pairs
+
+    scenarios = ("arange", "offset", "packed", "decode", "padding")
+    name = "test_cuda_backend_equals_eager_reference[{}-{}-{}-{}]".format
+    full = lambda enc, backend: [(name(enc, backend, d, s), "") for d in ("fp32", "bf16") for s in scenarios]
+    fail = '<failure message="x"/>'
+    first = _report(tmp_path / "a.xml", full("rope", "triton")[:4] + full("alibi", "flex")
+                    + [(name("fox", "flex", "fp32", "arange"), fail)] + full("fox", "flex")[1:])
+    assert proven_pairs(first) == [("flex", "alibi")]  # rope was cut short, fox failed once
+    rerun = _report(tmp_path / "b.xml", full("rope", "triton")[4:] + [(name("fox", "flex", "fp32", "arange"), "")]
+                    + [(name("alibi", "flex", "bf16", "decode"), fail)])
+    assert proven_pairs(first, rerun) == [("flex", "fox"), ("triton", "rope")]  # the last outcome counts
+
+
+def test_gpu_suite_reruns_the_tests_a_report_lacks_or_failed(tmp_path):
+    from benchmarks.gpu_suite import left_by
+
+    report = _report(tmp_path / "r.xml", [("t[a]", ""), ("t[b]", '<failure message="x"/>'),
+                                          ("t[c]", '<skipped message="x"/>'), ("t[d]", '<error message="x"/>')])
+    ids = [f"tests/gpu/test_conformance_cuda.py::t[{x}]" for x in "abcde"]
+    assert left_by(report, ids) == [ids[1], ids[3], ids[4]]
 
 
 def test_the_gpu_benchmarks_build_every_case_and_report_the_issue_bars(monkeypatch):
