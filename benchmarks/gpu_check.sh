@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-command validation on a CUDA machine (issue 28; docs/guides/gpu.md):
-#   1. the suite's GPU mode (python -m pytest -m gpu tests, in 6 shards side by side:
+#   1. the suite's GPU mode (python -m pytest -m gpu tests, in 12 shards side by side:
 #      benchmarks/gpu_suite.py), the Triton interpreter off;
 #   2. benchmarks/bench_triton.py: the fused kernels vs SDPA at N = 4k and 16k;
 #   3. benchmarks/gpu_overhead.py: every encoding vs flash SDPA and nope, N = 1k..16k, bf16.
@@ -37,7 +37,7 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 
 # name | limit (s) | command
 STEPS=(
-  "suite|250|$PY benchmarks/gpu_suite.py --shards 6 --deadline-s 225 --junit $JUNIT"
+  "suite|250|$PY benchmarks/gpu_suite.py --shards 12 --deadline-s 225 --junit $JUNIT"
   "bench_triton|75|$PY benchmarks/bench_triton.py --lengths 4096 16384 --reps 5 --out $WORK/bench_triton.md"
   "overhead|135|$PY benchmarks/gpu_overhead.py --lengths 1024 2048 4096 8192 16384 --budget-s 100 --out $WORK/overhead.md"
 )
