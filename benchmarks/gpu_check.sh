@@ -37,9 +37,9 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 
 # name | limit (s) | command
 STEPS=(
-  "suite|250|$PY benchmarks/gpu_suite.py --shards 12 --deadline-s 225 --junit $JUNIT"
-  "bench_triton|75|$PY benchmarks/bench_triton.py --lengths 4096 16384 --reps 5 --out $WORK/bench_triton.md"
-  "overhead|135|$PY benchmarks/gpu_overhead.py --lengths 1024 2048 4096 8192 16384 --budget-s 100 --out $WORK/overhead.md"
+  "suite|295|$PY benchmarks/gpu_suite.py --shards 12 --deadline-s 270 --junit $JUNIT"
+  "bench_triton|50|$PY benchmarks/bench_triton.py --lengths 4096 16384 --reps 5 --out $WORK/bench_triton.md"
+  "overhead|120|$PY benchmarks/gpu_overhead.py --lengths 1024 2048 4096 8192 16384 --budget-s 90 --out $WORK/overhead.md"
 )
 
 if [ "$DRY" = 1 ]; then
