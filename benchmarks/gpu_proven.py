@@ -1,4 +1,4 @@
-"""The (backend, encoding) pairs a recorded GPU run proved, as entries for `proven.PROVEN`.
+"""The (backend, encoding) pairs a recorded GPU run proved, as entries for `proven_on_gpu.PROVEN`.
 
 Reads the JUnit report that benchmarks/gpu_check.sh keeps beside its results page and prints the
 custom-kernel pairs (`proven.CUSTOM_KERNELS`) of tests/gpu/test_conformance_cuda.py that passed

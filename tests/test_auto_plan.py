@@ -2,7 +2,7 @@
 may return (`Encoding.bias_kinds`), each kind the fused forms it has (`Bias.fused_in`), and each
 fused backend the form it computes (``FUSED_BIAS``: "kernel" for triton, "score_mod" for flex);
 `supports` refuses a kind without it. Checked on CPU for a CUDA device (``supports`` reads
-``device.type`` only), with every custom kernel proven (`proven.PROVEN`; the rule for unproven
+``device.type`` only), with every custom kernel proven (`proven_on_gpu.PROVEN`; the rule for unproven
 ones is in tests/test_cuda_defaults.py): FIRE runs in the Triton kernels, CoPE and a mixture with a rotary member
 (rows that read q and k) fall to the blockwise SDPA path. And whenever a backend says yes on
 CUDA, running it (triton under TRITON_INTERPRET=1, sdpa; flex's ``score_mod`` plan, as CPU flex
@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from posenc_lightning.attention.backends import BACKENDS, _blocks, flex, get_backend, proven, resolve_backend
+from posenc_lightning.encodings import proven_on_gpu
 from posenc_lightning.encodings.registry import available_encodings, build_encoding
 from posenc_lightning.inject import inject
 from tests.helpers import Attn, fast_triton_interpreter
@@ -27,15 +28,15 @@ CASES = {**{n: (n, {}) for n in available_encodings() if "bias" in build_encodin
          "mixture_rope": ("mixture", {"members": ("alibi", "fire", "rope"), "member_cfgs": {"fire": {"init_L": 8.0}}}),
          "fox_rope": ("fox", {"rope": True})}
 #: where ``auto`` lands on CUDA once a recorded run has proven every custom kernel
-#: (`proven.PROVEN`): the fused kernels, except for rows that read q and k
+#: (`proven_on_gpu.PROVEN`): the fused kernels, except for rows that read q and k
 EXPECTED = {case: "sdpa" if case in ("cope", "mixture_rope") else "triton" for case in CASES}
 
 
 @pytest.fixture
 def all_proven(monkeypatch):
-    """`proven.PROVEN` naming every (custom kernel, encoding) pair."""
+    """`proven_on_gpu.PROVEN` naming every (custom kernel, encoding) pair."""
     table = {(b, n): "test" for b in proven.CUSTOM_KERNELS for n in available_encodings()}
-    monkeypatch.setattr(proven, "PROVEN", table)
+    monkeypatch.setattr(proven_on_gpu, "PROVEN", table)
 
 
 @pytest.fixture(autouse=True)

@@ -127,10 +127,14 @@ def test_traces_without_graph_breaks_and_compiles_to_the_same_numbers(name, monk
         res.append([out, *grads])
     if name == "rse":
         assert res[0][-1] is not None and res[0][-1].abs().sum() > 0  # the penalty slopes get a gradient
-    for a, b in zip(*res):
+    n_inputs = 1 + len(ins)  # the output, then the inputs' gradients, then the parameters'
+    for i, (a, b) in enumerate(zip(*res)):
         assert (a is None) == (b is None)
         if a is not None:
-            torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+            # a parameter's gradient sums over every (row, key): the compiled graph may order that
+            # float32 sum differently (2.8e-5 relative seen on one CPU)
+            rtol = 1e-5 if i < n_inputs else 1e-4
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=rtol)
 
 
 # ------------------------------------------------------------------------------------- memory

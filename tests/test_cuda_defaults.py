@@ -1,5 +1,5 @@
 """``backend="auto"`` on CUDA takes only proven paths (issue 28): a custom kernel (triton, flex)
-only for an encoding that a recorded GPU run validated (`proven.PROVEN`); otherwise PyTorch's
+only for an encoding that a recorded GPU run validated (`proven_on_gpu.PROVEN`); otherwise PyTorch's
 SDPA for rotary and bias encodings (a bias added by blocks of rows) and the pure-PyTorch blockwise
 normalizers: the same choice as on CPU, where the suite proves it. Checked on CPU for a CUDA
 device (``supports`` reads ``device.type`` only)."""
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from posenc_lightning.attention.backends import get_backend, proven, resolve_backend
+from posenc_lightning.encodings import proven_on_gpu
 from posenc_lightning.encodings.registry import available_encodings, build_encoding
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
@@ -24,7 +25,7 @@ def _bound(name: str):
 
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_with_nothing_proven_auto_on_cuda_is_sdpa_or_blockwise_as_on_cpu(requires_grad, monkeypatch):
-    monkeypatch.setattr(proven, "PROVEN", {})
+    monkeypatch.setattr(proven_on_gpu, "PROVEN", {})
     for name in available_encodings():
         enc = _bound(name)
         got = resolve_backend("auto", enc, CUDA, requires_grad).NAME
@@ -35,7 +36,7 @@ def test_with_nothing_proven_auto_on_cuda_is_sdpa_or_blockwise_as_on_cpu(require
 
 def test_a_proven_pair_is_taken_for_its_encoding_only(monkeypatch):
     pytest.importorskip("triton")
-    monkeypatch.setattr(proven, "PROVEN", {("triton", "fire"): "r.md", ("flex", "alibi"): "r.md",
+    monkeypatch.setattr(proven_on_gpu, "PROVEN", {("triton", "fire"): "r.md", ("flex", "alibi"): "r.md",
                                            ("triton", "rope"): "r.md"})
     picks = {n: resolve_backend("auto", _bound(n), CUDA, True).NAME for n in ("fire", "alibi", "rope", "fox", "yarn")}
     # rope: nothing to fuse, SDPA's flash kernels are faster on a GPU
@@ -45,14 +46,14 @@ def test_a_proven_pair_is_taken_for_its_encoding_only(monkeypatch):
 
 def test_the_triton_kernels_stay_available_by_name_on_cuda(monkeypatch):
     pytest.importorskip("triton")
-    monkeypatch.setattr(proven, "PROVEN", {})
+    monkeypatch.setattr(proven_on_gpu, "PROVEN", {})
     for name in ("rope", "alibi", "fire", "fox", "sba"):
         assert resolve_backend("triton", _bound(name), CUDA, True).NAME == "triton"
     assert resolve_backend("flex", _bound("alibi"), CUDA, True).NAME == "flex"
 
 
 def test_every_proven_entry_names_a_recorded_run_and_a_real_pair():
-    for (backend, name), record in proven.PROVEN.items():
+    for (backend, name), record in proven_on_gpu.PROVEN.items():
         assert backend in proven.CUSTOM_KERNELS, backend
         assert name in available_encodings(), name
         assert get_backend(backend).supports(_bound(name), CUDA, True) is None, (backend, name)

@@ -46,7 +46,8 @@ def test_long_rows_by_distance_equal_the_formula(offset):
         got = torch.autograd.grad((new * g.float()).sum(), leaves)
         want = torch.autograd.grad((full64[..., s:e, :ke] * g).sum(), exact_leaves, retain_graph=True)
         for a, b in zip(got, want):
-            assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max() + 1e-4, (a, b)
+            # float32 sums over up to 300 x 400 elements a head against float64 (1.25e-5 relative seen)
+            assert (a.double() - b).abs().max() <= 1e-4 * b.abs().max() + 1e-4, (a, b)
 
 
 def test_spans_merge_into_disjoint_runs(monkeypatch):

@@ -1,7 +1,7 @@
 """The GPU mode of the suite and its one command, checked where there is no GPU (issue 28):
 the GPU tests are collected and skipped with their reason, the mark expression that turns the
 Triton interpreter off, ``benchmarks/gpu_check.sh --dry-run``, every Python step it lists parses
-its arguments here, and `gpu_proven` reads a JUnit report into `proven.PROVEN` entries."""
+its arguments here, and `gpu_proven` reads a JUnit report into `proven_on_gpu.PROVEN` entries."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from posenc_lightning.encodings import proven_on_gpu
 from posenc_lightning.encodings.bias import (
     Bias,
     BiasSum,
@@ -198,6 +199,17 @@ class Encoding(nn.Module):
         for k, v in self.config().items():
             out[f"posenc/{k}"] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
         return out
+
+    def gpu_record(self, backend: str) -> str | None:
+        """The recorded GPU run that validated ``backend`` (a custom kernel) for this encoding.
+
+        Args:
+            backend: a backend name, e.g. ``"triton"``.
+
+        Returns:
+            The results page and GPU of that run (`proven_on_gpu.PROVEN`), or None.
+        """
+        return proven_on_gpu.PROVEN.get((backend, self.name))
 
     def bind(self, *, n_heads: int | None = None, head_dim: int | None = None,
              d_model: int | None = None) -> Encoding:

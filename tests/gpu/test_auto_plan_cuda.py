@@ -1,7 +1,7 @@
 """The CUDA ``auto`` plan allocates no N x N tensor, checked on the CUDA caching allocator: for
 every registered encoding, a forward and backward at N = 8192 (bf16) peaks at less than an eighth
 of one float32 ``B x H x N x N`` tensor above what it started with, both with the shipped
-`proven.PROVEN` table (SDPA, blockwise) and with every custom kernel proven (triton, flex)."""
+`proven_on_gpu.PROVEN` table (SDPA, blockwise) and with every custom kernel proven (triton, flex)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from posenc_lightning.attention.backends import proven, resolve_backend
+from posenc_lightning.encodings import proven_on_gpu
 from posenc_lightning.encodings.registry import available_encodings
 from posenc_lightning.inject import inject
 from tests.conformance import ConfLayer
@@ -25,7 +26,7 @@ N_BY_N_BYTES = B * H * N * N * 4  # 1 GiB
 @pytest.mark.parametrize("name", available_encodings())
 def test_auto_on_cuda_peaks_far_below_one_n_by_n_tensor(name, table, monkeypatch):
     if table == "all_proven":
-        monkeypatch.setattr(proven, "PROVEN", {(b, n): "test" for b in proven.CUSTOM_KERNELS
+        monkeypatch.setattr(proven_on_gpu, "PROVEN", {(b, n): "test" for b in proven.CUSTOM_KERNELS
                                                for n in available_encodings()})
     torch.manual_seed(0)
     m = ConfLayer(H, D)

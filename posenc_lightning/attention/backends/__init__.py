@@ -21,7 +21,7 @@ from posenc_lightning.encodings.base import Encoding
 
 BACKENDS = ("eager", "sdpa", "flex", "triton", "blockwise")
 #: the order ``auto`` tries, fastest first; on CUDA a custom kernel only where a recorded GPU run
-#: validated it for the encoding (`proven.PROVEN`)
+#: validated it for the encoding (`Encoding.gpu_record`)
 _AUTO_ORDER = {"cuda": ("triton", "flex", "sdpa", "blockwise", "eager"), "cpu": ("sdpa", "blockwise", "eager")}
 
 
@@ -85,7 +85,7 @@ def resolve_backend(name: str, encoding: Encoding, device: torch.device, require
         for cand in _AUTO_ORDER.get(device.type, _AUTO_ORDER["cpu"]):
             if cand in CUSTOM_KERNELS and not {"bias", "normalize"} & set(encoding.stages):
                 continue  # nothing to fuse: SDPA's flash kernels are faster (benchmarks/results/gpu-*.md)
-            if unproven(cand, encoding.name, device.type):
+            if unproven(cand, encoding, device.type):
                 continue
             if _why_not(cand, encoding, device, requires_grad) is None:
                 return get_backend(cand)
