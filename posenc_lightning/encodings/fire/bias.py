@@ -56,7 +56,7 @@ class FireBias(Bias):
     k_start: int | None = None
     recomputable = True
     fused_in: ClassVar[frozenset[str]] = frozenset({"kernel", "score_mod"})
-    # inductor's flex backward lowering fails on the per-unit MLP (an H100 run, CHANGELOG)
+    # inductor's flex backward does not lower its per-unit MLP: flex refuses it for training
     score_mod_backward: ClassVar[bool] = False
     #: the blocks' selections by distance (`_memo`), for this call's forward and backward
     _selections: dict = field(default_factory=dict, init=False, repr=False, compare=False)
