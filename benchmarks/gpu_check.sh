@@ -14,7 +14,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python || command -v python3)}
 OUT_DIR=benchmarks/results
 DRY=0
 while [ $# -gt 0 ]; do
