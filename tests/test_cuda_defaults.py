@@ -67,3 +67,13 @@ def test_compiled_flex_refuses_a_head_dim_its_gpu_kernels_cannot_take():
     assert why is not None and "head_dim >= 16" in why and "sdpa" in why
     assert get_backend("flex").supports(small, CPU, False) is None  # CPU flex runs eagerly
     assert get_backend("flex").supports(_bound("alibi"), CUDA, True) is None
+
+
+def test_compiled_flex_refuses_a_small_head_dim_it_was_not_told_of_before_compiling():
+    """An embedding-only encoding binds no head_dim, so `supports` cannot refuse; the call itself
+    does, before inductor would fail on it (a device other than the CPU: meta tensors here)."""
+    from posenc_lightning.attention.mask import AttentionMask
+
+    q = torch.empty(1, 2, 13, 8, device="meta")
+    with pytest.raises(ValueError, match=r"head_dim >= 16.*head_dim 8.*backend='sdpa'"):
+        get_backend("flex").attend(q, q, q, bias=None, mask=AttentionMask(True, 0, 13, 13), scale=8 ** -0.5)

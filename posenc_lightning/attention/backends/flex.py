@@ -125,6 +125,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
            normalize: Callable | None = None, ctx: AttentionContext | None = None) -> Tensor:
     if normalize is not None:
         raise ValueError("the flex backend cannot replace softmax; use backend='eager'")
+    if q.device.type != "cpu" and q.shape[-1] < MIN_COMPILED_HEAD_DIM:
+        # `supports` sees the encoding's head_dim; an embedding-only encoding binds none
+        raise ValueError(f"compiled flex attention needs head_dim >= {MIN_COMPILED_HEAD_DIM} (inductor's tl.dot), "
+                         f"got q with head_dim {q.shape[-1]}; use backend='sdpa'")
     if q.device.type == "cpu":
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *_bias_tensors(bias))):
             raise ValueError("flex attention has no backward on CPU; use backend='sdpa' or 'eager' to train, "
