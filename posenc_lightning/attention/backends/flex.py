@@ -37,6 +37,11 @@ def _flex_module():
     return fa
 
 
+def _small_head_dim(head_dim: int) -> str:
+    return (f"compiled flex attention needs head_dim >= {MIN_COMPILED_HEAD_DIM} (inductor's tl.dot), got head_dim "
+            f"{head_dim}; use backend='sdpa'")
+
+
 def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:
     try:
         _flex_module()
@@ -50,8 +55,7 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
         return f"flex attention does not run on {device.type}"
     if device.type != "cpu":  # on CPU flex is the eager reference path: every score is computed anyway
         if encoding.head_dim is not None and encoding.head_dim < MIN_COMPILED_HEAD_DIM:
-            return (f"compiled flex attention needs head_dim >= {MIN_COMPILED_HEAD_DIM} (inductor's tl.dot), "
-                    f"got {encoding.head_dim}; use backend='sdpa'")
+            return _small_head_dim(encoding.head_dim)
         no_backward = [k.__name__ for k in encoding.bias_kinds if not k.score_mod_backward]
         why = unfused_bias(encoding, FUSED_BIAS, "flex attention")
         if why is None and requires_grad and no_backward:
@@ -127,8 +131,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         raise ValueError("the flex backend cannot replace softmax; use backend='eager'")
     if q.device.type != "cpu" and q.shape[-1] < MIN_COMPILED_HEAD_DIM:
         # `supports` sees the encoding's head_dim; an embedding-only encoding binds none
-        raise ValueError(f"compiled flex attention needs head_dim >= {MIN_COMPILED_HEAD_DIM} (inductor's tl.dot), "
-                         f"got q with head_dim {q.shape[-1]}; use backend='sdpa'")
+        raise ValueError(_small_head_dim(q.shape[-1]))
     if q.device.type == "cpu":
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *_bias_tensors(bias))):
             raise ValueError("flex attention has no backward on CPU; use backend='sdpa' or 'eager' to train, "
