@@ -7,7 +7,7 @@ cost depends on the machine and on how the OpenMP workers wait between regions
 (``OMP_WAIT_POLICY``): compare the ratios under ``ACTIVE`` and ``PASSIVE`` to see how much of an
 encoding's cost at two threads is that synchronisation rather than arithmetic.
 
-    OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE python benchmarks/threads.py --out results/x.md
+    OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE python benchmarks/threads.py --out benchmarks/results/<dir>/x.md
 """
 
 from __future__ import annotations
