@@ -57,7 +57,7 @@ def test_cuda_backend_equals_eager_reference(name, backend, dtype, scenario):
     (enc, state, x, args, ref), heads = _first_shape_taken(name, scenario, dtype)
     why = get_backend(backend).supports(enc, CUDA, True)
     if why is None and backend == "flex" and heads[2] < flex.MIN_COMPILED_HEAD_DIM:  # embedding-only: no head_dim bound
-        why = f"compiled flex attention needs head_dim >= {flex.MIN_COMPILED_HEAD_DIM}, the shape has {heads[2]}"
+        why = flex._small_head_dim(heads[2])  # what the call would raise
     if why is not None:
         pytest.skip(f"{backend} cannot run {name} on cuda: {why}")
     # injected on CPU (where `inject` checks the backend against the module's device), then moved
