@@ -25,17 +25,6 @@ def stable_softplus(x: Tensor) -> Tensor:
     return F.softplus(x, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
 
 
-def tile_softplus(z: Tensor, out: Tensor | None = None) -> Tensor:
-    """`stable_softplus` as ``max(log(1 + exp(min(z, t))), z)`` for ``t`` the threshold (above it the
-    first term is ``~t < z``, below it ``> z``): a few vectorized passes instead of ``log1p``. In
-    float32 it is within 1e-6 of softplus relatively, plus 6e-8 absolutely (``1 + exp(z)`` rounds:
-    from z < -17 it returns 0, so a carried sum is short by at most that per key). ``out``: a buffer
-    of z's shape to write it into (not ``z``)."""
-    sp = torch.clamp_max(z, SOFTPLUS_THRESHOLD, out=out) if out is not None else z.clamp_max(SOFTPLUS_THRESHOLD)
-    sp = sp.exp_().add_(1.0).log_()
-    return torch.maximum(sp, z, out=sp)
-
-
 def stick_spent(tail: Tensor) -> Tensor:
     """Whether every row's carried sum ``tail`` reaches ``-EXP_FLOOR`` (a 0-d bool tensor): then
     every farther key's ``log A_ij = log sigmoid(z_ij) - tail_i - ... <= -tail_i`` is below
@@ -78,8 +67,8 @@ def _carried_cumsum(x: Tensor, carry: Tensor) -> Tensor:
     return x.cumsum_(-1)
 
 
-def stick_breaking_tile(z: Tensor, keep: Tensor | None, tail: Tensor, sp: Tensor | None = None,
-                        out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def stick_breaking_tile(z: Tensor, keep: Tensor | None, tail: Tensor, out: Tensor | None = None
+                        ) -> tuple[Tensor, Tensor]:
     """One tile of eq. 3 with its keys in *descending* order (nearest first along the last dim).
 
     ``keep``: 1.0 where the key is visible, 0.0 where not (None: all visible; a multiplier, ~10x
@@ -88,10 +77,10 @@ def stick_breaking_tile(z: Tensor, keep: Tensor | None, tail: Tensor, sp: Tensor
     the Triton kernel's). Returns ``A = exp(z_ij - tail - sum_{k >= j in the tile} softplus(z_ik))``
     (0 where not visible) and the tail after the tile.
 
-    ``sp``, ``out``: buffers of z's shape for the running sums and for ``A`` (``out`` may be ``z``
-    itself, which is then consumed); fresh tensors when None.
+    ``out``: a buffer of z's shape for ``A`` (may be ``z`` itself, which is then consumed); the
+    running sums' tensor when None.
     """
-    c = _carried_cumsum(_visible(tile_softplus(z, out=sp), keep), tail)
+    c = _carried_cumsum(_visible(stable_softplus(z), keep), tail)
     tail = c[..., -1].clone()
     return _weights(z, c, keep, out=c if out is None else out), tail
 
@@ -110,7 +99,7 @@ def _weights(z: Tensor, c: Tensor, keep: Tensor | None, out: Tensor) -> Tensor:
 def stick_breaking_tail(z: Tensor, keep: Tensor | None, tail: Tensor) -> Tensor:
     """``tail`` plus the tile's ``sum softplus(z_ik)`` over its visible keys (the carry of
     `stick_breaking_tile` alone, for a backward that walks the tiles farthest first)."""
-    return _visible(tile_softplus(z), keep).sum(-1).add_(tail)
+    return _visible(stable_softplus(z), keep).sum(-1).add_(tail)
 
 
 def stick_breaking_tile_backward(z: Tensor, keep: Tensor | None, tail: Tensor, dp: Tensor,
@@ -123,19 +112,13 @@ def stick_breaking_tile_backward(z: Tensor, keep: Tensor | None, tail: Tensor, d
     sigmoid(z_ik) sum_{j <= k} g_ij`` (``d log A_ij / dz_ik = [k = j] - [k >= j] sigmoid(z_ik)``).
     ``g_far [..., rows]``: ``sum g`` over the farther tiles, so that the sum over ``j <= k`` is
     accumulated from the far end (no cancellation against ``dO . o``, which would cost the far keys
-    their precision). ``sp``, ``beta``: buffers of z's shape (``A`` is returned in ``sp``); fresh
-    tensors when None.
-
-    ``e = exp(min(z, 15))`` serves both ``sigmoid(z) = e / (1 + e)`` and ``softplus(z) = max(log(1 + e),
-    z)`` (`tile_softplus`); past 15 the sigmoid is ``1 - 3e-7`` where softplus' derivative is 1.
+    their precision). ``sp``, ``beta``: buffers of z's shape (``A`` is returned in ``sp``, ``sigmoid(z)``
+    written in ``beta``); fresh tensors when None.
     """
-    e = torch.clamp_max(z, SOFTPLUS_THRESHOLD, out=beta) if beta is not None else z.clamp_max(SOFTPLUS_THRESHOLD)
-    e = e.exp_()
-    s = torch.add(e, 1.0, out=sp) if sp is not None else e.add(1.0)
-    beta = e.div_(s)
-    s = torch.maximum(s.log_(), z, out=s)  # softplus(z)
+    beta = torch.sigmoid(z, out=beta) if beta is not None else torch.sigmoid(z)
+    s = stable_softplus(z)
     c = _carried_cumsum(_visible(s, keep), tail)
-    a = _weights(z, c, keep, out=c)
+    a = _weights(z, c, keep, out=c if sp is None else sp)
     g = dp.mul_(a)
     upto = _carried_cumsum(g.flip(-1), g_far)  # sum over j <= k, from the far end (reversed)
     g_far = upto[..., -1].clone()

@@ -336,7 +336,7 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtyp
     out = torch.zeros((b, h, n_q, d_v), dtype=wt, device=q.device)
     kept = torch.zeros((b, h, n_q, tl.max_tiles()), dtype=wt, device=q.device) if spec.keep_tails else None
     bt = spec.bias_tiles(h_kv, wt, Mode.of(q))
-    buf = TileBuffers(2, tl, b, h, wt, q.device)  # logits (then A), softplus sums
+    buf = TileBuffers(1, tl, b, h, wt, q.device)  # logits (then A)
     made: dict = {}  # the pass's masks (`Tiling.keep`)
     # training: the keys and values flipped once (backward keeps as much); inference: tile by tile
     # (with a fold: the keys walked once, with its channels)
@@ -359,9 +359,9 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtyp
             if kf is not None:
                 kt = kf[:, tl.span(t)]
             sub, c = (*shape[:3], e - s - t.r0), t.k1 - t.k0
-            zv, (sp, _) = buf.views(0, sub, c), buf.views(1, sub, c)
+            zv = buf.views(0, sub, c)
             z = _logits(_skipping(qb, g, t.r0), kt.transpose(1, 2), bt, t, zv)
-            _, new = stick_breaking_tile(z, tl.keep(s + t.r0, e, t, wt, q.device, made), tail[..., t.r0:], sp=sp,
+            _, new = stick_breaking_tile(z, tl.keep(s + t.r0, e, t, wt, q.device, made), tail[..., t.r0:],
                                          out=z)  # A in z's buffer
             tail = _rows_set(tail, t.r0, new)
             _add_product(acc3, g, t.r0, zv[1], vt)
