@@ -81,6 +81,35 @@ def test_the_first_query_sees_nothing():
     assert run_case(m, x.to(torch.float32), {}, False)[0][:, :, 0].abs().max() == 0
 
 
+@pytest.mark.parametrize("q_start,k_start", [(0, 0), (7, 2), (2, 7)])
+def test_a_tile_modulation_read_off_one_diagonal_is_the_modulation(q_start, k_start):
+    """At arange positions (shifted apart either way) each tile's distance modulation, read off the
+    ``r + c - 1`` differences (`TilesSpec.mod_shift`), equals `distance_modulation` at the tile's
+    positions, for tiles above, on and below the diagonal, of shapes that divide nothing."""
+    from posenc_lightning.attention.backends._normalizers import TilesSpec, _modulation
+    from posenc_lightning.attention.backends._tiles import Tiling
+
+    enc = build_encoding("exposb", distance_decay=0.05).bind(n_heads=2, head_dim=8)
+    n_q, n_k = 23, 31
+    q_pos, k_pos = q_start + torch.arange(n_q)[None], k_start + torch.arange(n_k)[None]
+    ctx = AttentionContext(q_pos, k_pos, True)
+    shift = blockwise._modulation_shift(enc, ctx)
+    assert shift == q_start - k_start
+    tl = Tiling(AttentionMask(False, 0, n_q, n_k), n_q, n_k, None, 5, 7, descending=False)
+    plain = TilesSpec(tl, None, (), 1.0, enc.distance_modulation, q_pos, k_pos)
+    diagonal = TilesSpec(tl, None, (), 1.0, enc.distance_modulation, q_pos, k_pos, mod_shift=shift)
+    for s, e in ((0, 5), (10, 15), (20, 23)):
+        for k0, k1 in ((0, 7), (14, 21), (28, 31)):
+            want = _modulation(plain, s, e, k0, k1, torch.float32)
+            got = _modulation(diagonal, s, e, k0, k1, torch.float32)
+            assert got.shape == (1, 1, 1, e - s, k1 - k0)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # a modulation that is not declared a function of the difference, or positions that are not
+    # arange: the tile's own positions
+    assert blockwise._modulation_shift(enc, AttentionContext(q_pos.flip(-1), k_pos, True)) is None
+    assert blockwise._modulation_shift(build_encoding("sba").bind(n_heads=2, head_dim=8), ctx) is None
+
+
 def test_auto_picks_it_for_the_normalizers_and_refuses_the_rest():
     for name in NORMALIZERS:
         enc = build_encoding(name).bind(n_heads=2, head_dim=8)

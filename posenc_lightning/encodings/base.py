@@ -129,6 +129,9 @@ class Encoding(nn.Module):
     #: the normalizer a fused kernel may run in place of `normalize` ("stick_breaking"; the blockwise
     #: backend also "distance_modulated_softmax": softmax of the logits times ``distance_modulation``), None: none
     fused_normalizer: ClassVar[str | None] = None
+    #: ``distance_modulation(q_pos, k_pos)`` is a function of ``q_pos - k_pos`` only: at arange
+    #: positions the blockwise backend takes each tile's modulation from one diagonal's values
+    modulation_distance_only: ClassVar[bool] = False
     #: stick-breaking normalizers: a query may attend to its own key
     attend_current: bool = False
     #: the current scale of a scalable encoding (1 = unscaled)

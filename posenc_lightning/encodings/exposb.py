@@ -37,6 +37,7 @@ class ExpoSB(RotaryEncoding):
     which the blockwise backend runs by tiles, asking `distance_modulation` at each tile's positions."""
 
     fused_normalizer = "distance_modulated_softmax"
+    modulation_distance_only = True
 
     def __init__(self, theta: float = 10000.0, position_decay: float = 0.001, position_boost: float = 0.2,
                  band_floor: float = 0.8, band_gain: float = 0.4, band_center: float | None = None,

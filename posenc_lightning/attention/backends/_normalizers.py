@@ -52,7 +52,9 @@ class TilesSpec:
     which then skips recomputing them. ``stop_spent``: stick-breaking walks a block's key tiles only
     until every row's stick is spent (`stick_spent`, read on the host: eagerly on CPU only).
     ``ascending``: `AttentionContext.ascending` (`BiasTiles`). ``fold``: the bias (`Bias.head_scaled`) added as two extra q/k
-    channels instead of per tile (`FoldedBias`); its weights' gradient is still taken per tile."""
+    channels instead of per tile (`FoldedBias`); its weights' gradient is still taken per tile.
+    ``mod_shift``: the positions are ``a + arange``, ``c + arange`` with ``a - c = mod_shift`` and the
+    modulation depends on their difference only: a tile's is read off one diagonal (`_modulation`)."""
 
     tiling: Tiling
     bias: Bias | None
@@ -65,6 +67,7 @@ class TilesSpec:
     fold: KeyOnly | None = None
     ascending: bool = False
     stop_spent: bool = False
+    mod_shift: int | None = None
 
     def bias_tiles(self, h_kv: int, dtype: torch.dtype, mode: Mode, needs: tuple[bool, ...] = ()) -> BiasTiles:
         """`BiasTiles` of a pass in ``mode`` with, per bias input, whether it needs a gradient (an
@@ -394,7 +397,7 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
         dq, dk, dv, bt = _grad_buffers(ctx, spec, q, k, v, wt)
         dk3, dv3 = _batched(dk), _batched(dv)
         buf = TileBuffers(2, tl, b, h, wt, q.device)  # logits (then P), dP (then dz)
-        made: dict = {}  # the pass's masks (`Tiling.keep`)
+        made: dict = {}  # the pass's masks (`Tiling.keep`) and modulations (`_modulation`)
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
                 continue
@@ -409,7 +412,7 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
                 span = tl.span(t)
                 zv, (dp, dp3) = buf.views(0, shape, t.k1 - t.k0), buf.views(1, shape, t.k1 - t.k0)
                 z = _logits(qb, kwt[:, :, span], bt, t, zv, grad=True)
-                mod = _modulation(spec, s, e, t.k0, t.k1, wt)
+                mod = _modulation(spec, s, e, t.k0, t.k1, wt, made)
                 # P = exp(z mod - lse) <= 1 where visible; clamped so that hidden entries stay finite
                 p = torch.addcmul(neg_lse, z, mod, out=z).clamp_(EXP_FLOOR, 0.0).exp_()
                 vis = tl.keep(s, e, t, wt, q.device, made)
@@ -424,9 +427,39 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *spec.extra_grads(bt))
 
 
-def _modulation(spec: TilesSpec, s: int, e: int, k0: int, k1: int, wt: torch.dtype) -> Tensor:
-    """``mod`` of the tile, ``[B, 1, 1, r, c]``."""
-    return spec.modulation(spec.q_pos[:, s:e], spec.k_pos[:, k0:k1]).to(wt)[:, :, None]
+def _modulation(spec: TilesSpec, s: int, e: int, k0: int, k1: int, wt: torch.dtype, made: dict | None = None
+                ) -> Tensor:
+    """``mod`` of the tile, ``[B|1, 1, 1, r, c]``. With `TilesSpec.mod_shift` it depends on the
+    tile's shape and ``s - k0`` only (`_diagonal_modulation`): with ``made`` (a pass's own dict) each
+    is made once per pass (together at most the block's rows times twice the keys, for one head)."""
+    if spec.mod_shift is None:
+        return spec.modulation(spec.q_pos[:, s:e], spec.k_pos[:, k0:k1]).to(wt)[:, :, None]
+    key = ("modulation", e - s, k1 - k0, s - k0, wt)
+    m = None if made is None else made.get(key)
+    if m is None:
+        m = _diagonal_modulation(spec, s, e, k0, k1, wt)
+        if made is not None:
+            made[key] = m
+    return m
+
+
+def _hidden(vis: Tensor, made: dict) -> Tensor:
+    """``-inf`` where ``vis`` (`Tiling.keep`) is 0, else 0; made once per pass for a mask ``made`` keeps."""
+    key = ("hidden", id(vis))
+    kept = made.get(key)
+    if kept is None or kept[0] is not vis:
+        kept = made[key] = (vis, torch.zeros_like(vis).masked_fill_(vis == 0, float("-inf")))
+    return kept[1]
+
+
+def _diagonal_modulation(spec: TilesSpec, s: int, e: int, k0: int, k1: int, wt: torch.dtype) -> Tensor:
+    """The Toeplitz ``mod[i, j] = u[i - j + c - 1]``, ``u`` the modulation at the tile's ``r + c - 1``
+    position differences: ``u`` viewed with unit strides is ``mod`` with its columns reversed, so
+    one flip makes the tile and the modulation's own passes run on ``u`` alone."""
+    r, c, base = e - s, k1 - k0, spec.mod_shift + s - k0
+    diffs = torch.arange(base - c + 1, base + r, device=spec.q_pos.device, dtype=spec.q_pos.dtype)
+    u = spec.modulation(diffs[None], torch.zeros((1, 1), dtype=diffs.dtype, device=diffs.device))
+    return u.to(wt).reshape(-1).as_strided((r, c), (1, 1)).flip(-1)[None, None, None]
 
 
 def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -439,17 +472,19 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch
     lse = torch.full((b, h, n_q), float("inf"), dtype=wt, device=q.device)
     bt = spec.bias_tiles(h_kv, wt, Mode.of(q))
     buf = TileBuffers(1, tl, b, h, wt, q.device)  # logits (then P)
-    made: dict = {}  # the pass's masks (`Tiling.keep`)
+    made: dict = {}  # the pass's masks (`Tiling.keep`, `_hidden`) and modulations (`_modulation`)
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         m = torch.full(shape, float("-inf"), dtype=wt, device=q.device)
         den = torch.zeros(shape, dtype=wt, device=q.device)
         acc3 = _batched(acc)
         for t in tl.tiles(s, k_stop):
             zv = buf.views(0, shape, t.k1 - t.k0)
-            z = _logits(qb, _batched(tl.key_tile(k, t, wt)).transpose(1, 2), bt, t, zv).mul_(_modulation(spec, s, e, t.k0, t.k1, wt))
-            vis = tl.keep(s, e, t, wt, q.device, made)
-            if vis is not None:  # hidden keys: -inf for the running max, then 0
-                z = z.add_(torch.zeros_like(vis).masked_fill_(vis == 0, float("-inf")))
+            z = _logits(qb, _batched(tl.key_tile(k, t, wt)).transpose(1, 2), bt, t, zv)
+            mod, vis = _modulation(spec, s, e, t.k0, t.k1, wt, made), tl.keep(s, e, t, wt, q.device, made)
+            if vis is None:
+                z = z.mul_(mod)
+            else:  # hidden keys: -inf for the running max, then 0
+                z = torch.addcmul(_hidden(vis, made), z, mod, out=z)
             m_new = torch.maximum(m, z.amax(-1))
             m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # no key seen yet: exp(-inf) = 0
             p = z.sub_(m_safe[..., None]).clamp_min_(EXP_FLOOR).exp_()

@@ -29,7 +29,7 @@ from posenc_lightning.attention.backends._normalizers import ModulatedSoftmaxBlo
 from posenc_lightning.attention.backends._tiles import Tiling
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KeyOnly
-from posenc_lightning.functional.positions import host_reads_ok
+from posenc_lightning.functional.positions import arange_offset, host_reads_ok
 
 NAME = "blockwise"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
@@ -102,7 +102,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
     if ctx is None:
         raise ValueError(f"{enc.name}: the distance-modulated softmax needs the positions (ctx)")
     tiling = Tiling(mask, n_q, n_k, mask.q_offset if mask.causal else None, rows, BLOCK_KEYS, descending=False)
-    spec = TilesSpec(tiling, bias, extra, scale, enc.distance_modulation, ctx.q_pos, ctx.k_pos)
+    spec = TilesSpec(tiling, bias, extra, scale, enc.distance_modulation, ctx.q_pos, ctx.k_pos,
+                     mod_shift=_modulation_shift(enc, ctx))
     return ModulatedSoftmaxBlocks.apply(q, k, v, spec, *extra)
 
 
@@ -123,6 +124,16 @@ def _channels(bias: Bias | None, mask: AttentionMask, ctx: AttentionContext | No
     if form.q_row.dim() != 3 or form.q_row.shape[1] != 1 or form.q_ch is not hs.w or any(x is not hs.w for x in extra):
         return None
     return form
+
+
+def _modulation_shift(enc: Encoding, ctx: AttentionContext) -> int | None:
+    """``a - c`` when the modulation depends on ``q_pos - k_pos`` only
+    (`Encoding.modulation_distance_only`) and the positions are ``a + arange``, ``c + arange``
+    (read only where that is free: `functional.positions.arange_offset`), else None."""
+    if not enc.modulation_distance_only:
+        return None
+    a, c = arange_offset(ctx.q_pos, ctx.q_start), arange_offset(ctx.k_pos, ctx.k_start)
+    return None if a is None or c is None else a - c
 
 
 def _keeps_tails(q: Tensor, k: Tensor, v: Tensor, extra: tuple[Tensor, ...], tiling: Tiling) -> bool:
