@@ -67,12 +67,25 @@ def zero_after_query(t: Tensor, q_offset: int) -> None:
         t[..., q_offset + 1:].mul_(torch.ones(r, n_k - q_offset - 1, dtype=t.dtype, device=t.device).tril_(-1))
 
 
+def packed_rows(t: Tensor) -> Tensor:
+    """``t [..., r, X]``, copied only where its rows are not dense (a view of a fused qkv, heads
+    interleaved: 3x slower matmuls); a block of rows of a dense tensor is taken as it is."""
+    return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
+
+
+def scaled_logits(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """``scale q_i.k_j`` ``[B, H, r, K]`` (GQA: a query group against its kv head), the scale
+    applied by the matrix product itself (no pass over q or the logits)."""
+    b, h, r, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[-2]
+    q3 = query_groups(q, h_kv).reshape(b * h_kv, -1, d)
+    k3 = packed_rows(k).reshape(b * h_kv, n_k, d)
+    return torch.baddbmm(q3.new_zeros(()), q3, k3.mT, beta=0.0, alpha=scale).view(b, h, r, n_k)
+
+
 def cope_causal_gates(q: Tensor, k: Tensor, scale: float, q_offset: int) -> Tensor:
     """``sigmoid(scale q_i.k_j)`` ``[B, H, r, K]``, 0 at the keys after each query (eq. 3)."""
-    b, h, r, _ = q.shape
-    # the scale on q (r x D), not on the logits (r x K): one pass less (exact for a power of 2)
-    g = torch.matmul(query_groups(q, k.shape[1]) * scale, k.contiguous().mT)  # a fused qkv's view: 3x slower matmul
-    g = g.view(b, h, r, k.shape[-2]).sigmoid_()
+    g = scaled_logits(q, k, scale).sigmoid_()
     zero_after_query(g, q_offset)
     return g
 
@@ -109,10 +122,7 @@ def cope_band_counts(q: Tensor, k: Tensor, scale: float, width: int) -> tuple[Te
     column ``u = width - v`` (eq. 4; the same sums in the same order as `cope_counts`' over the
     same keys). ``suffix[..., v]`` for ``v < width' + 1`` are the counts of the band of the last
     ``width' + 1`` keys."""
-    b, h, r, _ = q.shape
-    n_k = k.shape[-2]
-    logits = torch.matmul(query_groups(q, k.shape[1]) * scale, k.contiguous().mT).view(b, h, r, n_k)
-    g = band_view(logits, width).sigmoid()
+    g = band_view(scaled_logits(q, k, scale), width).sigmoid()
     return g, g.flip(-1).cumsum_(-1)
 
 

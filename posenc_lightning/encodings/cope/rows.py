@@ -12,6 +12,7 @@ from posenc_lightning.functional.cope import (
     band_view,
     cope_band_counts,
     cope_counts,
+    packed_rows,
     query_groups,
     zero_after_query,
 )
@@ -88,7 +89,7 @@ def cope_causal_rows(q: Tensor, k: Tensor, emb: Tensor, scale: float, max_positi
     `CoPE.clamped_keys` does while it looks for the clamp), so that they are not computed twice;
     read only, never written."""
     top = int(max_position) - 1
-    q, k = q.contiguous(), k.contiguous()  # views of a fused qkv (heads interleaved): 3x slower matmuls
+    q, k = packed_rows(q), packed_rows(k)
     with torch.autocast(q.device.type, enabled=False):  # float32 throughout, as given
         if torch.is_grad_enabled():
             return _CoPECausalRows.apply(q, k, emb, scale, top, q_offset, clamped, counted)[0]
@@ -202,7 +203,7 @@ def cope_band_rows(q: Tensor, k: Tensor, emb: Tensor, scale: float, max_position
     row's band, ``z_i[p_ij]`` on it, and ``z_i[top]`` at the keys after the query, which a causal
     mask hides (`cope_causal_rows` has ``z_i[0]`` there); their gradient goes to ``z_i[top]``."""
     top = int(max_position) - 1
-    q, k = q.contiguous(), k.contiguous()
+    q, k = packed_rows(q), packed_rows(k)
     with torch.autocast(q.device.type, enabled=False):
         if torch.is_grad_enabled():
             return _CoPEBandRows.apply(q, k, emb, scale, top, width, lead, counted)[0]
