@@ -122,8 +122,9 @@ def test_auto_picks_it_for_the_normalizers_and_refuses_the_rest():
 
 
 # ------------------------------------------------------------------------------ compile-clean
-def _case(name: str, n: int = 24, heads: tuple[int, int, int] = (4, 2, 8)):
-    """The backend's own call for ``name`` with fixed shapes: (function of q, k, v, inputs)."""
+def _case(name: str, n: int = 24, heads: tuple[int, int, int] = (4, 2, 8), known: bool = False):
+    """The backend's own call for ``name`` with fixed shapes: (function of q, k, v, inputs);
+    ``known``: the positions' starts given (as the mixin does), so none is read from the values."""
     h, hkv, d = heads if name != "exposb" else (heads[0], heads[0], heads[2])
     enc = build_encoding(name).bind(n_heads=h, head_dim=d)
     g = torch.Generator().manual_seed(0)
@@ -132,19 +133,20 @@ def _case(name: str, n: int = 24, heads: tuple[int, int, int] = (4, 2, 8)):
     mask = AttentionMask(True, 0, n, n)
 
     def fn(q, k, v):
-        ctx = AttentionContext(pos, pos, True)
+        ctx = AttentionContext(pos, pos, True, q_start=0 if known else None, k_start=0 if known else None)
         bias = LinearBias(enc.penalty, pos, pos) if name == "rse" else None
         return blockwise.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, normalize=enc.normalize, ctx=ctx)
 
     return fn, (q, k, v), [p for p in enc.parameters()]
 
 
-@pytest.mark.parametrize("name", NORMALIZERS)
-def test_traces_without_graph_breaks_and_compiles_to_the_same_numbers(name, monkeypatch):
-    """N=24 in 8 x 10 tiles (3 blocks of rows, up to 3 key tiles each: the loops unroll in the trace)."""
+@pytest.mark.parametrize("name,known", [*((n, False) for n in NORMALIZERS), ("exposb", True)])
+def test_traces_without_graph_breaks_and_compiles_to_the_same_numbers(name, known, monkeypatch):
+    """N=24 in 8 x 10 tiles (3 blocks of rows, up to 3 key tiles each: the loops unroll in the trace);
+    exposb with known starts takes each tile's modulation off one diagonal (`TilesSpec.mod_shift`)."""
     monkeypatch.setattr(blockwise, "BLOCK_ROWS", 8)
     monkeypatch.setattr(blockwise, "BLOCK_KEYS", 10)
-    fn, ins, params = _case(name)
+    fn, ins, params = _case(name, known=known)
     assert torch._dynamo.explain(fn)(*ins).graph_break_count == 0
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
@@ -177,7 +179,7 @@ def _peak_fwd_bwd(name: str, n: int, h: int = 4, d: int = 32) -> int:
     cot = torch.randn(q.shape, generator=g)
 
     def step():
-        ctx = AttentionContext(pos, pos, True)
+        ctx = AttentionContext(pos, pos, True, q_start=0 if known else None, k_start=0 if known else None)
         bias = LinearBias(enc.penalty, pos, pos) if name == "rse" else None
         out = blockwise.attend(q, k, v, bias=bias, mask=AttentionMask(True, 0, n, n), scale=d ** -0.5,
                                normalize=enc.normalize, ctx=ctx)
