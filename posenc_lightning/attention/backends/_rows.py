@@ -171,7 +171,7 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
             if c:
                 run_own()
                 run_backward(q, k, v, out, d_out, lse, spec.bias, spec.inputs, live, spec.mask, spec.scale, start,
-                             stop, k_stop, c, (dq, dk, dv), into, compiling)
+                             stop, k_stop, c, (dq, dk, dv), into, compiling, hides)
             else:
                 own.append((start, stop))
         run_own()

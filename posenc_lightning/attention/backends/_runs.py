@@ -71,23 +71,25 @@ def run_blocks(bias: Bias, mask: AttentionMask, batch: int, heads: int, n_q: int
         start = stop
 
 
-def _band_mask(rows: Tensor, own: bool, mask: AttentionMask, start: int, c: int, k_stop: int) -> Tensor:
+def _band_mask(rows: Tensor, own: bool, mask: AttentionMask, start: int, c: int, k_stop: int,
+               hides: dict | None = None) -> Tensor:
     """The rows of keys ``[c, k_stop)`` as the kernel's float mask, ``-inf`` where the causal mask hides
     key ``c + j`` from query ``start + i`` (at key ``start + q_offset + i``): written into the rows
     where they are the caller's own (`_blocks.owned_rows`), else into a copy. The kernel reads the
     mask with any row stride."""
-    return _hide_after(rows if own else rows.clone(), mask, start, c, k_stop)
+    return _hide_after(rows if own else rows.clone(), mask, start, c, k_stop, hides)
 
 
-def _hide_after(t: Tensor, mask: AttentionMask, start: int, c: int, k_stop: int) -> Tensor:
+def _hide_after(t: Tensor, mask: AttentionMask, start: int, c: int, k_stop: int, hides: dict | None = None
+                ) -> Tensor:
     """``t [..., r, k_stop - c]``, keys ``[c, k_stop)`` of queries from ``start``, with ``-inf`` added in
     place where the causal mask hides the key (`_blocks.hide_after_diagonal`: the block's diagonal
-    corner only)."""
-    return hide_after_diagonal(t, start + mask.q_offset, c) if mask.causal else t
+    corner only; ``hides``: the caller's triangles, built once a shape)."""
+    return hide_after_diagonal(t, start + mask.q_offset, c, hides) if mask.causal else t
 
 
 def attend_run(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, start: int,
-               stop: int, k_stop: int, c: int, lse: Tensor) -> Tensor:
+               stop: int, k_stop: int, c: int, lse: Tensor, hides: dict | None = None) -> Tensor:
     """The output of queries ``[start, stop)`` over keys ``[0, k_stop)`` whose bias is one value per row
     before key ``c`` (`run_of`), with their log-sum-exp written into ``lse [B, H, Nq]``.
 
@@ -96,6 +98,8 @@ def attend_run(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask,
         bias: the bias (recomputable); mask: causal or none, no segments or padding; scale: logit scale.
         start, stop: the query rows; k_stop: keys ``0..k_stop-1``; c: the run's end.
         lse: written at ``[:, :, start:stop]``.
+        hides: a dict kept by the caller across the blocks of one call, where the causal triangle of
+            each block shape is built once (`_blocks.hide_after_diagonal`).
 
     Returns:
         ``[B, H, stop - start, D]``.
@@ -106,7 +110,7 @@ def attend_run(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask,
     qb = q[:, :, start:stop]
     o_run, l_run = _flash(qb, k[:, :, :c], v[:, :, :c], 0.0, False, scale=scale)
     o_band, l_band = _flash(qb, k[:, :, c:k_stop], v[:, :, c:k_stop], 0.0, False,
-                            attn_mask=_band_mask(rows[..., 1:], own, mask, start, c, k_stop), scale=scale)
+                            attn_mask=_band_mask(rows[..., 1:], own, mask, start, c, k_stop, hides), scale=scale)
     l_run = l_run + rows[..., 0]
     joint = torch.logaddexp(l_run, l_band)
     lse[:, :, start:stop] = joint
@@ -116,7 +120,7 @@ def attend_run(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask,
 def run_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, lse: Tensor, bias: Bias,
                  inputs: Sequence[Tensor], live: Sequence[bool], mask: AttentionMask, scale: float, start: int,
                  stop: int, k_stop: int, c: int, grads: tuple[Tensor, Tensor, Tensor], into: Callable[[int], Tensor],
-                 compiling: bool = False) -> None:
+                 compiling: bool = False, hides: dict | None = None) -> None:
     """The backward of `attend_run`: ``dq, dk, dv`` added to ``grads`` (float32 accumulators of the
     shapes of q, k, v), the bias's inputs' gradients to ``into(i)`` (`BlockRows.backward`).
 
@@ -125,7 +129,7 @@ def run_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, ls
         bias, inputs, live: the bias, its `Bias.grad_inputs` and which need a gradient.
         mask, scale, start, stop, k_stop, c: as `attend_run`'s.
         grads: ``(dq, dk, dv)``; into: the accumulator of input ``i``'s gradient.
-        compiling: as `BlockRows.of`'s.
+        compiling: as `BlockRows.of`'s; hides: as `attend_run`'s.
     """
     block = BlockRows.of(bias, inputs, live, start, stop, k_stop, compiling, k_start=c - 1)
     qb, dob, ob, lb = q[:, :, start:stop], d_out[:, :, start:stop], out[:, :, start:stop], lse[:, :, start:stop]
@@ -143,8 +147,11 @@ def run_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, ls
     h_kv = k.shape[1]
     kb, vb = k[:, :, c:k_stop], v[:, :, c:k_stop]
     qg, dog = (t.reshape(b, h_kv, -1, t.shape[-1]) for t in (qb, dob))
-    p = torch.matmul(qg * scale, kb.mT).view(b, h, r, -1).add_(block.rows[..., 1:].to(q.dtype))
-    p = _hide_after(p.sub_(lb.unsqueeze(-1)), mask, start, c, k_stop).exp_()
+    n_b = k_stop - c
+    # the logits with their bias, the scale applied by the product: one operator
+    band = block.rows[..., 1:].to(q.dtype).expand(b, h, r, n_b).reshape(b * h_kv, -1, n_b)
+    p = torch.baddbmm(band, qg.reshape(b * h_kv, -1, d), kb.reshape(b * h_kv, n_b, d).mT, alpha=scale).view(b, h, r, n_b)
+    p = _hide_after(p.sub_(lb.unsqueeze(-1)), mask, start, c, k_stop, hides).exp_()
     dv[:, :, c:k_stop] += torch.matmul(p.view(b, h_kv, -1, p.shape[-1]).mT, dog)
     d_rows = torch.empty(b, h, r, 1 + p.shape[-1], dtype=p.dtype, device=p.device)
     ds = torch.mul(torch.matmul(dog, vb.mT).view(b, h, r, -1).sub_((dob * ob).sum(-1, keepdim=True)), p,

@@ -291,7 +291,7 @@ def _attend_by_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attention
     if lse is not None:
         blocks = _runs.run_blocks(bias, mask, q.shape[0], q.shape[1], n_q, k.shape[-2], rows)
         hides: dict = {}  # eagerly (`lse`): the blocks' causal triangles, built once a shape
-        return collect_rows(q, v, ((s, e, _runs.attend_run(q, k, v, bias, mask, scale, s, e, ke, c, lse) if c else
+        return collect_rows(q, v, ((s, e, _runs.attend_run(q, k, v, bias, mask, scale, s, e, ke, c, lse, hides) if c else
                                     _attend_rows(q, k, v, bias, mask, scale, gqa, s, e, compiling, lse, hides))
                                    for s, e, ke, c in blocks))
 
