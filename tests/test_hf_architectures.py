@@ -61,14 +61,29 @@ def test_the_families_of_the_issue_work(arch: str, found: str) -> None:
 
 @pytest.mark.parametrize("arch,why", [("bloom", "BloomAttention computes its scores itself"),
                                       ("mpt", "computes its scores itself"),
-                                      ("falcon", "computes its scores itself"),
                                       ("deepseek_v3", "decoupled-rope"),
+                                      ("kolibri1_1", "indexed sparse-attention layers"),
                                       ("llama4_text", "NoPE layers")])
 def test_the_refusals_of_the_issue_name_what_is_missing(arch: str, why: str) -> None:
     model = build(arch)
     with pytest.raises(ValueError, match="Closest supported route") as e:
         inject(model, "alibi")
     assert why in str(e.value) and arch in str(e.value)
+
+
+def test_a_falcon_with_its_own_alibi_is_refused() -> None:
+    """Falcon with ``alibi=True`` adds its ALiBi to the attention mask before the attention function:
+    the adapter would read it as a mask, so it refuses the model rather than drop or double it."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.hf_archs import tiny_config
+
+    cfg = tiny_config("falcon")
+    cfg.alibi = True
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(ValueError, match="Closest supported route") as e:
+        inject(model, "rope")
+    assert "built-in ALiBi" in str(e.value) and "falcon" in str(e.value)
 
 
 def test_softcapping_matters_in_the_zero_bias_check() -> None:

@@ -250,6 +250,10 @@ def _known_refusals(hf: nn.Module) -> None:
         raise refuse(hf, "its multi-head latent attention rotates a separate decoupled-rope slice of q and k "
                      "(qk_rope_head_dim) that the attention function cannot tell apart",
                      "a Llama/Qwen-style model (rope laws, alibi, fire on full q/k)")
+    if getattr(cfg, "index_topk", None) or getattr(cfg, "index_layers", None):
+        raise refuse(hf, "its indexed sparse-attention layers choose each query's keys (index_topk) inside the "
+                     "attention module, from a mask the fused path does not build, and rotate nothing (NoPE)",
+                     "a model that rotates every layer (e.g. 'llama')")
     found = [k for k in ("no_rope_layers", "attention_chunk_size", "attn_temperature_tuning") if getattr(cfg, k, None)]
     if found:
         raise refuse(hf, f"its NoPE layers / chunked attention / position-dependent query temperature ({', '.join(found)}) "
