@@ -434,13 +434,12 @@ def _modulation(spec: TilesSpec, s: int, e: int, k0: int, k1: int, wt: torch.dty
     is made once per pass (together at most the block's rows times twice the keys, for one head)."""
     if spec.mod_shift is None:
         return spec.modulation(spec.q_pos[:, s:e], spec.k_pos[:, k0:k1]).to(wt)[:, :, None]
+    if made is None:
+        return _diagonal_modulation(spec, s, e, k0, k1, wt)
     key = ("modulation", e - s, k1 - k0, s - k0, wt)
-    m = None if made is None else made.get(key)
-    if m is None:
-        m = _diagonal_modulation(spec, s, e, k0, k1, wt)
-        if made is not None:
-            made[key] = m
-    return m
+    if key not in made:
+        made[key] = _diagonal_modulation(spec, s, e, k0, k1, wt)
+    return made[key]
 
 
 def _hidden(vis: Tensor, made: dict) -> Tensor:
