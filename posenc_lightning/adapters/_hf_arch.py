@@ -254,6 +254,11 @@ def _known_refusals(hf: nn.Module) -> None:
         raise refuse(hf, "its indexed sparse-attention layers choose each query's keys (index_topk) inside the "
                      "attention module, from a mask the fused path does not build, and rotate nothing (NoPE)",
                      "a model that rotates every layer (e.g. 'llama')")
+    params = getattr(cfg, "rope_parameters", None)
+    unrotated = sorted(t for t, v in params.items() if v is None) if isinstance(params, dict) else []
+    if unrotated and set(unrotated) <= set(getattr(cfg, "layer_types", None) or ()):
+        raise refuse(hf, f"its NoPE layers (layer types {', '.join(unrotated)}, whose rope_parameters are None) "
+                     f"rotate nothing while its other layers rotate", "a model that rotates every layer (e.g. 'llama')")
     found = [k for k in ("no_rope_layers", "attention_chunk_size", "attn_temperature_tuning") if getattr(cfg, k, None)]
     if found:
         raise refuse(hf, f"its NoPE layers / chunked attention / position-dependent query temperature ({', '.join(found)}) "
