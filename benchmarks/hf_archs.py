@@ -120,12 +120,15 @@ def tiny_config(model_type: str) -> Any:
     return cfg
 
 
-def build(model_type: str, seed: int = 0) -> Any:
-    """The tiny model (eval mode) or a string saying why it cannot be built here."""
+def build(model_type: str, seed: int = 0, config: dict[str, Any] | None = None) -> Any:
+    """The tiny model (eval mode) or a string saying why it cannot be built here; ``config``: fields
+    set on the tiny config (a variant of the architecture)."""
     from transformers import AutoModelForCausalLM
 
     try:
         cfg = tiny_config(model_type)
+        for key, value in (config or {}).items():
+            setattr(cfg, key, value)
     except Exception as e:  # noqa: BLE001 - the reason goes to the table
         return f"does not build or run tiny here: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
     if getattr(cfg, "is_encoder_decoder", False):
@@ -199,13 +202,14 @@ def _describe(model: Any) -> Any:
     return describe(model)
 
 
-def trial(model_type: str) -> Outcome:
-    """Build ``model_type`` tiny and check every invariant of the module docstring (or the refusal)."""
+def trial(model_type: str, config: dict[str, Any] | None = None) -> Outcome:
+    """Build ``model_type`` tiny (``config``: fields set on its config) and check every invariant of the
+    module docstring (or the refusal)."""
     from posenc_lightning import inject
     from posenc_lightning.adapters._hf_arch import ArchitectureRefused
 
     warnings.filterwarnings("ignore")
-    model = build(model_type)
+    model = build(model_type, config=config)
     if isinstance(model, str):
         return Outcome(model_type, "skipped", model, {})
     try:

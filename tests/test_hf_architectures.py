@@ -87,6 +87,16 @@ def test_a_falcon_with_its_own_alibi_is_refused() -> None:
     assert "built-in ALiBi" in str(e.value) and "falcon" in str(e.value)
 
 
+@pytest.mark.parametrize("variant", [{"new_decoder_architecture": True, "num_kv_heads": 2, "multi_query": False},
+                                     {"multi_query": False, "parallel_attn": False}])
+def test_falcons_grouped_and_sequential_variants_work(variant: dict) -> None:
+    """Falcon's other attention layouts (grouped kv heads as Falcon-40B, one kv head per query head
+    with sequential blocks): its own rope reproduced, the shifts invisible, a zero bias exact."""
+    o = trial("falcon", config=variant)
+    assert o.status == "works" and not violations(o), (o.detail, o.numbers)
+    assert o.numbers["own_rope"] < 1e-5 and o.numbers["zero_bias"] < 1e-5
+
+
 def test_softcapping_matters_in_the_zero_bias_check() -> None:
     """The zero-bias check of gemma2 runs with logits past its cap: without the cap they differ."""
     o = outcome("gemma2")
