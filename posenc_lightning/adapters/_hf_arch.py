@@ -252,7 +252,7 @@ def _known_refusals(hf: nn.Module) -> None:
                      "a Llama/Qwen-style model (rope laws, alibi, fire on full q/k)")
     if getattr(cfg, "index_topk", None) or getattr(cfg, "index_layers", None):
         raise refuse(hf, "its indexed sparse-attention layers choose each query's keys (index_topk) inside the "
-                     "attention module, from a mask the fused path does not build, and rotate nothing (NoPE)",
+                     "attention module, from a 4-D mask the fused path does not build",
                      "a model that rotates every layer (e.g. 'llama')")
     params = getattr(cfg, "rope_parameters", None)
     unrotated = sorted(t for t, v in params.items() if v is None) if isinstance(params, dict) else []
