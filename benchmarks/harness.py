@@ -75,6 +75,17 @@ def make_layer(name: str, d_model: int, n_heads: int, n: int, seed: int = 0) -> 
     return layer
 
 
+def bench_inputs(n: int, d_model: int, seed: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(x [1, n, d_model], ids [1, n + 1])``: a layer's input and a TinyGPT's tokens, drawn from
+    their own generator seeded with ``seed`` (the global RNG is left alone). The work of a step
+    depends on its input (blockwise normalizers stop where a row's weights run out, CoPE's bands
+    end where its counts clamp): runs that compare times share the seed."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, n, d_model, generator=g)
+    ids = torch.randint(0, 256, (1, n + 1), generator=g)
+    return x.to(device), ids.to(device)
+
+
 def make_gpt(name: str, d_model: int, n_heads: int, n_layers: int, n: int, seed: int = 0) -> TinyGPT:
     torch.manual_seed(seed)
     name, cfg = parse_spec(name)

@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from benchmarks.harness import gpt_fns, layer_fns, make_gpt, make_layer
+from benchmarks.harness import bench_inputs, gpt_fns, layer_fns, make_gpt, make_layer
 
 _libc = None
 
@@ -82,12 +82,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-heads", type=int, default=8)
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--no-gpt", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of the input (the work of a step depends on it)")
     a = p.parse_args(argv)
     _setup_allocator()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out: dict[str, dict[str, float]] = {}
-    x = torch.randn(1, a.n, a.d_model, device=dev)
-    ids = torch.randint(0, 256, (1, a.n + 1), device=dev)
+    x, ids = bench_inputs(a.n, a.d_model, a.seed, dev)
     for name in a.encodings:
         res: dict[str, float] = {}
         try:

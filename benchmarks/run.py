@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:
 import torch
 
 from benchmarks.harness import (
+    bench_inputs,
     gpt_fns,
     interleaved_medians,
     layer_encoding,
@@ -48,8 +49,7 @@ VARIANTS = ["rope:layout=interleaved", "fire:init_L=4096"]
 
 def time_length(names: list[str], n: int, a: argparse.Namespace, log) -> dict[str, dict]:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    x = torch.randn(1, n, a.d_model, device=dev)
-    ids = torch.randint(0, 256, (1, n + 1), device=dev)
+    x, ids = bench_inputs(n, a.d_model, a.seed, dev)
     info: dict[str, dict] = {}
     fns: dict[tuple, object] = {}
     for name in names:
@@ -89,7 +89,7 @@ def time_length(names: list[str], n: int, a: argparse.Namespace, log) -> dict[st
 
 def memory_length(names: list[str], n: int, a: argparse.Namespace) -> dict[str, dict]:
     cmd = [sys.executable, "-m", "benchmarks.memory", "--n", str(n), "--d-model", str(a.d_model),
-           "--n-heads", str(a.n_heads), "--n-layers", str(a.n_layers), "--encodings", *names]
+           "--n-heads", str(a.n_heads), "--n-layers", str(a.n_layers), "--seed", str(a.seed), "--encodings", *names]
     if a.no_gpt or a.no_gpt_memory:
         cmd.append("--no-gpt")
     r = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=3600)
@@ -112,7 +112,7 @@ def render(results: dict, a: argparse.Namespace, meta: dict) -> str:
              f"- command: `{meta['command']}`",
              f"- load average (1/5/15 min) before: {meta['load_before']}, after: {meta['load_after']}",
              (f"- shapes: B=1, d_model={a.d_model}, {a.n_heads} heads (head_dim {a.d_model // a.n_heads}); "
-             f"TinyGPT {a.n_layers} layers; reps={a.reps} interleaved, medians; backend `auto`"),
+             f"TinyGPT {a.n_layers} layers; reps={a.reps} interleaved, medians; backend `auto`; input seed {a.seed}"),
              "- time columns: median time / median time of `nope` in the same process (1.00 = free).",
              ("- share = layer fwd ratio - 1: the encoding's time as a share of the no-encoding attention "
              "forward; stage = the encoding's own work alone (embed, rotate, the bias description and the "
@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--no-gpt-memory", action="store_true", help="memory of the layer only")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the input (data-dependent encodings do more or less work per input)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     if a.quick:

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import interleaved_medians, layer_fns, loadavg, machine, make_layer
+from benchmarks.harness import bench_inputs, interleaved_medians, layer_fns, loadavg, machine, make_layer
 
 #: ATen's ``at::internal::GRAIN_SIZE``: an element-wise or reduction operator over fewer elements
 #: runs on the calling thread alone
@@ -87,8 +87,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
     a = p.parse_args(argv)
-    torch.manual_seed(0)  # the normalizers' blocks stop where the input's weights run out: same input, same count
-    x = torch.randn(1, a.length, a.d_model)
+    x = bench_inputs(a.length, a.d_model, 0, torch.device("cpu"))[0]  # the same input as run.py's by default
     names = ["nope", *a.encodings]
     steps = {n: layer_fns(make_layer(n, a.d_model, a.n_heads, a.length), x)["fwd_bwd"] for n in names}
     times = interleaved_medians({(n,): step for n, step in steps.items()}, a.reps, warmup=1)
