@@ -210,6 +210,10 @@ def catalogue() -> str:
 BENCHMARKS = [
     ("Cost of each encoding vs nope", r"cpu-\d{8}-\d{4}\.md",
      "One attention layer per encoding, time and peak memory as ratios to `nope` in the same process."),
+    ("One and two threads", r"threads-\d{8}[-\w]*/README\.md",
+     ("One layer's forward and backward as a ratio to `nope`, over three inputs, at one and two torch threads. "
+     "The encodings whose bias or weights are computed block by block (cope, mixture, fire, rse, exposb) gain "
+     "less from the second thread than `nope`'s fused SDPA kernel does: their ratio grows with the threads.")),
     ("Against other libraries", r"compare-cpu-\d{8}-\d{4}\.md",
      "The same operation in this library and in Hugging Face, rotary-embedding-torch and x-transformers."),
     ("Compiled training step", r"compile-cpu-\d{8}-\d{4}\.md",
