@@ -85,9 +85,10 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--n-heads", type=int, default=4)
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--seed", type=int, default=0, help="seed of the input (the same input as run.py's)")
     p.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
     a = p.parse_args(argv)
-    x = bench_inputs(a.length, a.d_model, 0, torch.device("cpu"))[0]  # the same input as run.py's by default
+    x = bench_inputs(a.length, a.d_model, a.seed, torch.device("cpu"))[0]
     names = ["nope", *a.encodings]
     steps = {n: layer_fns(make_layer(n, a.d_model, a.n_heads, a.length), x)["fwd_bwd"] for n in names}
     times = interleaved_medians({(n,): step for n, step in steps.items()}, a.reps, warmup=1)
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> str:
         f"# Intra-op parallel operators of one layer step (N = {a.length}, d_model {a.d_model}, {a.n_heads} heads)",
         "",
         f"- machine: {machine()}",
-        f"- OMP_WAIT_POLICY: {policy or 'unset'}; load average {loadavg()}; medians of {a.reps} repetitions",
+        (f"- OMP_WAIT_POLICY: {policy or 'unset'}; load average {loadavg()}; medians of {a.reps} repetitions; "
+         f"input seed {a.seed}"),
         f"- command: `OMP_NUM_THREADS={torch.get_num_threads()} {f'OMP_WAIT_POLICY={policy} ' if policy else ''}"
         + f"python benchmarks/threads.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
         f"- nope: layer fwd+bwd {base * 1e3:.1f} ms",
