@@ -34,6 +34,7 @@ def child(root: str, encodings: list[str], n: int, d_model: int, heads: int, rep
 
     if not Path(posenc_lightning.__file__).resolve().is_relative_to(Path(root).resolve()):
         raise RuntimeError(f"imported {posenc_lightning.__file__}, not the checkout at {root}")
+    # `harness.bench_inputs(n, d_model, 0)`'s input, drawn here: an older checkout's harness lacks it
     x = torch.randn(1, n, d_model, generator=torch.Generator().manual_seed(0))
     steps = {e: layer_fns(make_layer(e, d_model, heads, n), x)["fwd_bwd"] for e in ["nope", *encodings]}
     for step in steps.values():
