@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from posenc_lightning.attention.backends import BACKENDS, _blocks, flex, get_backend, proven, resolve_backend
+from posenc_lightning.attention.backends import BACKENDS, flex, get_backend, proven, resolve_backend
+from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.encodings import proven_on_gpu
 from posenc_lightning.encodings.registry import available_encodings, build_encoding
 from posenc_lightning.inject import inject

@@ -1,5 +1,5 @@
 """A bias that is one value per query row before some key (`Bias.constant_before`, `Bias.rows_past`)
-runs those keys on SDPA's CPU kernel with no mask (`_runs`): forward and every gradient equal the
+runs those keys on SDPA's CPU kernel with no mask (`runs`): forward and every gradient equal the
 dense formula in float64, with a kind defined here (a clipped relative bias plus a content term)
 and with CoPE past its clamp; cached keys, GQA, batches, lengths that divide no block."""
 
@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from posenc_lightning import inject
-from posenc_lightning.attention.backends import _blocks, _rows, _runs, sdpa
+from posenc_lightning.attention.backends import sdpa
+from posenc_lightning.attention.backends.engine import blocks as _blocks
+from posenc_lightning.attention.backends.sdpa import rows as _rows
+from posenc_lightning.attention.backends.sdpa import runs as _runs
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import DenseBias, span
 from posenc_lightning.encodings.cope import encoding as ecope

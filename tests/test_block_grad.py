@@ -1,7 +1,7 @@
-"""`_block_grad`: the blockwise attention gradient's pieces, where their eager shortcuts must hold.
+"""`block_grad`: the blockwise attention gradient's pieces, where their eager shortcuts must hold.
 
 A block's bias rows are differentiated through autograd (`block_vjp`), also inside a custom
-operator's kernel, where the dispatcher runs with the autograd keys excluded (`_opaque_op`'s
+operator's kernel, where the dispatcher runs with the autograd keys excluded (`opaque_op`'s
 backward of rows); ``torch.func.vjp`` there cost about 1 ms per block.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posenc_lightning.attention.backends import _block_grad
-from posenc_lightning.attention.backends._block_grad import attention_backward_by_blocks, block_vjp
+from posenc_lightning.attention.backends.engine import block_grad as _block_grad
+from posenc_lightning.attention.backends.engine.block_grad import attention_backward_by_blocks, block_vjp
 
 
 def _rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,7 @@ def test_backward_by_blocks_equals_autograd(causal, rows, grad_mode):
 @pytest.mark.parametrize("spread", [1.0, 60.0])
 def test_backward_by_blocks_from_the_log_sum_exp(causal, spread):
     """Given the forward's log-sum-exp, the weights are ``exp2`` of the logits in base 2
-    (`_block_grad.LOG2E`; ``add_bias`` adds the bias in those units): the same gradients as
+    (`block_grad.LOG2E`; ``add_bias`` adds the bias in those units): the same gradients as
     autograd's, for blocks that do not divide N, blocks run in two calls into shared
     accumulators (``blocks``), GQA, transposed layouts, and logits far below their row's maximum
     (``spread``: weights under float32's smallest normal, where ``exp`` takes a slow path). Against

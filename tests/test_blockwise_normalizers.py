@@ -1,4 +1,4 @@
-"""The blockwise backend (attention/backends/blockwise.py): sba, rse and exposb by query blocks x
+"""The blockwise backend (attention/backends/blockwise/__init__.py): sba, rse and exposb by query blocks x
 key tiles, against the eager float64 reference, forward and backward (q, k, v, hidden and every
 encoding parameter: rse's penalty slopes, exposb's band_weights / decay_rates), with tiles small
 enough that N=29 spans several of them in both directions; compile-clean; O(N x block) memory.
@@ -86,8 +86,8 @@ def test_a_tile_modulation_read_off_one_diagonal_is_the_modulation(q_start, k_st
     """At arange positions (shifted apart either way) each tile's distance modulation, read off the
     ``r + c - 1`` differences (`TilesSpec.mod_shift`), equals `distance_modulation` at the tile's
     positions, for tiles above, on and below the diagonal, of shapes that divide nothing."""
-    from posenc_lightning.attention.backends._normalizers import TilesSpec, _modulation
-    from posenc_lightning.attention.backends._tiles import Tiling
+    from posenc_lightning.attention.backends.blockwise.normalizers import TilesSpec, _modulation
+    from posenc_lightning.attention.backends.blockwise.tiles import Tiling
 
     enc = build_encoding("exposb", distance_decay=0.05).bind(n_heads=2, head_dim=8)
     n_q, n_k = 23, 31
@@ -367,7 +367,7 @@ def test_tiles_cover_every_visible_key_once_and_skip_only_blind_rows(n_q, n_k, d
     """Stick-breaking's tiling (keys nearest first, the nearest tile half a block wide when split):
     each block's tiles partition its keys, nearest first, and the rows a tile skips (`Tile.r0`)
     see none of its keys, so every visible (query, key) pair is computed exactly once."""
-    from posenc_lightning.attention.backends._tiles import Tiling
+    from posenc_lightning.attention.backends.blockwise.tiles import Tiling
 
     tl = Tiling(AttentionMask(True, diag, n_q, n_k), n_q, n_k, diag, rows, cols, descending=True,
                 split_diagonal=split)
@@ -418,12 +418,12 @@ def test_tile_backward_is_autograd_of_the_formula():
 @pytest.mark.parametrize("scenario", ["arange", "offset"])
 @pytest.mark.parametrize("n,rows,keys", [(29, 4, 3), (203, 48, 40), (600, 256, 256), (600, 128, 512)])
 def test_penalty_as_two_channels_equals_the_reference(scenario, n, rows, keys, monkeypatch):
-    """rse's penalty as two extra q/k channels (`_normalizers.FoldedBias`: plain causal, ascending
+    """rse's penalty as two extra q/k channels (`normalizers.FoldedBias`: plain causal, ascending
     positions, here far from 0 and per batch row) against the eager float64 reference and against
     the per-tile penalty, forward and backward; the slopes' gradient (taken per tile, not from the
     channels) head by head on its own scale, large and zero slopes. Tiles that do not divide N and
     the engine's tile sizes."""
-    from posenc_lightning.attention.backends import _normalizers
+    from posenc_lightning.attention.backends.blockwise import normalizers as _normalizers
     from posenc_lightning.inject import inject
     from tests.conformance import ConfLayer, make_inputs, run_case, scenario_args
 
@@ -463,7 +463,7 @@ def test_a_spent_stick_stops_the_walk(name, head_dim, small_tiles, monkeypatch):
     """Large logits spend the sticks within a few keys: the blocks stop walking there (forward and
     backward at the same tile), equal to the eager float64 reference and, within the skipped
     weights' size (< exp(-80) each), to walking every tile."""
-    from posenc_lightning.attention.backends import _normalizers
+    from posenc_lightning.attention.backends.blockwise import normalizers as _normalizers
     from posenc_lightning.inject import inject
     from tests.conformance import ConfLayer, make_inputs, run_case, scenario_args
 

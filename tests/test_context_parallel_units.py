@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posenc_lightning.attention.backends import _blocks, eager, sdpa
+from posenc_lightning.attention.backends import eager, sdpa
+from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.parallel.layout import ShardLayout
 from tests.helpers import run_posenc

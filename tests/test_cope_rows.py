@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from posenc_lightning import build_encoding, inject
-from posenc_lightning.attention.backends import _blocks
+from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.encodings.base import AttentionContext, DenseBias
 from posenc_lightning.encodings.cope import encoding as ecope
 from posenc_lightning.encodings.cope import rows as rcope

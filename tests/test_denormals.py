@@ -2,7 +2,7 @@
 
 ``torch.set_flush_denormal`` sets a per-thread register: with two threads an elementwise op over
 a large tensor is split between the caller and a pool thread, and only the caller's half would be
-flushed. The biased and normalizer paths flush around their calls (`_denormals`); these tests read
+flushed. The biased and normalizer paths flush around their calls (`denormals`); these tests read
 the flush off the numbers (a denormal times one is zero when flushed), never off timings."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posenc_lightning.attention.backends import _denormals
+from posenc_lightning.attention.backends.engine import denormals as _denormals
 
 DENORMAL = 1e-39  # below float32's smallest normal, 1.18e-38
 N = 1 << 20  # far above PyTorch's grain size (32768): split across the threads

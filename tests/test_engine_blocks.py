@@ -1,4 +1,4 @@
-"""The engine's backward by rows with whole-budget blocks (`_blocks.backward_rows` with
+"""The engine's backward by rows with whole-budget blocks (`blocks.backward_rows` with
 ``released``: more than one thread, the block's bias rows freed once added to its logits,
 `BlockRows.release`): FIRE and a mixture (ALiBi + T5 + FIRE) through sdpa's rows form, forward and
 every gradient against eager attention on the dense bias, at a length that no block size divides,
@@ -7,7 +7,8 @@ at arange and gapped positions, with grouped kv heads."""
 import pytest
 import torch
 
-from posenc_lightning.attention.backends import _blocks, eager, sdpa
+from posenc_lightning.attention.backends import eager, sdpa
+from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext
 from posenc_lightning.encodings.bias import DenseBias
@@ -78,7 +79,7 @@ def test_whole_budget_blocks_equal_eager(name, layout, monkeypatch):
 
 @pytest.mark.parametrize("first, k0", [(5, 0), (5, 3), (-2, 0), (9, 0), (2, 6), (11, 4)])
 def test_causal_triangle_of_a_block(first, k0):
-    """`_blocks.hide_after_diagonal`: ``-inf`` added exactly where key ``k0 + j`` is past row ``i``'s
+    """`blocks.hide_after_diagonal`: ``-inf`` added exactly where key ``k0 + j`` is past row ``i``'s
     last key ``first + i`` (keys before the first row's last key untouched, a block with nothing
     hidden unchanged); the triangle built once per shape in ``hides``, and the same on reuse."""
     r, width = 4, 10

@@ -92,7 +92,11 @@ def test_apply_rotary_odd_storage_offset_interleaved():
 # ---------------------------------------------------------------------------------------------
 # sdpa with a bias: Toeplitz view (i - j kinds at arange positions) and blockwise rows
 # ---------------------------------------------------------------------------------------------
-from posenc_lightning.attention.backends import _blocks, _denormals, eager, sdpa
+from posenc_lightning.attention.backends import eager, sdpa
+from posenc_lightning.attention.backends.engine import blocks as _blocks
+from posenc_lightning.attention.backends.engine import denormals as _denormals
+from posenc_lightning.attention.backends.sdpa.rows import RowsAttention
+from posenc_lightning.attention.backends.sdpa.toeplitz import toeplitz_template
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import (
     AttentionContext,
@@ -160,7 +164,7 @@ def test_toeplitz_template_only_where_valid():
     ar = torch.arange(n)[None].expand(2, n)
     mask = AttentionMask(True, 0, n, n)
     bias = _bias("sum", h, ar, ar)
-    u = sdpa._toeplitz_template(bias, mask, n, n, AttentionContext(ar, ar))
+    u = toeplitz_template(bias, mask, n, n, AttentionContext(ar, ar))
     assert u is not None and u.shape == (h, 2 * n - 1)
     # the template holds every diagonal of the bias: row i of the bias is u[:, n-1-i : 2n-1-i]
     causal = torch.ones(n, n, dtype=torch.bool).tril()
@@ -168,10 +172,10 @@ def test_toeplitz_template_only_where_valid():
     for i in (0, 17, n - 1):
         torch.testing.assert_close(u[:, n - 1 - i: 2 * n - 1 - i], dense[:, i])
     perm = torch.randperm(n)[None].expand(2, n)
-    assert sdpa._toeplitz_template(_bias("linear", h, perm, perm), mask, n, n, AttentionContext(perm, perm)) is None
+    assert toeplitz_template(_bias("linear", h, perm, perm), mask, n, n, AttentionContext(perm, perm)) is None
     c = torch.randn(2, h, n)
-    assert sdpa._toeplitz_template(DecayBias(c, c), mask, n, n, AttentionContext(ar, ar)) is None
-    assert sdpa._toeplitz_template(DenseBias(torch.randn(1, h, n, n)), mask, n, n, AttentionContext(ar, ar)) is None
+    assert toeplitz_template(DecayBias(c, c), mask, n, n, AttentionContext(ar, ar)) is None
+    assert toeplitz_template(DenseBias(torch.randn(1, h, n, n)), mask, n, n, AttentionContext(ar, ar)) is None
 
 
 def test_bias_rows_equal_materialize_slices():
@@ -352,8 +356,8 @@ def test_blockwise_own_backward_with_dependent_inputs(monkeypatch):
     q = torch.randn(2, 4, n_q, 16, requires_grad=True)
     k, v = (torch.randn(2, 2, n_k, 16, requires_grad=True) for _ in range(2))
     used = []
-    orig = sdpa._RowsAttention.apply
-    monkeypatch.setattr(sdpa._RowsAttention, "apply", lambda *a: (used.append(1), orig(*a))[1])
+    orig = RowsAttention.apply
+    monkeypatch.setattr(RowsAttention, "apply", lambda *a: (used.append(1), orig(*a))[1])
 
     def make_bias(q, k):
         def qk_rows(s, e, ke, q_rows, k_head):  # 0.1 * q_i . k_j (kv heads repeated), a q/k-dependent bias
@@ -381,7 +385,7 @@ def test_blockwise_closure_bias_falls_back_to_checkpoints(monkeypatch):
     mask, ctx = AttentionMask(causal, off, n_q, n_k), AttentionContext(qp[None], qp[None], causal)
     table = torch.randn(1, 4, n_q, n_k, requires_grad=True)
     q, k, v = (torch.randn(1, 4, n_q, 16, requires_grad=True) for _ in range(3))
-    monkeypatch.setattr(sdpa._RowsAttention, "apply", lambda *a: pytest.fail("own backward used"))
+    monkeypatch.setattr(RowsAttention, "apply", lambda *a: pytest.fail("own backward used"))
     bias = DenseBias.lazy(lambda s, e, ke: table[..., s:e, :ke] * 2, n_q, n_k)
     assert not bias.recomputable
     out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=0.25, ctx=ctx)

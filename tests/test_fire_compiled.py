@@ -1,5 +1,5 @@
 """Compiled FIRE on CPU past `sdpa.COMPILED_ONE_BLOCK_BYTES` runs the eager choice of form as one
-opaque operator (``posenc::opaque_sdpa``, `attention/backends/_opaque_form.py`): below the learned
+opaque operator (``posenc::opaque_sdpa``, `attention/backends/sdpa/opaque_form.py`): below the learned
 threshold ``L`` its O(N) table through the Toeplitz mask, past it the MLP rows by blocks; within
 it, one traced block. Forward and every gradient equal eager's in every form, at positions given
 or made, offsets, GQA, cached decoding, frozen parameters."""
@@ -38,9 +38,10 @@ def _forms(monkeypatch) -> dict[str, list[bool]]:
     """Records which form each attention call ran: the Toeplitz template ("toeplitz") or the
     rows by blocks ("rows"); cleared before the compiled run."""
     from posenc_lightning.attention.backends import sdpa
+    from posenc_lightning.attention.backends.sdpa import opaque_op
 
     seen: dict[str, list[bool]] = {"toeplitz": [], "rows": []}
-    real_t, real_r = sdpa._attend_toeplitz, sdpa._attend_by_rows
+    real_t, real_r = sdpa.attend_toeplitz, sdpa.attend_by_rows
 
     def toeplitz(*a, **k):
         seen["toeplitz"].append(True)
@@ -50,8 +51,9 @@ def _forms(monkeypatch) -> dict[str, list[bool]]:
         seen["rows"].append(True)
         return real_r(*a, **k)
 
-    monkeypatch.setattr(sdpa, "_attend_toeplitz", toeplitz)
-    monkeypatch.setattr(sdpa, "_attend_by_rows", rows)
+    for module in (sdpa, opaque_op):  # the eager forms and the operator's kernel
+        monkeypatch.setattr(module, "attend_toeplitz", toeplitz)
+        monkeypatch.setattr(module, "attend_by_rows", rows)
     return seen
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from posenc_lightning import build_encoding
-from posenc_lightning.attention.backends import _blocks, eager, sdpa
+from posenc_lightning.attention.backends import eager, sdpa
+from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext
 from posenc_lightning.encodings.bias import DenseBias, FireBias

@@ -102,7 +102,7 @@ def test_float64_parameters_and_float_positions():
 
 def test_scaled_rows_and_the_blockwise_backends_vjp():
     """`FireBias.scaled` (a mixture's weight folded into w2, b2) differentiated as
-    `sdpa._RowsAttention` does: ``torch.func.vjp`` of `rows_from` at detached window inputs."""
+    `sdpa.rows.RowsAttention` does: ``torch.func.vjp`` of `rows_from` at detached window inputs."""
     enc = _fire()
     pos = (torch.arange(151) + 60)[None]
     w = torch.tensor(0.7, requires_grad=True)

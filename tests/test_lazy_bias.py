@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from posenc_lightning import inject
-from posenc_lightning.attention.backends import _blocks
+from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.encodings.base import AttentionContext, DenseBias, RelativeBias
 from posenc_lightning.encodings.bias import FireBias
 from posenc_lightning.encodings.fire import functions as ffire

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from posenc_lightning import inject
-from posenc_lightning.attention.backends import _blocks, sdpa
+from posenc_lightning.attention.backends import sdpa
+from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
 from posenc_lightning.encodings.bias import OpaqueOperands, register_opaque_kind
 from posenc_lightning.encodings.registry import _REGISTRY, register

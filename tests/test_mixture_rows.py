@@ -7,7 +7,8 @@ packed positions, on blocks that do not divide the length."""
 import pytest
 import torch
 
-from posenc_lightning.attention.backends import _blocks, eager, sdpa
+from posenc_lightning.attention.backends import eager, sdpa
+from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext
 from posenc_lightning.encodings.bias import BiasSum, FireBias, LinearBias, RelativeBias

@@ -12,7 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from posenc_lightning import PosEncCallback, inject
-from posenc_lightning.attention.backends import BACKENDS, _blocks, get_backend, resolve_backend
+from posenc_lightning.attention.backends import BACKENDS, get_backend, resolve_backend
+from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.data import CorpusDataModule
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
 from posenc_lightning.encodings.registry import _REGISTRY, register

@@ -1,5 +1,5 @@
-"""sdpa's choice of form (`_plan.choose`), by itself: a pure function of what a call declares
-(`_plan.Call`) and how it runs (`_plan.Mode`), checked form by form with no tensor computed."""
+"""sdpa's choice of form (`plan.choose`), by itself: a pure function of what a call declares
+(`plan.Call`) and how it runs (`plan.Mode`), checked form by form with no tensor computed."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from posenc_lightning.attention.backends import _blocks
-from posenc_lightning.attention.backends._plan import Call, Form, Mode, Plan, choose
+from posenc_lightning.attention.backends.engine import blocks as _blocks
+from posenc_lightning.attention.backends.sdpa.plan import Call, Form, Mode, Plan, choose
 
 EAGER, CUDA = Mode(False, "cpu"), Mode(False, "cuda")
 COMPILED, COMPILED_CUDA = Mode(True, "cpu"), Mode(True, "cuda")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends import _denormals
+from posenc_lightning.attention.backends.engine import denormals as _denormals
 
 __all__ = ["call_flushing_denormals", "flush_denormals"]
 

@@ -67,8 +67,8 @@ def load_backends() -> None:
             get_backend(name)
         except ValueError:
             pass
-    # the opaque operator of value-dependent bias forms under compile (`_opaque_form`)
-    importlib.import_module("posenc_lightning.attention.backends._opaque_op")
+    # the opaque operator of value-dependent bias forms under compile (`opaque_form`)
+    importlib.import_module("posenc_lightning.attention.backends.sdpa.opaque_op")
 
 
 def _why_not(name: str, encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:

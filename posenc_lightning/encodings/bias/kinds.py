@@ -265,7 +265,7 @@ class Bias(ABC):
     def constant_before(self, start: int, stop: int, k_stop: int) -> int:
         """How many leading keys ``[0, c)`` have one bias value per query row in these rows (CoPE past
         its clamp: ``z_i[P - 1]``): sdpa runs them on SDPA's CPU kernel with no mask, and the run's
-        value gets minus the row sums of the other keys' ``dS`` (`attention.backends._runs`).
+        value gets minus the row sums of the other keys' ``dS`` (`attention.backends.sdpa.runs`).
 
         Args:
             start: first query row.
@@ -314,7 +314,7 @@ class Bias(ABC):
                           ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]] | None:
         """`rows_from` and its pullback from one call, with no autograd graph: a kind whose rows are
         differentiated by hand may skip autograd's fixed cost per block (recording the rows,
-        ``torch.autograd.grad``) in the engine's backward (`attention.backends._blocks.BlockRows`,
+        ``torch.autograd.grad``) in the engine's backward (`attention.backends.engine.blocks.BlockRows`,
         eagerly, without grad mode). Same values and gradients as differentiating `rows_from`.
 
         Args:

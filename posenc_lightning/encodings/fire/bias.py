@@ -327,7 +327,7 @@ class FireTableSum(BiasSum):
                           ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]] | None:
         """Where FIRE's rows take the table (`_fire_term`), `FireBias.rows_and_pullback` with the
         table's window (``views[0]``, `BiasSum.grad_inputs`' first): its gradient FIRE's column
-        sums; the rows as `_rows`' (expanded to the batch; the pullback sums it); ``diagonal``: as
+        sums; the rows as `rows`' (expanded to the batch; the pullback sums it); ``diagonal``: as
         `FireBias.causal_rows`'."""
         i = self._fire_term() if stop > start and k_stop > 0 else None
         if i is None:

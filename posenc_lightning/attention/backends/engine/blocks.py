@@ -1,4 +1,4 @@
-"""The block engine shared by sdpa's rows (`sdpa`) and the blockwise backend's tiles (`_tiles`): how many
+"""The block engine shared by sdpa's rows (`sdpa`) and the blockwise backend's tiles (`tiles`): how many
 query rows one block takes (one budget, `BIAS_BLOCK_BYTES`), and a block's bias rows recomputed from
 stand-ins for the bias's inputs with their gradient routed back to those inputs (`BlockRows`),
 whether a block's rows are new, so that its mask may be written into them (`owned_rows`), and a
@@ -6,7 +6,7 @@ block's causal mask added to it (`hide_after_diagonal`).
 
 A bias is never materialized ``[H, N, N]``: a block of query rows gets its slice (`Bias.rows`), and
 backward recomputes it from detached windows of `Bias.grad_inputs` (`Bias.rows_from`,
-`Bias.input_windows`), differentiated there (`_block_grad.block_vjp`): gradients are window-sized.
+`Bias.input_windows`), differentiated there (`block_grad.block_vjp`): gradients are window-sized.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends._block_grad import block_vjp
+from posenc_lightning.attention.backends.engine.block_grad import block_vjp
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias
 
@@ -117,7 +117,7 @@ class BlockRows:
         """The rows ``[start, stop) x [k_start, k_stop)`` of ``bias`` from detached windows of its
         ``inputs`` (`Bias.grad_inputs`), differentiable to those where ``need``: by the bias's own
         `Bias.rows_and_pullback` where it has one (eagerly, all the keys, grad mode off), else
-        ``rows_from`` differentiated (`_block_grad.block_vjp`).
+        ``rows_from`` differentiated (`block_grad.block_vjp`).
 
         Args:
             bias: the bias (`Bias.recomputable`).
@@ -126,7 +126,7 @@ class BlockRows:
             start: first query row.
             stop: query row past the last.
             k_stop: keys ``0..k_stop-1``.
-            compiling: traced by ``torch.compile`` (`_block_grad.block_vjp`).
+            compiling: traced by ``torch.compile`` (`block_grad.block_vjp`).
             k_start: first key (`Bias.rows_past`; the windows are those of keys ``[0, k_stop)``).
             diagonal: the caller's causal mask hides key ``j`` from row ``start + r`` where ``j >
                 diagonal + r`` (`Bias.rows_and_pullback`'s), or None.

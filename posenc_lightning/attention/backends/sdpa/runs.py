@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends import _blocks
-from posenc_lightning.attention.backends._blocks import BlockRows, hide_after_diagonal, owned_rows
+from posenc_lightning.attention.backends.engine import blocks as _blocks
+from posenc_lightning.attention.backends.engine.blocks import BlockRows, hide_after_diagonal, owned_rows
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias, cut
 
@@ -33,7 +33,7 @@ RUN_SHARE = 0.7
 RUN_KEYS_PER_ROW = 80
 #: band-sized float32 tensors a run-form block keeps alive together (the bias's saved state for its
 #: gradient, the weights and ``dS`` of the band), its band taken as twice its rows: with the block
-#: budget (`_blocks.BIAS_BLOCK_BYTES`) they bound its rows
+#: budget (`blocks.BIAS_BLOCK_BYTES`) they bound its rows
 RUN_LIVE = 6
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -75,7 +75,7 @@ def _band_mask(rows: Tensor, own: bool, mask: AttentionMask, start: int, c: int,
                hides: dict | None = None) -> Tensor:
     """The rows of keys ``[c, k_stop)`` as the kernel's float mask, ``-inf`` where the causal mask hides
     key ``c + j`` from query ``start + i`` (at key ``start + q_offset + i``): written into the rows
-    where they are the caller's own (`_blocks.owned_rows`), else into a copy. The kernel reads the
+    where they are the caller's own (`blocks.owned_rows`), else into a copy. The kernel reads the
     mask with any row stride."""
     return _hide_after(rows if own else rows.clone(), mask, start, c, k_stop, hides)
 
@@ -83,7 +83,7 @@ def _band_mask(rows: Tensor, own: bool, mask: AttentionMask, start: int, c: int,
 def _hide_after(t: Tensor, mask: AttentionMask, start: int, c: int, k_stop: int, hides: dict | None = None
                 ) -> Tensor:
     """``t [..., r, k_stop - c]``, keys ``[c, k_stop)`` of queries from ``start``, with ``-inf`` added in
-    place where the causal mask hides the key (`_blocks.hide_after_diagonal`: the block's diagonal
+    place where the causal mask hides the key (`blocks.hide_after_diagonal`: the block's diagonal
     corner only; ``hides``: the caller's triangles, built once a shape)."""
     return hide_after_diagonal(t, start + mask.q_offset, c, hides) if mask.causal else t
 
@@ -99,7 +99,7 @@ def attend_run(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask,
         start, stop: the query rows; k_stop: keys ``0..k_stop-1``; c: the run's end.
         lse: written at ``[:, :, start:stop]``.
         hides: a dict kept by the caller across the blocks of one call, where the causal triangle of
-            each block shape is built once (`_blocks.hide_after_diagonal`).
+            each block shape is built once (`blocks.hide_after_diagonal`).
 
     Returns:
         ``[B, H, stop - start, D]``.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends._blocks import BlockRows, wide_zeros
+from posenc_lightning.attention.backends.engine.blocks import BlockRows, wide_zeros
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias
 
@@ -169,9 +169,9 @@ class BiasTiles:
     computed per tile at the tile's positions (`Bias.at` at the context's positions, as the sdpa
     backend's Toeplitz path reads it): nothing larger than a tile. Any other
     kind: one block of `Bias.rows` at a time, sliced. Gradients: `Bias.rows_from` on detached
-    windows of `Bias.grad_inputs` (the engine's `_blocks.BlockRows`, as sdpa's rows), added window by
+    windows of `Bias.grad_inputs` (the engine's `blocks.BlockRows`, as sdpa's rows), added window by
     window into full-size accumulators of the inputs that need one (``need``, per input).
-    ``compiling``: the pass is traced by ``torch.compile`` (`_mode.Mode`). ``in_channels``: the
+    ``compiling``: the pass is traced by ``torch.compile`` (`mode.Mode`). ``in_channels``: the
     logits' product already holds the (`Bias.head_scaled`) bias: tiles add nothing, the weights'
     gradient is still taken per tile. ``ascending``: queries and keys are the same tokens at
     ``start + arange(N)`` (`AttentionContext.ascending`): a distance-only pattern then depends on

@@ -1,7 +1,7 @@
 """sdpa's blocks of query rows: the masks of a block, the output assembled from its blocks, and the
 engine's own backward for a bias that recomputes its rows (`rows_backward`), with the typed records
 it reads: where each bias input's gradient goes (`Target`) and what the backward needs besides
-tensors (`RowsSpec`). The forward by rows and its autograd Function are in `sdpa`.
+tensors (`RowsSpec`); the forward by rows (`attend_by_rows`) and its autograd Function (`RowsAttention`).
 """
 
 from __future__ import annotations
@@ -11,11 +11,21 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from posenc_lightning.attention.backends._block_grad import LOG2E, Scratch, attention_backward_by_blocks
-from posenc_lightning.attention.backends._blocks import BlockRows, backward_rows, hide_after_diagonal, wide_zeros
-from posenc_lightning.attention.backends._runs import run_backward, run_blocks
+from posenc_lightning.attention.backends.engine.block_grad import LOG2E, Scratch, attention_backward_by_blocks
+from posenc_lightning.attention.backends.engine.blocks import (
+    BlockRows,
+    backward_rows,
+    forward_rows,
+    hide_after_diagonal,
+    owned_rows,
+    wide_zeros,
+)
+from posenc_lightning.attention.backends.engine.mode import Mode
+from posenc_lightning.attention.backends.sdpa import runs as _runs
+from posenc_lightning.attention.backends.sdpa.runs import run_backward, run_blocks
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias
 
@@ -48,7 +58,7 @@ class RowsSpec:
     inputs: tuple[Tensor, ...]
     targets: tuple[Target, ...]
     #: the forward keeps its rows' log-sum-exp, so that blocks whose bias is one value per row over
-    #: a run of keys run on SDPA's CPU kernel, forward and backward (`_runs`)
+    #: a run of keys run on SDPA's CPU kernel, forward and backward (`runs`)
     kernel_runs: bool = False
 
     @classmethod
@@ -92,20 +102,20 @@ class _InFlight:
 def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, spec: RowsSpec,
                   needs_input_grad: tuple[bool, ...], compiling: bool = False, lse: Tensor | None = None
                   ) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
-    """The backward of the rows form (`sdpa._RowsAttention`): ``dq, dk, dv`` and the gradients of
+    """The backward of the rows form (`sdpa.rows.RowsAttention`): ``dq, dk, dv`` and the gradients of
     its extra inputs, by blocks of query rows; each block's bias rows recomputed (`BlockRows`).
 
     With the forward's log-sum-exp (``lse``, `RowsSpec.kernel_runs`), a block whose bias is one
     value per row before key ``c`` (`Bias.constant_before`) runs on SDPA's CPU kernel, with ``dS``
-    for the keys from ``c`` on only (`_runs.run_backward`). Other blocks run the engine's own
-    backward (`_block_grad.attention_backward_by_blocks`), with the weights from that log-sum-exp
-    (base-2 logits: the rows are added times `_block_grad.LOG2E`), each stretch of them in one call.
+    for the keys from ``c`` on only (`runs.run_backward`). Other blocks run the engine's own
+    backward (`block_grad.attention_backward_by_blocks`), with the weights from that log-sum-exp
+    (base-2 logits: the rows are added times `block_grad.LOG2E`), each stretch of them in one call.
 
     Args:
         q, k, v, out, d_out: the forward's tensors and the output's gradient.
         spec: the bias and where its inputs' gradients go.
         needs_input_grad: as the Function's: q, k, v, spec, then the extra inputs.
-        compiling: traced by ``torch.compile`` (`_mode.Mode`; a custom operator's kernel runs eagerly).
+        compiling: traced by ``torch.compile`` (`mode.Mode`; a custom operator's kernel runs eagerly).
         lse: the forward's ``logsumexp`` of each query's logits ``[B, H, Nq]`` (float32), or None.
 
     Returns:
@@ -158,7 +168,7 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
         scratch: list[Scratch] = []  # the own blocks' buffers, made once and shared by every stretch
 
         def run_own() -> None:
-            if own:  # the logits come in base 2 (`_block_grad.LOG2E`)
+            if own:  # the logits come in base 2 (`block_grad.LOG2E`)
                 if not scratch:
                     scratch.append(Scratch((size, size), wt, q.device, compiling))
                 attention_backward_by_blocks(
@@ -230,3 +240,87 @@ def collect_rows(q: Tensor, v: Tensor, blocks: Iterable[tuple[int, int, Tensor]]
     for start, stop, o in blocks:
         out[:, :, start:stop] = o
     return out
+
+
+def attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,
+                 start: int, stop: int, compiling: bool, lse: Tensor | None = None, hides: dict | None = None
+                 ) -> Tensor:
+    """SDPA for the queries ``[start, stop)`` with their bias rows as its float mask; ``compiling``:
+    traced by ``torch.compile`` (the mask is then never written into the rows in place); ``lse``:
+    ``[B, H, Nq]`` to write the rows' log-sum-exp into, from SDPA's CPU kernel (eagerly, no key
+    padding: `RowsSpec.kernel_runs`); ``hides``: the causal triangles of a call's blocks (`rows.masked`)."""
+    # causal by index: the queries [start, stop) see keys [0, q_offset + stop) only
+    k_stop = min(k.shape[-2], mask.q_offset + stop) if mask.causal else k.shape[-2]
+    # where the causal mask hides keys, the bias may leave them unspecified (`Bias.causal_rows`)
+    attn_mask = (bias.causal_rows(start, stop, k_stop, start + mask.q_offset) if mask.causal
+                 else bias.rows(start, stop, k_stop)).to(q.dtype)
+    attn_mask = masked(attn_mask, mask, start, stop, k_stop,
+                       inplace=owned_rows(attn_mask, bias, mask, q.shape[0], compiling), hides=hides)
+    empty = None
+    if mask.k_valid is not None:
+        # a query whose keys are all padding: its output is 0 (as eager's), and an all -inf row
+        # would give SDPA's backward NaN gradients; open the row, then zero its output
+        empty = torch.isneginf(attn_mask).all(-1, keepdim=True)
+        attn_mask = attn_mask.masked_fill(empty, 0.0)
+    if lse is not None:
+        out, lse[:, :, start:stop] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[:, :, start:stop], k[:, :, :k_stop], v[:, :, :k_stop], 0.0, False, attn_mask=attn_mask, scale=scale)
+        return out
+    out = F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :k_stop], v[:, :, :k_stop],
+                                         attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
+    return out if empty is None else out.masked_fill(empty, 0.0)
+
+
+def attend_by_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,
+                    rows: int, checkpointed: bool = False, compiling: bool = False, lse: Tensor | None = None
+                    ) -> Tensor:
+    """`attend_rows` over consecutive blocks of ``rows`` queries, each recomputed in backward
+    when ``checkpointed``; ``compiling``: traced by ``torch.compile`` (`mode.Mode`; a custom
+    operator's kernel runs eagerly); ``lse``: written with the rows' log-sum-exp, and blocks whose
+    bias has a constant run in the run form (`runs.run_blocks`)."""
+    from torch.utils.checkpoint import checkpoint
+
+    n_q = q.shape[-2]
+    if lse is not None:
+        blocks = _runs.run_blocks(bias, mask, q.shape[0], q.shape[1], n_q, k.shape[-2], rows)
+        hides: dict = {}  # eagerly (`lse`): the blocks' causal triangles, built once a shape
+        return collect_rows(q, v, ((s, e, _runs.attend_run(q, k, v, bias, mask, scale, s, e, ke, c, lse, hides) if c else
+                                    attend_rows(q, k, v, bias, mask, scale, gqa, s, e, compiling, lse, hides))
+                                   for s, e, ke, c in blocks))
+
+    def block(start: int) -> tuple[int, int, Tensor]:
+        stop = min(n_q, start + rows)
+        args = (q, k, v, bias, mask, scale, gqa, start, stop, compiling, lse)
+        return start, stop, checkpoint(attend_rows, *args, use_reentrant=False) if checkpointed else attend_rows(*args)
+
+    starts = range(0, n_q, rows)
+    return collect_rows(q, v, [block(s) for s in starts] if torch.is_grad_enabled() else map(block, starts))
+
+
+class RowsAttention(torch.autograd.Function):
+    """Blocks of query rows for a bias that can recompute its rows from stand-ins for its inputs
+    (`Bias.rows_from`), with the engine's own backward (`rows.rows_backward`): SDPA's kernel
+    forward (block by block, nothing saved but q, k, v and the output); backward by blocks of
+    query rows from the softmax attention gradient (as `ToeplitzAttention`), each block's rows
+    recomputed from detached windows of its inputs (`Bias.input_windows`) and differentiated to
+    them (`blocks.BlockRows`), so a bias input's gradient is built window by window (into dq / dk
+    directly when the input is q or k itself). Memory: a few blocks, never ``H x N x N``, a
+    checkpoint's recomputed SDPA, or a full-size gradient per block."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: RowsSpec, *extra: Tensor) -> Tensor:
+        gqa = k.shape[1] != q.shape[1]
+        rows = forward_rows(q.shape[1], q.shape[-2], k.shape[-2])
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32) if spec.kernel_runs else None
+        out = attend_by_rows(q, k, v, spec.bias, spec.mask, spec.scale, gqa, rows, compiling=Mode.of(q).compiling,
+                              lse=lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv, g_extra = rows_backward(q, k, v, out, d_out, ctx.spec, ctx.needs_input_grad,
+                                            Mode.of(q).compiling, lse)
+        return (dq, dk, dv, None, *g_extra)

@@ -6,7 +6,7 @@ The forms, cheapest exact first (`Form`): SDPA alone (no bias), a key-only bias 
 or one extra q/k channel, a Toeplitz bias as a zero-copy view (its own backward when learned), and
 blocks of query rows (checkpointed, or the engine's own backward). Under ``torch.compile`` on CPU a
 small attention is one traced block, and a kind whose cheapest form depends on values
-(`Bias.opaque_operands`) runs as one opaque operator making the eager choice inside (`_opaque_form`).
+(`Bias.opaque_operands`) runs as one opaque operator making the eager choice inside (`opaque_form`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from posenc_lightning.attention.backends import _blocks
-from posenc_lightning.attention.backends._mode import Mode
+from posenc_lightning.attention.backends.engine import blocks as _blocks
+from posenc_lightning.attention.backends.engine.mode import Mode
 
 __all__ = ["Call", "Form", "Mode", "Plan", "choose"]
 
@@ -44,7 +44,7 @@ class Call:
         plain_mask: the mask is plain causal or nothing.
         offset_causal: causal with the queries at an offset (a chunk, a prefill after a cache).
         key_only: the bias has a key-only form (`Bias.key_only`).
-        key_mask: that form fits SDPA's CPU key mask (`_key_bias._key_mask_works`).
+        key_mask: that form fits SDPA's CPU key mask (`key_bias._key_mask_works`).
         toeplitz: the bias is ``f(i - j)`` at arange positions, readable here (`Bias.distance_only`).
         recomputable: grad mode, and the bias recomputes its rows from stand-ins (`Bias.recomputable`)
             (read where a rows form is reachable).
@@ -53,7 +53,7 @@ class Call:
         opaque: compiled, with a context, and the kind declares `Bias.opaque_operands`.
         kernel_runs: float32, no key padding and no documents, a kind that recomputes its rows from
             its inputs: a block of rows whose bias has a constant run may run on SDPA's CPU
-            kernel, forward and backward (`_runs`).
+            kernel, forward and backward (`runs`).
     """
 
     batch: int

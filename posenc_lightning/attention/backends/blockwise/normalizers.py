@@ -1,5 +1,5 @@
 """The blockwise normalizers (`blockwise` backend): autograd Functions whose forward and backward
-walk query blocks x key tiles (`_tiles.Tiling`), recomputing each tile in backward: nothing larger
+walk query blocks x key tiles (`tiles.Tiling`), recomputing each tile in backward: nothing larger
 than a block of rows x the keys it sees (or than the keys) is ever built, and nothing but q, k, v,
 plus for stick-breaking the carried sum before each tile of a row (no larger than q, else recomputed)
 and for softmax the output and one log-sum-exp per query row, is kept for backward.
@@ -18,7 +18,7 @@ Weights below ``exp(EXP_FLOOR)`` are computed as that, and forward and backward 
 flushed to zero on CPU (`_flushing`): x86 arithmetic on denormals is many times slower, and the
 products of small weights and gradients fall there.
 Inputs of a bias that need a gradient come after ``spec`` (so autograd routes their gradients);
-the tiles' bias gradient reaches them through `_tiles.BiasTiles` (the block engine's `_blocks.BlockRows`).
+the tiles' bias gradient reaches them through `tiles.BiasTiles` (the block engine's `blocks.BlockRows`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends._denormals import _flush_denormals
-from posenc_lightning.attention.backends._mode import Mode
-from posenc_lightning.attention.backends._tiles import BiasTiles, Tile, Tiling, flat, grouped, ungrouped
+from posenc_lightning.attention.backends.blockwise.tiles import BiasTiles, Tile, Tiling, flat, grouped, ungrouped
+from posenc_lightning.attention.backends.engine.denormals import _flush_denormals
+from posenc_lightning.attention.backends.engine.mode import Mode
 from posenc_lightning.encodings.base import Bias, KeyOnly
 from posenc_lightning.functional.stick_breaking import (
     EXP_FLOOR,

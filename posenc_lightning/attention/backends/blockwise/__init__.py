@@ -1,7 +1,7 @@
 """Blockwise normalizers: the encodings that replace softmax (stage 4), in O(N x block) memory.
 
 Runs the normalizers an encoding declares (`Encoding.fused_normalizer`), never an ``N x N``
-tensor, forward and backward (`_normalizers`: query blocks x key tiles, recomputed in backward):
+tensor, forward and backward (`normalizers`: query blocks x key tiles, recomputed in backward):
 
 - ``"stick_breaking"``: key tiles nearest first, the log-space sum of ``softplus``
   carried across tiles as the Triton kernel does; any bias kind added per tile (`Bias.rows`),
@@ -24,9 +24,13 @@ from types import MethodType
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends._blocks import rows_within, tile_rows
-from posenc_lightning.attention.backends._normalizers import ModulatedSoftmaxBlocks, StickBreakingBlocks, TilesSpec
-from posenc_lightning.attention.backends._tiles import Tiling
+from posenc_lightning.attention.backends.blockwise.normalizers import (
+    ModulatedSoftmaxBlocks,
+    StickBreakingBlocks,
+    TilesSpec,
+)
+from posenc_lightning.attention.backends.blockwise.tiles import Tiling
+from posenc_lightning.attention.backends.engine.blocks import rows_within, tile_rows
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KeyOnly
 from posenc_lightning.functional.positions import arange_offset, host_reads_ok
@@ -37,8 +41,8 @@ FUSES_ROTARY = False
 #: the declared normalizers (`Encoding.fused_normalizer`) this backend runs
 NORMALIZERS = ("stick_breaking", "distance_modulated_softmax")
 #: the most query rows per block and the keys per tile; a block takes as many rows as the engine's
-#: block budget gives ``TILE_LIVE`` tile-sized tensors (`_blocks.rows_within`), with a bias computed
-#: by rows fewer (at least ``MIN_BIAS_ROWS``: `_blocks.tile_rows`)
+#: block budget gives ``TILE_LIVE`` tile-sized tensors (`blocks.rows_within`), with a bias computed
+#: by rows fewer (at least ``MIN_BIAS_ROWS``: `blocks.tile_rows`)
 BLOCK_ROWS, BLOCK_KEYS = 256, 256
 MIN_BIAS_ROWS = 16
 #: stick-breaking stops walking a block's key tiles once every row's stick is spent (the rest is
@@ -109,7 +113,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
 
 def _channels(bias: Bias | None, mask: AttentionMask, ctx: AttentionContext | None, extra: tuple[Tensor, ...],
               dtype: torch.dtype) -> KeyOnly | None:
-    """The bias as two extra q/k channels (`_normalizers.FoldedBias`): a `Bias.key_only` form with
+    """The bias as two extra q/k channels (`normalizers.FoldedBias`): a `Bias.key_only` form with
     its query term, under a plain causal mask (stick-breaking sees keys before the query only), of
     a bias whose tiles are `Bias.head_scaled` by that form's per-head weight (its gradient is taken
     per tile from the pattern) and that needs no other gradient."""

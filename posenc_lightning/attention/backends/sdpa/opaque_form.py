@@ -1,5 +1,5 @@
 """A bias whose cheapest exact form depends on values, inside a compiled graph (CPU only): one
-opaque operator, ``posenc::opaque_sdpa`` (`_opaque_op`), runs the eager choice of form there.
+opaque operator, ``posenc::opaque_sdpa`` (`opaque_op`), runs the eager choice of form there.
 
 A traced graph cannot branch on a value, so it would take the per-pair rows always. A kind that
 declares `Bias.opaque_operands` is handed to the operator as tensors and constants instead; the

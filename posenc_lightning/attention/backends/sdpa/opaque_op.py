@@ -1,8 +1,8 @@
-"""``posenc::opaque_sdpa`` and its backward operator (`_opaque_form`): the eager choice of form of a
+"""``posenc::opaque_sdpa`` and its backward operator (`opaque_form`): the eager choice of form of a
 bias with opaque operands, inside a compiled graph. The kernels rebuild the bias from its tensors
 and constants by its registered kind name and run sdpa's engine: the Toeplitz template
-(`sdpa._attend_toeplitz`, `sdpa.toeplitz_backward`) where `Bias.distance_shift` holds, else rows
-by blocks (`sdpa._attend_by_rows`, `sdpa.rows_backward`, rows differentiated by
+(`attend_toeplitz`, `toeplitz_backward`) where `Bias.distance_shift` holds, else rows
+by blocks (`attend_by_rows`, `rows_backward`, rows differentiated by
 `Bias.compiled_rows_from`). Nothing is recomputed in backward but the bias rows."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends import sdpa
-from posenc_lightning.attention.backends._opaque_form import template
-from posenc_lightning.attention.backends._rows import RowsSpec, Sink, Target
+from posenc_lightning.attention.backends.engine.blocks import forward_rows
+from posenc_lightning.attention.backends.sdpa.opaque_form import template
+from posenc_lightning.attention.backends.sdpa.rows import RowsSpec, Sink, Target, attend_by_rows, rows_backward
+from posenc_lightning.attention.backends.sdpa.toeplitz import attend_toeplitz, toeplitz_backward
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.bias import Bias, Index, rebuild_bias
 
@@ -37,9 +38,9 @@ def opaque_sdpa(q: Tensor, k: Tensor, v: Tensor, operands: list[Tensor], u: Tens
         if shift is not None:
             u = u if u is not None else template(bias, shift, mask, q.shape[1], q.device)
             # detached: a mask that requires grad sends SDPA to its math kernel, even here
-            out = sdpa._attend_toeplitz(q, k, v, u.detach().to(q.dtype), mask, scale, gqa)
+            out = attend_toeplitz(q, k, v, u.detach().to(q.dtype), mask, scale, gqa)
         else:
-            out = sdpa._attend_by_rows(q, k, v, bias, mask, scale, gqa, sdpa.block_rows(q.shape[1], n_q, n_k))
+            out = attend_by_rows(q, k, v, bias, mask, scale, gqa, forward_rows(q.shape[1], n_q, n_k))
     u_out = u.float().clone() if shift is not None else q.new_zeros(q.shape[1], n_q + n_k - 1, dtype=torch.float32)
     return _laid_out(out, _sdpa_layout(q, v)), u_out, torch.tensor(shift is not None)
 
@@ -101,15 +102,15 @@ def opaque_sdpa_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                          operands: list[Tensor], kind: str, ints: list[int], floats: list[float], causal: bool,
                          q_offset: int, scale: float, u_given: bool, need: list[bool]) -> list[Tensor]:
     """``[dq, dk, dv, *d_operands, du]`` (zeros where ``need`` is False or the form that ran has
-    none): the eager backward of that form (`sdpa.toeplitz_backward`, then ``du`` to the given
-    template or, computed here, through the template's vjp; or `sdpa.rows_backward`)."""
+    none): the eager backward of that form (`toeplitz_backward`, then ``du`` to the given
+    template or, computed here, through the template's vjp; or `rows_backward`)."""
     mask = AttentionMask(causal, q_offset, q.shape[-2], k.shape[-2])
     bias = rebuild_bias(kind, operands, ints, floats)
     need_ops = need[3:-1]
     grads: list[Tensor | None] = [None] * (len(operands) + 1)
     if bool(toeplitz):
         want_u = any(need[3:])
-        dq, dk, dv, du = sdpa.toeplitz_backward(q, k, v, u, out, d_out, causal, q_offset, scale, want_u)
+        dq, dk, dv, du = toeplitz_backward(q, k, v, u, out, d_out, causal, q_offset, scale, want_u)
         if u_given:
             grads[-1] = du
         elif want_u:
@@ -139,7 +140,7 @@ def opaque_sdpa_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                 extra.append(i)
             targets.append(Target(Sink.EXTRA, extra.index(i)))
         spec = RowsSpec(_DifferentiatedRows(bias), mask, scale, tuple(inputs), tuple(targets))
-        dq, dk, dv, g = sdpa.rows_backward(q, k, v, out, d_out, spec, (*need[:3], False, *[True] * len(extra)))
+        dq, dk, dv, g = rows_backward(q, k, v, out, d_out, spec, (*need[:3], False, *[True] * len(extra)))
         for j, i in enumerate(extra):
             grads[i] = g[j]
     full = [dq, dk, dv, *grads]  # laid out as their inputs (the fake's empty_like)

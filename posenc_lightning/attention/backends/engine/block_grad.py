@@ -1,5 +1,5 @@
 """The softmax-attention gradient by blocks of query rows, for the SDPA backend's own backward
-passes (`sdpa._ToeplitzAttention`, `sdpa._RowsAttention`): SDPA's kernels cannot give
+passes (`sdpa.toeplitz.ToeplitzAttention`, `sdpa.rows.RowsAttention`): SDPA's kernels cannot give
 the gradient of a bias, so these recompute it block by block.
 
 With ``S = q k^T s + bias``, ``P = softmax(S)``, ``O = P v``: ``dS = P * (dO v^T - rowsum(dO * O))``,
@@ -37,7 +37,7 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
     ``empty_rows``: a query may see no key at all (key padding): its weights are 0, not NaN.
     ``scratch``: the blocks' buffers (`Scratch`, two of a block's size at least); buffer 1 is free
     while ``on_ds`` runs (a caller may use it there). ``compiling``: traced by ``torch.compile``
-    (as the caller's `_mode.Mode` says), for the default ``scratch``.
+    (as the caller's `mode.Mode` says), for the default ``scratch``.
     ``lse``: the forward's log-sum-exp of each query's logits (bias and mask included), ``[B, H,
     Nq]``, float32 or wider: the logits are then in base 2 (times `LOG2E`, folded into q; ``add_bias``
     adds the bias times `LOG2E`) and the weights ``exp2(S - lse log2(e))`` in place, two passes where
@@ -130,7 +130,7 @@ class Scratch:
     block, whose pages are new to the process each time (page faults). Under compile every
     block gets new tensors (`eager` False), as inductor plans its own buffers, and so does a
     backward that is itself differentiated (``create_graph``: ``out=`` records no graph).
-    ``compiling``: traced by ``torch.compile``, as the caller's `_mode.Mode` says."""
+    ``compiling``: traced by ``torch.compile``, as the caller's `mode.Mode` says."""
 
     def __init__(self, sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  compiling: bool = False) -> None:
@@ -174,7 +174,7 @@ _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchK
 @contextlib.contextmanager
 def _recording() -> Iterator[None]:
     """Grad mode, with the autograd dispatch keys back where any custom operator's kernel runs
-    below autograd (e.g. `_opaque_op`'s backward): a block's small graph is then differentiated by
+    below autograd (e.g. `opaque_op`'s backward): a block's small graph is then differentiated by
     autograd there too, not by the slower ``torch.func.vjp`` (CHANGELOG.md)."""
     excluded = torch._C._dispatch_tls_local_exclude_set()
     if not excluded.has(_AUTOGRAD_KEYS[0]):
@@ -193,7 +193,7 @@ def block_vjp(fn: Callable[..., Tensor], *primals: Tensor, compiling: bool = Fal
     """``(fn(*primals), pullback)`` with ``pullback(g)`` the gradients of ``<fn(...), g>`` to every
     primal (zeros for one ``fn`` does not use), as ``torch.func.vjp``; eagerly through autograd
     (inside a custom operator's kernel too, `_recording`). ``compiling``: traced by
-    ``torch.compile``, as the caller's `_mode.Mode` says."""
+    ``torch.compile``, as the caller's `mode.Mode` says."""
     if compiling or not EAGER_AUTOGRAD:
         return torch.func.vjp(fn, *primals)
     leaves = [p.detach().requires_grad_() for p in primals]
