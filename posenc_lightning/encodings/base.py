@@ -38,6 +38,7 @@ from posenc_lightning.encodings.bias import (
     cut,
     span,
 )
+from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.positions import max_position
 
 __all__ = ["AttentionContext", "Bias", "BiasSum", "DecayBias", "DenseBias", "Encoding", "KernelBias", "KeyOnly",
@@ -63,6 +64,8 @@ class AttentionContext:
     ``k_hidden``: the layer input at the keys' tokens when the keys are not only the queries' own
     and no cache holds their state (context parallelism: gathered from the group); the queries are
     then the last ``Nq`` keys. None otherwise (``hidden`` covers the keys).
+    ``mode``: traced or eager and the device type, decided once when the context is made; an
+    encoding reads it (``ctx.mode.host_reads``) instead of asking ``torch.compiler``.
     """
 
     q_pos: Tensor
@@ -75,6 +78,12 @@ class AttentionContext:
     q_start: int | None = None
     k_start: int | None = None
     k_hidden: Tensor | None = None
+    #: traced or eager and the device, decided when the context is made (`functional.mode.Mode`)
+    mode: Mode = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.mode is None:
+            self.mode = Mode.of(self.q_pos)
 
     @property
     def ascending(self) -> bool:

@@ -1,4 +1,6 @@
-"""How one attention call (or one backward pass) runs, decided once at its entry and passed down."""
+"""How one attention call (or one backward pass) runs, decided once at its entry and passed down:
+traced or eager, and on which device. The attention context carries it (`AttentionContext.mode`),
+the backends pass it to their leaf functions."""
 
 from __future__ import annotations
 
