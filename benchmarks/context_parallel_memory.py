@@ -43,7 +43,7 @@ def _step_peak(n: int, world: int, args: argparse.Namespace) -> int:
             F.cross_entropy(model(x).transpose(1, 2), y).backward()
             return
         layout = group.layout(n // world)
-        with engaged(group):
+        with engaged(model, group):
             F.cross_entropy(model(layout.shard(x)).transpose(1, 2), layout.shard(y)).backward()
 
     step()  # warm: caches and gradients' buffers are not the step's memory

@@ -77,7 +77,7 @@ def tinygpt_case(group, world: int, encoding: str, packed: bool) -> dict[str, fl
     ref_grads = _grads(model, ref)
     layout = group.layout(N // group.size)
     shard = {k: layout.shard(_mine(v, group)) for k, v in kw.items()}
-    with engaged(group):
+    with engaged(model, group):
         loss = F.cross_entropy(model(layout.shard(_mine(x, group)), **shard).transpose(1, 2),
                                layout.shard(_mine(y, group)))
         grads = _grads(model, loss)
@@ -100,7 +100,7 @@ def hf_case(group, world: int, arch: str, encoding: str, packed: bool) -> dict[s
     undo = _fused_hf_attention(module)
     layout = group.layout(N // group.size)
     shard = {k: layout.shard(_mine(v, group)) for k, v in kw.items()}
-    with engaged(group):
+    with engaged(module, group):
         loss = module.token_nll(layout.shard(_mine(x, group)), layout.shard(_mine(y, group)), **shard).mean()
         grads = _grads(module, loss)
     if undo is not None:

@@ -107,7 +107,7 @@ def test_bf16_angles_are_fp32_at_large_positions():
     inject(m, "rope")
     q = torch.ones(1, 1, 2, 64, dtype=torch.bfloat16)
     pos = torch.tensor([[100_000, 100_001]])
-    from posenc_lightning.attention.mixin import AttentionContext
+    from posenc_lightning.encodings.base import AttentionContext
 
     rq, _ = m.posenc.rotate(q, q, AttentionContext(pos, pos))
     assert rq.dtype == torch.bfloat16

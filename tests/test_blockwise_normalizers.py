@@ -84,7 +84,7 @@ def test_the_first_query_sees_nothing():
 @pytest.mark.parametrize("q_start,k_start", [(0, 0), (7, 2), (2, 7)])
 def test_a_tile_modulation_read_off_one_diagonal_is_the_modulation(q_start, k_start):
     """At arange positions (shifted apart either way) each tile's distance modulation, read off the
-    ``r + c - 1`` differences (`TilesSpec.mod_shift`), equals `distance_modulation` at the tile's
+    ``r + c - 1`` differences (`TilesSpec.mod_shift`), equals the normalizer's `modulation` at the tile's
     positions, for tiles above, on and below the diagonal, of shapes that divide nothing."""
     from posenc_lightning.attention.backends.blockwise.normalizers import TilesSpec, _modulation
     from posenc_lightning.attention.backends.blockwise.tiles import Tiling
@@ -93,11 +93,12 @@ def test_a_tile_modulation_read_off_one_diagonal_is_the_modulation(q_start, k_st
     n_q, n_k = 23, 31
     q_pos, k_pos = q_start + torch.arange(n_q)[None], k_start + torch.arange(n_k)[None]
     ctx = AttentionContext(q_pos, k_pos, True)
-    shift = blockwise._modulation_shift(enc, ctx)
+    normalizer = enc.normalize(ctx)
+    shift = blockwise._modulation_shift(normalizer, ctx)
     assert shift == q_start - k_start
     tl = Tiling(AttentionMask(False, 0, n_q, n_k), n_q, n_k, None, 5, 7, descending=False)
-    plain = TilesSpec(tl, None, (), 1.0, enc.distance_modulation, q_pos, k_pos)
-    diagonal = TilesSpec(tl, None, (), 1.0, enc.distance_modulation, q_pos, k_pos, mod_shift=shift)
+    plain = TilesSpec(tl, None, (), 1.0, normalizer.modulation, q_pos, k_pos)
+    diagonal = TilesSpec(tl, None, (), 1.0, normalizer.modulation, q_pos, k_pos, mod_shift=shift)
     for s, e in ((0, 5), (10, 15), (20, 23)):
         for k0, k1 in ((0, 7), (14, 21), (28, 31)):
             want = _modulation(plain, s, e, k0, k1, torch.float32)
@@ -106,8 +107,8 @@ def test_a_tile_modulation_read_off_one_diagonal_is_the_modulation(q_start, k_st
             torch.testing.assert_close(got, want, rtol=0, atol=0)
     # a modulation that is not declared a function of the difference, or positions that are not
     # arange: the tile's own positions
-    assert blockwise._modulation_shift(enc, AttentionContext(q_pos.flip(-1), k_pos, True)) is None
-    assert blockwise._modulation_shift(build_encoding("sba").bind(n_heads=2, head_dim=8), ctx) is None
+    assert blockwise._modulation_shift(normalizer, AttentionContext(q_pos.flip(-1), k_pos, True)) is None
+    assert blockwise._modulation_shift(build_encoding("sba").bind(n_heads=2, head_dim=8).normalize(ctx), ctx) is None
 
 
 def test_auto_picks_it_for_the_normalizers_and_refuses_the_rest():
@@ -135,7 +136,7 @@ def _case(name: str, n: int = 24, heads: tuple[int, int, int] = (4, 2, 8), known
     def fn(q, k, v):
         ctx = AttentionContext(pos, pos, True, q_start=0 if known else None, k_start=0 if known else None)
         bias = LinearBias(enc.penalty, pos, pos) if name == "rse" else None
-        return blockwise.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, normalize=enc.normalize, ctx=ctx)
+        return blockwise.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, normalizer=enc.normalize(ctx), ctx=ctx)
 
     return fn, (q, k, v), [p for p in enc.parameters()]
 
@@ -182,7 +183,7 @@ def _peak_fwd_bwd(name: str, n: int, h: int = 4, d: int = 32, known: bool = Fals
         ctx = AttentionContext(pos, pos, True, q_start=0 if known else None, k_start=0 if known else None)
         bias = LinearBias(enc.penalty, pos, pos) if name == "rse" else None
         out = blockwise.attend(q, k, v, bias=bias, mask=AttentionMask(True, 0, n, n), scale=d ** -0.5,
-                               normalize=enc.normalize, ctx=ctx)
+                               normalizer=enc.normalize(ctx), ctx=ctx)
         torch.autograd.grad(out, [q, k, v, *enc.parameters()], cot, allow_unused=True)
 
     step()

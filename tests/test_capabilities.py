@@ -11,12 +11,12 @@ import torch
 
 import posenc_lightning
 from posenc_lightning import inject
-from posenc_lightning.encodings.base import AttentionContext, Encoding
+from posenc_lightning.encodings.base import AttentionContext, Encoding, Normalizer, Walk
 from posenc_lightning.encodings.registry import available_encodings, build_encoding, encoding_class
 from tests.helpers import Attn
 
 CAPABILITIES = {"position_dims", "accepts_nd_positions", "scalable", "set_scale", "factor", "searchable",
-                "set_factors", "fused_normalizer", "attend_current", "fused_rotary", "rotary", "requires_hidden",
+                "set_factors", "normalizer_kind", "fused_rotary", "rotary", "requires_hidden",
                 "dynamic", "cheap_rotation", "needs_even_head_dim", "bias_kinds"}
 
 
@@ -24,8 +24,8 @@ def test_every_capability_is_declared_on_the_base_class_with_a_default():
     for cap in CAPABILITIES - {"rotary"}:
         assert hasattr(Encoding, cap), cap
     plain = Encoding()
-    assert (plain.accepts_nd_positions, plain.scalable, plain.searchable, plain.fused_normalizer,
-            plain.attend_current, plain.factor, plain.fused_rotary) == (False, False, False, None, False, 1.0, None)
+    assert (plain.accepts_nd_positions, plain.scalable, plain.searchable, plain.normalizer_kind,
+            plain.factor, plain.fused_rotary) == (False, False, False, None, 1.0, None)
     with pytest.raises(ValueError, match="encoding has no set_scale"):
         plain.set_scale(2.0)
     with pytest.raises(ValueError, match="encoding has no set_factors"):
@@ -51,8 +51,10 @@ def test_declarations_match_what_the_class_implements(name):
     assert cls.scalable == (cls.set_scale is not Encoding.set_scale), "scalable iff set_scale is implemented"
     assert cls.searchable == (cls.set_factors is not Encoding.set_factors)
     enc = build_encoding(name)
-    if cls.fused_normalizer is not None:
-        assert "normalize" in enc.stages
+    assert (enc.normalizer_kind is not None) == ("normalize" in enc.stages), "normalizer_kind iff stage 4"
+    if "normalize" in enc.stages:  # the description is an instance of the declared kind
+        ctx = AttentionContext(torch.arange(4)[None], torch.arange(4)[None])
+        assert type(enc.normalize(ctx)) is enc.normalizer_kind
     assert bool(enc.bias_kinds) == ("bias" in enc.stages), "bias_kinds declared iff the encoding has a bias"
     if enc.scalable:
         enc.set_scale(2.0)
@@ -70,7 +72,8 @@ def test_fused_rotary_is_the_encodings_declaration():
     assert hybrid.fused_rotary is hybrid.members[0]
     for name in ("alibi", "nope", "mixture", "liere"):  # no rotation, or one the kernels cannot apply
         assert bound(name).fused_rotary is None
-    assert bound("sba").fused_normalizer == "stick_breaking" and bound("rse").attend_current is False
+    sba, ctx = bound("sba"), AttentionContext(torch.arange(4)[None], torch.arange(4)[None])
+    assert sba.normalizer_kind.walk is Walk.STICK_BREAKING and bound("rse").normalize(ctx).attend_current is False
 
 
 def test_triton_fuses_only_the_normalizer_an_encoding_declares(monkeypatch):
@@ -83,12 +86,16 @@ def test_triton_fuses_only_the_normalizer_an_encoding_declares(monkeypatch):
     class Sparsemax(Encoding):  # replaces softmax and declares no fused normalizer
         name = "sparsemax_test"
 
-        def normalize(self, logits, mask, ctx):
-            return logits
+        def normalize(self, ctx):
+            return None
+
+    class Walked(Normalizer):
+        walk = Walk.STICK_BREAKING
+        fused_in = frozenset({"kernel"})
 
     assert triton.FUSES_ROTARY and triton.supports(build_encoding("sba"), cpu, True) is None
     assert "only stick-breaking" in triton.supports(Sparsemax(), cpu, True)
-    Sparsemax.fused_normalizer = "stick_breaking"  # a declaration is all the backend reads
+    Sparsemax.normalizer_kind = Walked  # a declaration is all the backend reads
     assert triton.supports(Sparsemax(), cpu, True) is None
 
 

@@ -22,7 +22,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from posenc_lightning import ContextCurriculum, ContextParallel, LengthEvalCallback, Stage
 from posenc_lightning.encodings.base import Encoding
-from posenc_lightning.parallel.group import active
 from tests.curriculum_helpers import tiny_data, tiny_model
 
 STEPS, SEQ = 3, 16
@@ -35,7 +34,7 @@ class Record(pl.Callback):
         self.out, self.rows = out, []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.rows.append({"loss": float(outputs["loss"]), "n": batch[0].shape[1], "sharded": active() is not None})
+        self.rows.append({"loss": float(outputs["loss"]), "n": batch[0].shape[1], "sharded": pl_module.posenc_context_parallel is not None})
 
     def on_train_end(self, trainer, pl_module):
         params = {n: p.detach().flatten().tolist() for n, p in pl_module.named_parameters()}

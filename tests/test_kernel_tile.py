@@ -91,9 +91,9 @@ def test_a_new_tile_bias_equals_eager_forward_and_backward(normalizer):
     args = triton_backend.split_bias(bias, H)
     assert args.dense is None and args.tile.name == "log_distance"  # read in-kernel, not as N x N
     out = triton_backend.attend(q, k, v, bias=bias, mask=mask, scale=D ** -0.5,
-                                normalize=sb.normalize if sb else None, ctx=ctx)
+                                normalizer=sb.normalize(ctx) if sb else None, ctx=ctx)
     ref = eager.attend(q, k, v, bias=DenseBias(bias.materialize()), mask=mask, scale=D ** -0.5,
-                       normalize=sb.normalize if sb else None, ctx=ctx)
+                       normalizer=sb.normalize(ctx) if sb else None, ctx=ctx)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     dout = torch.randn(out.shape, generator=g)
     got = torch.autograd.grad(out, [q, k, v, a, c], dout)

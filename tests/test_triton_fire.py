@@ -150,8 +150,9 @@ def test_kernel_cases(case):
     mask = AttentionMask(True, nk - nq, nq, nk)
     if sb:
         ref_enc = build_encoding("sba")
-        ref = eager.attend(q, k, v, bias=DenseBias(dense), mask=mask, scale=D ** -0.5, normalize=ref_enc.normalize,
-                           ctx=AttentionContext(qp, kp))
+        ctx = AttentionContext(qp, kp)
+        ref = eager.attend(q, k, v, bias=DenseBias(dense), mask=mask, scale=D ** -0.5,
+                           normalizer=ref_enc.normalize(ctx), ctx=ctx)
     else:
         ref = eager.attend(q, k, v, bias=DenseBias(dense), mask=mask, scale=D ** -0.5)
     _check(out, ref, 1e-5, "out")

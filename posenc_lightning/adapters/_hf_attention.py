@@ -23,6 +23,7 @@ Two functions:
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from collections.abc import Callable
@@ -36,8 +37,9 @@ from posenc_lightning.adapters._hf_scores import softcapped_attend
 from posenc_lightning.adapters._hf_sharded import sharded_hf_attention
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias
-from posenc_lightning.parallel.group import active as active_context_parallel
+from posenc_lightning.attention.pipeline import context, run_stages
+from posenc_lightning.encodings.base import Bias, DenseBias
+from posenc_lightning.parallel.group import CONTEXT_PARALLEL
 
 FUSED = "posenc_fused"
 WRAP_PREFIX = "posenc_wrap_"
@@ -157,8 +159,7 @@ def wrap_function(impl: str) -> Callable[..., Any]:
         if "rotate" in enc.stages:
             op = operands(module, query, key, value, kwargs.get("position_ids"))
             key, value = op.key, op.value
-            ctx = AttentionContext(op.q_pos, op.k_pos, True, None, None, module)
-            query, key = enc.rotate(query, key, ctx)
+            query, key = enc.rotate(query, key, context(enc, None, op.q_pos, op.k_pos, module=module))
             query, key = query.to(value.dtype), key.to(value.dtype)
         return _original_function(module, impl)(module, query, key, value, attention_mask, **kwargs)
 
@@ -235,7 +236,7 @@ def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     op = operands(module, query, key, value, kwargs.get("position_ids"))
     key, value, q_pos, k_pos, seen, first = op.key, op.value, op.q_pos, op.k_pos, op.seen, op.first
     n_q, n_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
-    group = active_context_parallel() if call.cache is None else None
+    group = getattr(module, CONTEXT_PARALLEL, None) if call.cache is None else None
     if group is not None:  # this rank's shard of the sequence (`posenc_lightning.parallel`)
         _check_sharded_scores(module, kwargs, n_q * group.size)
         return sharded_hf_attention(group, module, enc, query, key, value, attention_mask, q_pos, call.hidden,
@@ -244,26 +245,21 @@ def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     if state is not None:
         _align_state(state, enc.name, type(call.cache).__name__, n_k - n_q, seen + n_q - first == n_k)
     causal = bool(getattr(module, "is_causal", True))
-    ctx = AttentionContext(q_pos, k_pos, causal, call.hidden, state, module)
-    stages = enc.stages
-    if "rotate" in stages:
-        query, key = enc.rotate(query, key, ctx)
-    bias = enc.bias(query, key, ctx) if "bias" in stages else None
-    # the call's own window (None on a model's full-attention layers) over the module's attribute
-    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
-    if window is not None and seen + n_q - first > int(window):
-        bias = _window_bias(int(window), seen, first, n_q, n_k, query.device) + bias
-    q_seg, k_seg = _segments(attention_mask, q_pos, seen, first, n_q, n_k)
-    mask = AttentionMask(causal, seen - first, n_q, n_k, q_seg, k_seg)
     requires_grad = torch.is_grad_enabled() and (query.requires_grad or any(p.requires_grad for p in enc.parameters()))
     backend = resolve_backend(getattr(module, "posenc_backend", "auto"), enc, query.device, requires_grad)
+    # q and k are rotated before the backend (no in-kernel rotation: the adapter's recorded GPU runs)
+    ctx = context(enc, None, q_pos, k_pos, causal=causal, hidden=call.hidden, cache=state, module=module)
+    # the call's own window (None on a model's full-attention layers) over the module's attribute
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    extra = (_window_bias(int(window), seen, first, n_q, n_k, query.device)
+             if window is not None and seen + n_q - first > int(window) else None)
+    q_seg, k_seg = _segments(attention_mask, q_pos, seen, first, n_q, n_k)
+    mask = AttentionMask(causal, seen - first, n_q, n_k, q_seg, k_seg)
     scale = (scaling if scaling is not None else d ** -0.5) * enc.softmax_scale(d) * d ** 0.5
-    normalize = enc.normalize if "normalize" in stages else None
-    if kwargs.get("softcap") is not None:  # the model's score transform: only the dense reference applies it
-        out = softcapped_attend(query, key, value, float(kwargs["softcap"]), bias=bias, mask=mask, scale=scale,
-                                normalize=normalize, ctx=ctx)
-    else:
-        out = backend.attend(query, key, value, bias=bias, mask=mask, scale=scale, normalize=normalize, ctx=ctx)
+    softcap = kwargs.get("softcap")
+    # the model's score transform: only the dense reference applies it
+    attend = None if softcap is None else functools.partial(softcapped_attend, softcap=float(softcap))
+    out = run_stages(enc, backend, query, key, value, ctx, mask, scale, extra_bias=extra, attend=attend)
     return out.transpose(1, 2).contiguous().to(value.dtype), None
 
 

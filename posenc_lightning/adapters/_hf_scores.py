@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
 from posenc_lightning.attention.backends.eager import repeat_kv
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.base import AttentionContext, Bias
+from posenc_lightning.encodings.base import AttentionContext, Bias, Normalizer
 
 
 def softcapped_attend(q: Tensor, k: Tensor, v: Tensor, softcap: float, *, bias: Bias | None,
-                      mask: AttentionMask, scale: float, normalize: Callable | None = None,
+                      mask: AttentionMask, scale: float, normalizer: Normalizer | None = None,
                       ctx: AttentionContext | None = None) -> Tensor:
     """Attention with Gemma 2's logit softcapping, in float32: ``cap * tanh(q.k * scale / cap)``,
     then the encoding's bias and the mask (where the model adds its own mask), then softmax or the
@@ -22,7 +20,7 @@ def softcapped_attend(q: Tensor, k: Tensor, v: Tensor, softcap: float, *, bias: 
     Args:
         q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]``.
         softcap: the cap (``config.attn_logit_softcapping``).
-        bias, mask, scale, normalize, ctx: as for a posenc backend's ``attend``.
+        bias, mask, scale, normalizer, ctx: as for a posenc backend's ``attend``.
 
     Returns:
         ``[B, H, Nq, D]`` in q's dtype.
@@ -34,8 +32,9 @@ def softcapped_attend(q: Tensor, k: Tensor, v: Tensor, softcap: float, *, bias: 
     if bias is not None:
         logits = logits + bias.materialize()
     m = mask.materialize(q.device)
-    if normalize is not None:
-        w = normalize(logits, m, ctx)
+    if normalizer is not None:
+        normalizer.check_causal(ctx.causal)
+        w = normalizer.weights(logits, m, ctx.q_pos, ctx.k_pos)
     elif m is not None:
         w = torch.nan_to_num(torch.softmax(logits.masked_fill(~m, float("-inf")), dim=-1), nan=0.0)
     else:

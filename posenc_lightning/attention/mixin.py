@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import Tensor
 
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.attention.kv_cache import LayerKVCache
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.attention.recompute import RotationRecompute
+from posenc_lightning.attention.pipeline import context, fused_rotary, run_stages
 from posenc_lightning.attention.validate import check_attend, check_embed
-from posenc_lightning.encodings.base import AttentionContext, Encoding
+from posenc_lightning.encodings.base import Encoding
 from posenc_lightning.functional.positions import arange_offset
-from posenc_lightning.parallel.group import active as active_context_parallel
+from posenc_lightning.parallel.group import ContextParallelGroup
 
 
 class _NoEncoding(Encoding):
@@ -42,6 +40,9 @@ class PosEncAttentionMixin:
     posenc_backend: str = "auto"
     #: rotate q, k again in backward instead of keeping the rotated copies (`attention.recompute`)
     posenc_recompute_rotation: bool = True
+    #: the context-parallel group this module's calls shard over, or None; set around the batches
+    #: that run sharded (`parallel.group.engaged`, `ContextParallel`)
+    posenc_context_parallel: ContextParallelGroup | None = None
 
     @property
     def encoding(self) -> Encoding | None:
@@ -72,7 +73,7 @@ class PosEncAttentionMixin:
         b, _, n, _ = q.shape
         offset = cache.length if cache is not None else 0
         start = None  # positions known to be start + arange(n) in every row (`AttentionContext`)
-        group = active_context_parallel() if cache is None else None  # q, k, v: this rank's shard
+        group = self.posenc_context_parallel if cache is None else None  # q, k, v: this rank's shard
         if positions is None:
             if enc.position_dims != 1:
                 raise ValueError(f"{enc.name} needs explicit positions of shape [B, N, {enc.position_dims}]")
@@ -94,54 +95,33 @@ class PosEncAttentionMixin:
         if start is None and positions.dim() == 2 and group is None:
             start = arange_offset(positions)  # a look at the values only where that is free
         enc.check_positions(positions, start)
-        stages = enc.stages
         requires_grad = torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in enc.parameters()))
-        backend = resolve_backend(getattr(self, "posenc_backend", "auto"), enc, q.device, requires_grad)
+        backend = resolve_backend(self.posenc_backend, enc, q.device, requires_grad)
+        scale = enc.softmax_scale(q.shape[-1])
         if group is not None:  # this rank's chunks attend to the group's gathered keys
             from posenc_lightning.attention.sharded import sharded_attend
 
-            return sharded_attend(group, self, enc, backend, enc.softmax_scale(q.shape[-1]), q, k, v, positions,
+            return sharded_attend(group, self, enc, backend, scale, q, k, v, positions,
                                   causal, hidden, segment_ids, key_padding_mask, positions_start=shard_start)
-        # a backend that rotates in-kernel (triton) gets un-rotated q, k and the rotary encoding
-        # as ``ctx.rotary``; its KV cache then holds un-rotated keys, as for dynamic encodings
-        fused_rotary = enc.fused_rotary if backend.FUSES_ROTARY and "rotate" in stages else None
-        rotate = "rotate" in stages and fused_rotary is None
-
-        recompute = None
         if cache is None:
-            ctx = AttentionContext(positions, positions, causal, hidden, None, self, q_start=start, k_start=start)
-            if rotate:
-                raw = (q, k)
-                q, k = enc.rotate(q, k, ctx)
-                # under torch.compile the compiler decides what backward keeps (and saved-tensor
-                # hooks cannot be traced)
-                if requires_grad and enc.cheap_rotation and getattr(self, "posenc_recompute_rotation", True) \
-                        and not torch.compiler.is_compiling():
-                    recompute = RotationRecompute(enc, raw, (q, k), ctx)
-            q_seg = k_seg = segment_ids
-        elif enc.dynamic or fused_rotary is not None:
-            k, v, k_pos, k_seg = cache.update(k, v, positions, rotated=False, segments=segment_ids, start=start)
-            ctx = AttentionContext(positions, k_pos, causal, hidden, cache, self, q_start=start, k_start=cache.start)
-            if rotate:
-                q, k = enc.rotate(q, k, ctx)
-            q_seg = segment_ids
-        else:
-            if rotate:
-                q, k = enc.rotate(q, k, AttentionContext(positions, positions, causal, hidden, cache, self,
-                                                         q_start=start, k_start=start))
-            k, v, k_pos, k_seg = cache.update(k, v, positions, rotated=True, segments=segment_ids, start=start)
-            ctx = AttentionContext(positions, k_pos, causal, hidden, cache, self, q_start=start, k_start=cache.start)
-            q_seg = segment_ids
-
-        if fused_rotary is not None:
-            ctx.rotary = fused_rotary
-        bias = enc.bias(q, k, ctx) if "bias" in stages else None
-        mask = AttentionMask(causal, offset if cache is not None else 0, q.shape[-2], k.shape[-2],
-                             q_seg, k_seg if q_seg is not None else None, key_padding_mask)
-        normalize = enc.normalize if "normalize" in stages else None
-        with recompute.hooks() if recompute is not None else contextlib.nullcontext():
-            return backend.attend(q, k, v, bias=bias, mask=mask, scale=enc.softmax_scale(q.shape[-1]),
-                                  normalize=normalize, ctx=ctx)
+            ctx = context(enc, backend, positions, positions, causal=causal, hidden=hidden, module=self,
+                          q_start=start, k_start=start)
+            mask = AttentionMask(causal, 0, n, k.shape[-2], segment_ids, segment_ids, key_padding_mask)
+            return run_stages(enc, backend, q, k, v, ctx, mask, scale,
+                              recompute=requires_grad and self.posenc_recompute_rotation)
+        # a backend that rotates in-kernel (triton) gets un-rotated q, k and the rotary encoding as
+        # ``ctx.rotary``: its cache then holds un-rotated keys, as for dynamic encodings
+        rotate_later = enc.dynamic or fused_rotary(enc, backend) is not None
+        if not rotate_later and "rotate" in enc.stages:  # the cache holds rotated keys
+            q, k = enc.rotate(q, k, context(enc, None, positions, positions, causal=causal, hidden=hidden,
+                                            cache=cache, module=self, q_start=start, k_start=start))
+        k, v, k_pos, k_seg = cache.update(k, v, positions, rotated=not rotate_later, segments=segment_ids,
+                                          start=start)
+        ctx = context(enc, backend, positions, k_pos, causal=causal, hidden=hidden, cache=cache, module=self,
+                      q_start=start, k_start=cache.start)
+        mask = AttentionMask(causal, offset, n, k.shape[-2], segment_ids,
+                             k_seg if segment_ids is not None else None, key_padding_mask)
+        return run_stages(enc, backend, q, k, v, ctx, mask, scale, rotated=not rotate_later)
 
 
 class PosEncEmbeddingMixin:
@@ -149,6 +129,8 @@ class PosEncEmbeddingMixin:
     output: it applies the injected encoding's stage 1 (sinusoidal, learned), or nothing."""
 
     d_model: int
+    #: as `PosEncAttentionMixin.posenc_context_parallel`
+    posenc_context_parallel: ContextParallelGroup | None = None
 
     @property
     def encoding(self) -> Encoding | None:
@@ -170,7 +152,7 @@ class PosEncEmbeddingMixin:
             return h
         check_embed(h, positions, getattr(self, "d_model", None))
         start = None
-        group = active_context_parallel() if offset == 0 else None
+        group = self.posenc_context_parallel if offset == 0 else None
         if positions is None and group is not None:  # a context-parallel shard: its global positions
             positions = group.positions(h.shape[0], h.shape[1], h.device)
         elif positions is None:

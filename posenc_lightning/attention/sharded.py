@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.base import AttentionContext, Encoding
+from posenc_lightning.attention.pipeline import context, run_stages
+from posenc_lightning.encodings.base import Encoding
 from posenc_lightning.functional.positions import arange_offset, max_position
 from posenc_lightning.parallel.group import ContextParallelGroup
 
@@ -65,24 +66,15 @@ def sharded_attend(group: ContextParallelGroup, module: nn.Module, enc: Encoding
         arange_offset(pos_all) if pos_all.dim() == 2 else None)
     # dynamic rotary laws read the context length: the full sequence's, as in one process
     seq_len = max_position(pos_all, k_start) if pos_all.dim() == 2 else None
-    stages = enc.stages
-    fused_rotary = enc.fused_rotary if backend.FUSES_ROTARY and "rotate" in stages else None
-    normalize = enc.normalize if "normalize" in stages else None
     outs = []
     for j, s in enumerate(layout.starts):
         rows, end = slice(j * c, (j + 1) * c), s + c
-        qc, kc, vc = _rows(q, rows, 2), _prefix(k_all, end, 2), _prefix(v_all, end, 2)
-        ctx = AttentionContext(_rows(positions, rows, 1), _prefix(pos_all, end, 1), True, _rows(hidden, rows, 1),
-                               None, module, q_start=None if k_start is None else k_start + s, k_start=k_start)
-        ctx.k_hidden = _prefix(hid_all, end, 1)
-        if seq_len is not None:
-            ctx._seq_len = seq_len
-        if fused_rotary is not None:
-            ctx.rotary = fused_rotary
-        elif "rotate" in stages:
-            qc, kc = enc.rotate(qc, kc, ctx)
-        bias = enc.bias(qc, kc, ctx) if "bias" in stages else None
+        ctx = context(enc, backend, _rows(positions, rows, 1), _prefix(pos_all, end, 1), causal=True,
+                      hidden=_rows(hidden, rows, 1), module=module,
+                      q_start=None if k_start is None else k_start + s, k_start=k_start,
+                      k_hidden=_prefix(hid_all, end, 1), context_len=seq_len)
         mask = AttentionMask(True, s, c, end, _rows(segment_ids, rows, 1), _prefix(seg_all, end, 1),
                              _prefix(valid_all, end, 1))
-        outs.append(backend.attend(qc, kc, vc, bias=bias, mask=mask, scale=scale, normalize=normalize, ctx=ctx))
+        outs.append(run_stages(enc, backend, _rows(q, rows, 2), _prefix(k_all, end, 2), _prefix(v_all, end, 2),
+                               ctx, mask, scale))
     return torch.cat(outs, dim=2)

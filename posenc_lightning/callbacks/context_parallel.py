@@ -86,7 +86,7 @@ class ContextParallel(pl.Callback):
         self._hooked = pl_module
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        engage(None)
+        engage(pl_module, None)
         if self._hooked is not None:
             self._hooked.__dict__.pop("on_after_batch_transfer", None)
             self._hooked = None
@@ -99,19 +99,19 @@ class ContextParallel(pl.Callback):
     # ---------------------------------------------------------------- batches
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        engage(self.group)
+        engage(pl_module, self.group)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        engage(None)
+        engage(pl_module, None)
 
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
-        engage(self.group)
+        engage(pl_module, self.group)
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                                 batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        engage(None)
+        engage(pl_module, None)
 
 
 def _fused_hf_attention(model: nn.Module) -> Callable[[], None] | None:

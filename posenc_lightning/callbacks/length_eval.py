@@ -144,7 +144,7 @@ class LengthEvalCallback(pl.Callback):
                             metric.update(token_nll(pl_module, x, y))
                             continue
                         x, y = shard_batch((x, y), shards)
-                        with engaged(shards):
+                        with engaged(pl_module, shards):
                             metric.update(token_nll(pl_module, x, y))
                 except ValueError as e:  # e.g. beyond a learned table: reported, not raised
                     error = str(e)

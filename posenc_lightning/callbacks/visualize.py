@@ -11,6 +11,8 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from posenc_lightning.encodings.base import Bias
+
 
 def _plt():
     try:
@@ -69,23 +71,25 @@ def capture_attention(mods: Sequence[torch.nn.Module]) -> Iterator[dict[int, dic
 def encoded_attention(module: torch.nn.Module, rec: dict[str, Any]) -> tuple[Tensor, Tensor | None]:
     """``(weights [B, H, N, N], bias [B|1, H, N, N] or None)`` of one captured call, computed with
     the eager reference (`attention_weights`) and the module's encoding."""
-    from posenc_lightning.attention.backends.eager import attention_weights
+    from posenc_lightning.attention.backends import eager
     from posenc_lightning.attention.mask import AttentionMask
     from posenc_lightning.attention.mixin import NO_ENCODING, default_positions
-    from posenc_lightning.encodings.base import AttentionContext
+    from posenc_lightning.attention.pipeline import context, run_stages
 
     enc = module.encoding or NO_ENCODING
     q, k = rec["q"], rec["k"]
     b, _, n, _ = q.shape
     pos = rec["positions"] if rec["positions"] is not None else default_positions(b, n, 0, q.device)
-    ctx = AttentionContext(pos, pos, rec["causal"], rec["hidden"], None, module)
-    stages = enc.stages
-    if "rotate" in stages:
-        q, k = enc.rotate(q, k, ctx)
-    bias = enc.bias(q, k, ctx) if "bias" in stages else None
+    ctx = context(enc, eager, pos, pos, causal=rec["causal"], hidden=rec["hidden"], module=module)
     mask = AttentionMask(rec["causal"], 0, n, k.shape[-2], None, None, None)
-    w = attention_weights(q, k, bias=bias, mask=mask, scale=enc.softmax_scale(q.shape[-1]),
-                          normalize=enc.normalize if "normalize" in stages else None, ctx=ctx)
+    seen: dict[str, Bias | None] = {}
+
+    def weights(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, **kw: Any) -> Tensor:
+        seen["bias"] = bias
+        return eager.attention_weights(q, k, bias=bias, **kw)
+
+    w = run_stages(enc, eager, q, k, k, ctx, mask, enc.softmax_scale(q.shape[-1]), attend=weights)
+    bias = seen["bias"]
     return w, (bias.materialize() if bias is not None else None)
 
 

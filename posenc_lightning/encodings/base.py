@@ -5,7 +5,7 @@ An encoding implements only the stages it uses:
 1. ``embed(h, positions)``      add a vector to the hidden state (sinusoidal, learned)
 2. ``rotate(q, k, ctx)``        transform q and k by position (the rotary family)
 3. ``bias(q, k, ctx)``          return a structured `Bias` added to the logits
-4. ``normalize(logits, mask, ctx)`` replace softmax (stick-breaking)
+4. ``normalize(ctx)``            a `Normalizer` replacing softmax (stick-breaking)
 
 A bias is a *description* (`LinearBias`, `RelativeBias`, `DecayBias`, `DenseBias`, or a sum;
 defined in `posenc_lightning.encodings.bias`, re-exported here) that owns what each backend
@@ -38,11 +38,12 @@ from posenc_lightning.encodings.bias import (
     cut,
     span,
 )
+from posenc_lightning.encodings.normalizer import Normalizer, Walk
 from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.positions import max_position
 
 __all__ = ["AttentionContext", "Bias", "BiasSum", "DecayBias", "DenseBias", "Encoding", "KernelBias", "KeyOnly",
-           "LinearBias", "RelativeBias", "ScaledBias", "cut", "span"]
+           "LinearBias", "Normalizer", "RelativeBias", "ScaledBias", "Walk", "cut", "span"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -64,6 +65,7 @@ class AttentionContext:
     ``k_hidden``: the layer input at the keys' tokens when the keys are not only the queries' own
     and no cache holds their state (context parallelism: gathered from the group); the queries are
     then the last ``Nq`` keys. None otherwise (``hidden`` covers the keys).
+    ``context_len``: the context length when known at construction (else derived: `seq_len`).
     ``mode``: traced or eager and the device type, decided once when the context is made; an
     encoding reads it (``ctx.mode.host_reads``) instead of asking ``torch.compiler``.
     """
@@ -78,6 +80,8 @@ class AttentionContext:
     q_start: int | None = None
     k_start: int | None = None
     k_hidden: Tensor | None = None
+    #: the context length when the caller knows it (context parallelism: the whole sequence's)
+    context_len: int | None = None
     #: traced or eager and the device, decided when the context is made (`functional.mode.Mode`)
     mode: Mode = None  # type: ignore[assignment]
 
@@ -98,7 +102,7 @@ class AttentionContext:
         static when ``k_start`` is known, else one read of the positions, kept (for dynamic laws
         only: under ``torch.compile`` a graph break at that read, `_read_seq_len`)."""
         if self._seq_len is None:
-            n = max_position(self.k_pos, self.k_start)
+            n = self.context_len if self.context_len is not None else max_position(self.k_pos, self.k_start)
             self._seq_len = n if n is not None else _read_seq_len(self.k_pos)
         return self._seq_len
 
@@ -135,14 +139,9 @@ class Encoding(nn.Module):
     scalable: ClassVar[bool] = False
     #: `set_factors` replaces per-dimension rescale factors (long_rope; LongRoPE's search uses it)
     searchable: ClassVar[bool] = False
-    #: the normalizer a fused kernel may run in place of `normalize` ("stick_breaking"; the blockwise
-    #: backend also "distance_modulated_softmax": softmax of the logits times ``distance_modulation``), None: none
-    fused_normalizer: ClassVar[str | None] = None
-    #: ``distance_modulation(q_pos, k_pos)`` is a function of ``q_pos - k_pos`` only: at arange
-    #: positions the blockwise backend takes each tile's modulation from one diagonal's values
-    modulation_distance_only: ClassVar[bool] = False
-    #: stick-breaking normalizers: a query may attend to its own key
-    attend_current: bool = False
+    #: the `Normalizer` class `normalize` returns (its ``fused_in`` and ``walk`` tell a backend whether
+    #: it can run it before any call); None: keeps softmax
+    normalizer_kind: ClassVar[type[Normalizer] | None] = None
     #: the current scale of a scalable encoding (1 = unscaled)
     factor: float = 1.0
     #: needs the layer's hidden state in ``attend(..., hidden=...)`` (FoX gates)
@@ -305,21 +304,16 @@ class Encoding(nn.Module):
         """
         return None
 
-    def normalize(self, logits: Tensor, mask: Tensor | None, ctx: AttentionContext) -> Tensor:
-        """Stage 4: attention weights from logits (softmax by default).
+    def normalize(self, ctx: AttentionContext) -> Normalizer | None:
+        """Stage 4: what replaces softmax, as a description a backend computes (`Normalizer`).
 
         Args:
-            logits: scaled scores plus bias ``[B, H, Nq, Nk]``.
-            mask: True where a query may see a key, broadcastable to ``logits``; None: all.
             ctx: positions and the rest of the call (`AttentionContext`).
 
         Returns:
-            The weights, ``[B, H, Nq, Nk]``.
+            The normalizer (an instance of the declared `normalizer_kind`), or None (default: softmax).
         """
-        if mask is not None:
-            logits = logits.masked_fill(~mask, float("-inf"))
-        w = torch.softmax(logits, dim=-1)
-        return torch.nan_to_num(w, nan=0.0) if mask is not None else w
+        return None
 
     # ---------------------------------------------------------------- capabilities
     def set_scale(self, factor: float) -> None:

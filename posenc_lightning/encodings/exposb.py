@@ -23,9 +23,41 @@ import torch
 from torch import Tensor, nn
 
 from posenc_lightning.encodings.base import AttentionContext
+from posenc_lightning.encodings.normalizer import Normalizer, Walk, modulated_softmax
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.encodings.rope import RotaryEncoding
 from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin
+
+
+class DistanceModulatedSoftmax(Normalizer):
+    """ExpoSB's stage 4: ``softmax(s * (floor + (1 - floor) exp(-decay |m - n|)))`` of the scaled
+    logits ``s``; the blockwise tiles run it as an online softmax, each tile's modulation read off
+    one diagonal at arange positions (`modulation_distance_only`).
+
+    Args:
+        name: the encoding's name.
+        decay: the distance decay rate (``0.005``).
+        floor: the modulation's floor (``0.7``).
+    """
+
+    walk = Walk.SOFTMAX
+    modulation_distance_only = True
+
+    def __init__(self, name: str, decay: float, floor: float) -> None:
+        super().__init__(name)
+        self.decay, self.floor = decay, floor
+
+    def modulation(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """``0.7 + 0.3 exp(-0.005 |m - n|)``: ``[B, 1, Nq, Nk]``."""
+        if q_pos.is_floating_point() or k_pos.is_floating_point():
+            dist = (q_pos[:, :, None] - k_pos[:, None, :]).abs().to(torch.float32)
+        else:  # integers subtracted in float64 (exact), the same float32 values: int64's abs is a scalar loop
+            dist = (q_pos.double()[:, :, None] - k_pos.double()[:, None, :]).abs_().to(torch.float32)
+        mod = dist.mul_(-self.decay).exp_().mul_(1 - self.floor).add_(self.floor)
+        return mod[:, None]
+
+    def weights(self, logits: Tensor, mask: Tensor | None, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        return modulated_softmax(logits, mask, self.modulation(q_pos, k_pos))
 
 
 @register("exposb", "rotate", "ExpoSB: rope with position-decayed rotation, band-pass channel gain and "
@@ -33,11 +65,10 @@ from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin
 class ExpoSB(RotaryEncoding):
     """ExpoSB (see the module docstring for the formulas; the defaults are the constants there).
 
-    Declares its stage 4 as ``"distance_modulated_softmax"``: ``softmax(s * distance_modulation)``,
-    which the blockwise backend runs by tiles, asking `distance_modulation` at each tile's positions."""
+    Its stage 4 is a `DistanceModulatedSoftmax`: ``softmax(s * distance_modulation)``, which the
+    blockwise backend runs by tiles."""
 
-    fused_normalizer = "distance_modulated_softmax"
-    modulation_distance_only = True
+    normalizer_kind = DistanceModulatedSoftmax
 
     def __init__(self, theta: float = 10000.0, position_decay: float = 0.001, position_boost: float = 0.2,
                  band_floor: float = 0.8, band_gain: float = 0.4, band_center: float | None = None,
@@ -94,13 +125,7 @@ class ExpoSB(RotaryEncoding):
 
     def distance_modulation(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """``0.7 + 0.3 exp(-0.005 |m - n|)``: ``[B, 1, Nq, Nk]``."""
-        if q_pos.is_floating_point() or k_pos.is_floating_point():
-            dist = (q_pos[:, :, None] - k_pos[:, None, :]).abs().to(torch.float32)
-        else:  # integers subtracted in float64 (exact), the same float32 values: int64's abs is a scalar loop
-            dist = (q_pos.double()[:, :, None] - k_pos.double()[:, None, :]).abs_().to(torch.float32)
-        mod = dist.mul_(-self.distance_decay).exp_().mul_(1 - self.distance_floor).add_(self.distance_floor)
-        return mod[:, None]
+        return self.normalize(None).modulation(q_pos, k_pos)
 
-    def normalize(self, logits: Tensor, mask: Tensor | None, ctx: AttentionContext) -> Tensor:
-        logits = logits * self.distance_modulation(ctx.q_pos, ctx.k_pos)
-        return super().normalize(logits, mask, ctx)
+    def normalize(self, ctx: AttentionContext | None) -> DistanceModulatedSoftmax:
+        return DistanceModulatedSoftmax(self.name, self.distance_decay, self.distance_floor)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from posenc_lightning.encodings.alibi import ALiBi
-from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, span
+from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, Normalizer, span
 from posenc_lightning.encodings.fire.bias import FireTableSum
 from posenc_lightning.encodings.registry import build_encoding, register
 from posenc_lightning.encodings.rope import RoPE
@@ -51,6 +51,7 @@ class CompositeEncoding(Encoding):
         self.requires_hidden = any(m.requires_hidden for m in members)
         self.needs_even_head_dim = any(m.needs_even_head_dim for m in members)
         self.bias_kinds = tuple(dict.fromkeys(k for m in members if "bias" in m.stages for k in m.bias_kinds))
+        self.normalizer_kind = next((m.normalizer_kind for m in members if "normalize" in m.stages), None)
 
     def bind(self, **sizes: int | None) -> Encoding:
         for m in self.members:
@@ -99,11 +100,11 @@ class CompositeEncoding(Encoding):
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
         return _sum([m.bias(q, k, ctx) for m in self.members if "bias" in m.stages])
 
-    def normalize(self, logits: Tensor, mask: Tensor | None, ctx: AttentionContext) -> Tensor:
+    def normalize(self, ctx: AttentionContext) -> Normalizer | None:
         for m in self.members:
             if "normalize" in m.stages:
-                return m.normalize(logits, mask, ctx)
-        return super().normalize(logits, mask, ctx)
+                return m.normalize(ctx)
+        return None
 
 
 @register("rope_alibi", "hybrid", "RoPE rotation plus ALiBi's linear bias, composed stage by stage")

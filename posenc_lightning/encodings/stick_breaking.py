@@ -9,20 +9,26 @@ import torch
 from torch import Tensor, nn
 
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, LinearBias
+from posenc_lightning.encodings.normalizer import Normalizer, Walk
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.encodings.rope import RoPE
 from posenc_lightning.functional.stick_breaking import stick_breaking_mask, stick_breaking_weights
 
 
-def _stick_breaking(logits: Tensor, mask: Tensor | None, ctx: AttentionContext, attend_current: bool,
-                    name: str) -> Tensor:
-    if ctx is not None and not ctx.causal:
-        raise ValueError(f"{name} is causal by construction (keys are broken off nearest first); "
-                         f"call attend(..., causal=True) or use a softmax encoding")
-    nq, nk = logits.shape[-2:]
-    order = stick_breaking_mask(nq, nk, nk - nq, attend_current, logits.device)
-    m = order if mask is None else (mask & order)
-    return stick_breaking_weights(logits, m)
+class StickBreakingNormalizer(Normalizer):
+    """Stick-breaking (Tan et al., 2024, eqs. 1-3): ``A_ij = beta_ij prod_{j < k <= i} (1 - beta_ik)``,
+    ``beta = sigmoid(logits)``, keys broken off nearest first; causal only. Its tile math is
+    `functional.stick_breaking` (walked by the blockwise tiles and the Triton kernels)."""
+
+    walk = Walk.STICK_BREAKING
+    fused_in = frozenset({"tiles", "kernel"})
+    causal_only = True
+
+    def weights(self, logits: Tensor, mask: Tensor | None, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        nq, nk = logits.shape[-2:]
+        order = stick_breaking_mask(nq, nk, nk - nq, self.attend_current, logits.device)
+        m = order if mask is None else (mask & order)
+        return stick_breaking_weights(logits, m)
 
 
 @register("sba", "normalize", "Stick-breaking attention: A_ij = beta_ij prod (1 - beta_ik), no softmax (Tan et al., 2024)")
@@ -36,14 +42,14 @@ class StickBreaking(Encoding):
             so the first token attends to nothing and outputs 0).
     """
 
-    fused_normalizer = "stick_breaking"
+    normalizer_kind = StickBreakingNormalizer
 
     def __init__(self, attend_current: bool = False) -> None:
         super().__init__()
         self.attend_current = attend_current
 
-    def normalize(self, logits: Tensor, mask: Tensor | None, ctx: AttentionContext) -> Tensor:
-        return _stick_breaking(logits, mask, ctx, self.attend_current, self.name)
+    def normalize(self, ctx: AttentionContext) -> StickBreakingNormalizer:
+        return StickBreakingNormalizer(self.name, self.attend_current)
 
 
 @register("rse", "normalize", "Rotary stick-breaking encoding: RoPE + stick-breaking with a learned distance penalty lambda*|i-j|")

@@ -13,22 +13,21 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posenc_lightning.inject import CHECKPOINT_KEY, injected_spec, restore_from_checkpoint
-from posenc_lightning.parallel.group import active as active_context_parallel
+from posenc_lightning.parallel.group import ContextParallelGroup
 
 #: the target of an unscored token (``F.cross_entropy``'s default ``ignore_index``)
 IGNORE_INDEX = -100
 
 
-def masked_mean(nll: Tensor, targets: Tensor) -> Tensor:
+def masked_mean(nll: Tensor, targets: Tensor, group: ContextParallelGroup | None = None) -> Tensor:
     """The mean of ``nll`` over scored tokens (``targets != IGNORE_INDEX``; the cross-entropy is 0
     at the others): the plain mean when every token is scored.
 
-    Under context parallelism ``nll`` is this rank's shard: the result is the shard's sum over the
+    Under context parallelism (``group``) ``nll`` is this rank's shard: the result is the shard's sum over the
     whole sequence's scored-token count, times the group size, so that the ranks' mean (what DDP's
     gradient averaging takes) is the sequence's mean however the scored tokens fall on the shards.
     """
     scored = (targets != IGNORE_INDEX).sum()
-    group = active_context_parallel()
     if group is None:
         return nll.sum() / scored.clamp(min=1)
     return nll.sum() * group.size / group.sum(scored).clamp(min=1)
@@ -37,11 +36,14 @@ def masked_mean(nll: Tensor, targets: Tensor) -> Tensor:
 class CausalLMSteps:
     """Mixin for a ``LightningModule`` that is a causal language model over ``(input_ids, targets)``."""
 
+    #: the context-parallel group the batches in flight are sharded over (`parallel.group.engage`)
+    posenc_context_parallel: ContextParallelGroup | None = None
+
     def token_nll(self, input_ids: Tensor, targets: Tensor, **kw: Any) -> Tensor:
         """Per-token negative log-likelihood ``[B, N]`` (float32); 0 where ``targets`` is
         ``IGNORE_INDEX`` (-100: tokens outside a task's answer). Under context parallelism the
         inputs are this rank's shard, and the model gets the tokens' global positions."""
-        group = active_context_parallel()
+        group = self.posenc_context_parallel
         if group is not None and kw.get("positions") is None and kw.get("cache") is None:
             kw["positions"] = group.positions(input_ids.shape[0], input_ids.shape[1], input_ids.device)
         logits = self(input_ids, **kw)
@@ -49,7 +51,7 @@ class CausalLMSteps:
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
-        loss = masked_mean(self.token_nll(x, y), y)
+        loss = masked_mean(self.token_nll(x, y), y, self.posenc_context_parallel)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from posenc_lightning.parallel.layout import ShardLayout, check_length
 
@@ -112,26 +112,37 @@ def trainer_group(trainer: Any) -> ContextParallelGroup | None:
     return None
 
 
-_ACTIVE: ContextParallelGroup | None = None
+#: the attribute through which a module's attention calls get the group they shard over: declared
+#: (None) by the attention and embedding mixins and `CausalLMSteps`; set on every module of a model,
+#: and on the attention modules an encoding was injected into (`posenc`), by `engage`
+CONTEXT_PARALLEL = "posenc_context_parallel"
 
 
-def active() -> ContextParallelGroup | None:
-    """The group attention shards over now (set around training and validation batches), or None."""
-    return _ACTIVE
+def engage(model: nn.Module, group: ContextParallelGroup | None) -> None:
+    """Make ``model``'s attention shard over ``group`` (None: not at all) from now on.
+
+    Args:
+        model: the model (its modules that declare `CONTEXT_PARALLEL` or carry an injected encoding
+            get the group).
+        group: the group, or None to stop sharding.
+    """
+    for m in model.modules():
+        if hasattr(m, CONTEXT_PARALLEL) or isinstance(getattr(m, "posenc", None), nn.Module):
+            setattr(m, CONTEXT_PARALLEL, group)
 
 
 @contextlib.contextmanager
-def engaged(group: ContextParallelGroup | None) -> Iterator[None]:
-    """Attention (and default positions) run sharded over ``group`` inside the block."""
-    global _ACTIVE
-    prev, _ACTIVE = _ACTIVE, group
+def engaged(model: nn.Module, group: ContextParallelGroup | None) -> Iterator[None]:
+    """``model``'s attention (and default positions) run sharded over ``group`` inside the block.
+
+    Args:
+        model: the model; group: the group.
+    """
+    before = [(m, getattr(m, CONTEXT_PARALLEL, None)) for m in model.modules()
+              if hasattr(m, CONTEXT_PARALLEL) or isinstance(getattr(m, "posenc", None), nn.Module)]
+    engage(model, group)
     try:
         yield
     finally:
-        _ACTIVE = prev
-
-
-def engage(group: ContextParallelGroup | None) -> None:
-    """Set (or with None clear) the group attention shards over, for hooks that cannot hold a block."""
-    global _ACTIVE
-    _ACTIVE = group
+        for m, g in before:
+            setattr(m, CONTEXT_PARALLEL, g)

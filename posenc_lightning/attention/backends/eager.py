@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
+from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, Normalizer
 
 NAME = "eager"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
@@ -29,7 +27,7 @@ def repeat_kv(x: Tensor, n_heads: int) -> Tensor:
 
 
 def attention_weights(q: Tensor, k: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
-                      normalize: Callable | None = None, ctx: AttentionContext | None = None) -> Tensor:
+                      normalizer: Normalizer | None = None, ctx: AttentionContext | None = None) -> Tensor:
     """The attention matrix ``[B, H, Nq, Nk]`` in float32, float64 for float64 inputs (used by the
     visualizer too)."""
     k = repeat_kv(k, q.shape[1])
@@ -38,8 +36,11 @@ def attention_weights(q: Tensor, k: Tensor, *, bias: Bias | None, mask: Attentio
     if bias is not None:
         logits = logits + bias.materialize()
     m = mask.materialize(q.device)
-    if normalize is not None:
-        return normalize(logits, m, ctx)
+    if normalizer is not None:
+        if ctx is None:
+            raise ValueError(f"{normalizer.name}: the eager normalizer needs the positions (ctx)")
+        normalizer.check_causal(ctx.causal)
+        return normalizer.weights(logits, m, ctx.q_pos, ctx.k_pos)
     if m is not None:
         logits = logits.masked_fill(~m, float("-inf"))
         return torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
@@ -47,7 +48,7 @@ def attention_weights(q: Tensor, k: Tensor, *, bias: Bias | None, mask: Attentio
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
-           normalize: Callable | None = None, ctx: AttentionContext | None = None) -> Tensor:
-    w = attention_weights(q, k, bias=bias, mask=mask, scale=scale, normalize=normalize, ctx=ctx)
+           normalizer: Normalizer | None = None, ctx: AttentionContext | None = None) -> Tensor:
+    w = attention_weights(q, k, bias=bias, mask=mask, scale=scale, normalizer=normalizer, ctx=ctx)
     out = torch.matmul(w, repeat_kv(v, q.shape[1]).to(w.dtype))
     return out.to(q.dtype)

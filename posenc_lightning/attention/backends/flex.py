@@ -20,7 +20,7 @@ from torch import Tensor
 
 from posenc_lightning.attention.backends import unfused_bias
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
+from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, Normalizer
 
 NAME = "flex"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
@@ -126,8 +126,8 @@ def _compiled_flex():
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
-           normalize: Callable | None = None, ctx: AttentionContext | None = None) -> Tensor:
-    if normalize is not None:
+           normalizer: Normalizer | None = None, ctx: AttentionContext | None = None) -> Tensor:
+    if normalizer is not None:
         raise ValueError("the flex backend cannot replace softmax; use backend='eager'")
     if q.device.type != "cpu" and q.shape[-1] < MIN_COMPILED_HEAD_DIM:
         # `supports` sees the encoding's head_dim; an embedding-only encoding binds none

@@ -9,7 +9,8 @@ Rotary is fused for encodings that declare a rotation the kernels can apply
 (`Encoding.fused_rotary`: a `RotaryEncoding` keeping the shared rotation): the mixin skips
 ``encoding.rotate`` and passes that encoding as ``ctx.rotary``; the kernels gather its cos/sin
 table (attention scaling folded in) at every token's position. Stick-breaking is fused for
-encodings that declare ``fused_normalizer = "stick_breaking"``.
+normalizers whose walk is `Walk.STICK_BREAKING` and that declare the "kernel" form
+(`Normalizer.fused_in`).
 Runs on CUDA; on CPU only under ``TRITON_INTERPRET=1`` (the tests). ``auto`` picks it on CUDA.
 """
 
@@ -17,14 +18,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from posenc_lightning.attention.backends import unfused_bias
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KernelBias
+from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KernelBias, Normalizer, Walk
 from posenc_lightning.functional.positions import host_reads_ok
 
 NAME = "triton"
@@ -33,6 +33,8 @@ FUSES_ROTARY = True
 MAX_HEAD_DIM = 128
 #: the fused form it computes a bias kind in (`Bias.fused_in`): the kernels' arguments
 FUSED_BIAS = "kernel"
+#: the fused form it runs a normalizer in (`Normalizer.fused_in`)
+FUSED_NORMALIZER = "kernel"
 
 
 #: looked up once (a forward must not search the import path)
@@ -45,7 +47,9 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if device.type != "cuda" and not (device.type == "cpu" and interpret):
         return f"the Triton kernels run on CUDA (on CPU only with TRITON_INTERPRET=1), not on {device.type}"
-    if "normalize" in encoding.stages and encoding.fused_normalizer != "stick_breaking":
+    kind = encoding.normalizer_kind
+    if "normalize" in encoding.stages and (kind is None or FUSED_NORMALIZER not in kind.fused_in
+                                           or kind.walk is not Walk.STICK_BREAKING):
         return f"{encoding.name} replaces softmax with a normalizer the kernels do not implement (only stick-breaking)"
     if encoding.head_dim is not None and encoding.head_dim > MAX_HEAD_DIM:
         return f"head_dim {encoding.head_dim} > {MAX_HEAD_DIM}"
@@ -93,18 +97,17 @@ def split_bias(bias: Bias | None, n_heads: int) -> KernelBias:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
-           normalize: Callable | None = None, ctx: AttentionContext | None = None) -> Tensor:
+           normalizer: Normalizer | None = None, ctx: AttentionContext | None = None) -> Tensor:
     from posenc_lightning.kernels.fused import fused_attention
 
     sb = False
     attend_current = False
-    if normalize is not None:
-        enc = getattr(normalize, "__self__", None)  # the encoding's bound normalize
-        if not isinstance(enc, Encoding) or enc.fused_normalizer != "stick_breaking":
+    if normalizer is not None:
+        if FUSED_NORMALIZER not in normalizer.fused_in or normalizer.walk is not Walk.STICK_BREAKING:
             raise ValueError("the triton backend implements only the stick-breaking normalizer; use backend='eager'")
-        if ctx is not None and not ctx.causal:
-            raise ValueError(f"{enc.name} is causal by construction; call attend(..., causal=True)")
-        sb, attend_current = True, bool(enc.attend_current)
+        if ctx is not None:
+            normalizer.check_causal(ctx.causal)
+        sb, attend_current = True, bool(normalizer.attend_current)
     rot = ctx.rotary if ctx is not None else None
     tables = rotary_tables(rot, ctx) if rot is not None else None
     if tables is not None and tables.cos_q.dim() == 4 and tables.cos_q.shape[1] > 1 and k.shape[1] != q.shape[1]:

@@ -1,14 +1,14 @@
 """Blockwise normalizers: the encodings that replace softmax (stage 4), in O(N x block) memory.
 
-Runs the normalizers an encoding declares (`Encoding.fused_normalizer`), never an ``N x N``
-tensor, forward and backward (`normalizers`: query blocks x key tiles, recomputed in backward):
+Runs the normalizer an encoding's stage 4 describes (`Normalizer` with "tiles" in its ``fused_in``),
+never an ``N x N`` tensor, forward and backward (`normalizers`: query blocks x key tiles,
+recomputed in backward), by the walk it declares (`Normalizer.walk`):
 
-- ``"stick_breaking"``: key tiles nearest first, the log-space sum of ``softplus``
+- `Walk.STICK_BREAKING`: key tiles nearest first, the log-space sum of ``softplus``
   carried across tiles as the Triton kernel does; any bias kind added per tile (`Bias.rows`),
   its inputs' gradients (a learned penalty's slopes) through `Bias.rows_from`.
-- ``"distance_modulated_softmax"``: an online softmax of ``(q k^T s + bias) * mod``
-  over key tiles, ``mod`` from the encoding's ``distance_modulation(q_pos, k_pos)`` at the tile's
-  positions (any positions).
+- `Walk.SOFTMAX`: an online softmax of ``(q k^T s + bias) * mod`` over key tiles, ``mod`` from
+  `Normalizer.modulation` at the tile's positions (any positions; none when it gives none).
 
 A backend of its own (not a branch of eager or sdpa): ``auto`` picks it on CPU after sdpa (which
 refuses normalizers) and on CUDA after triton and flex (the fallback without triton, and the
@@ -18,28 +18,21 @@ Compile-clean: loops over Python ints from shapes, no host reads of tensor value
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from types import MethodType
-
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends.blockwise.normalizers import (
-    ModulatedSoftmaxBlocks,
-    StickBreakingBlocks,
-    TilesSpec,
-)
+from posenc_lightning.attention.backends.blockwise.normalizers import SoftmaxBlocks, StickBreakingBlocks, TilesSpec
 from posenc_lightning.attention.backends.blockwise.tiles import Tiling
 from posenc_lightning.attention.backends.engine.blocks import rows_within, tile_rows
 from posenc_lightning.attention.mask import AttentionMask
-from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KeyOnly
+from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KeyOnly, Normalizer, Walk
 from posenc_lightning.functional.positions import arange_offset, host_reads_ok
 
 NAME = "blockwise"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
 FUSES_ROTARY = False
-#: the declared normalizers (`Encoding.fused_normalizer`) this backend runs
-NORMALIZERS = ("stick_breaking", "distance_modulated_softmax")
+#: the fused form of a normalizer this backend runs (`Normalizer.fused_in`)
+FUSED_NORMALIZER = "tiles"
 #: the most query rows per block and the keys per tile; a block takes as many rows as the engine's
 #: block budget gives ``TILE_LIVE`` tile-sized tensors (`blocks.rows_within`), with a bias computed
 #: by rows fewer (at least ``MIN_BIAS_ROWS``: `blocks.tile_rows`)
@@ -58,9 +51,10 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
     if "normalize" not in encoding.stages:
         return (f"{encoding.name} keeps softmax; the blockwise backend runs only encodings that replace it "
                 f"(use sdpa, flex or triton)")
-    if encoding.fused_normalizer not in NORMALIZERS:
-        return (f"{encoding.name} replaces softmax with a normalizer this backend does not implement "
-                f"(it runs the declared fused_normalizer {' / '.join(NORMALIZERS)})")
+    kind = encoding.normalizer_kind
+    if kind is None or FUSED_NORMALIZER not in kind.fused_in:
+        return (f"{encoding.name} replaces softmax with a normalizer the blockwise tiles do not run "
+                f"(declare its Encoding.normalizer_kind with 'tiles' in fused_in, or use backend='eager')")
     return None
 
 
@@ -73,27 +67,23 @@ def block_rows(bias: Bias | None, b: int, h: int, n_k: int) -> int:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
-           normalize: Callable | None = None, ctx: AttentionContext | None = None) -> Tensor:
-    # the encoding's bound normalize, as the triton backend reads it (``getattr(m, "__self__", None)``
-    # loses the module under dynamo: the attribute read is explicit)
-    enc = normalize.__self__ if isinstance(normalize, MethodType) else None
-    if not isinstance(enc, Encoding) or enc.fused_normalizer not in NORMALIZERS:
-        raise ValueError("the blockwise backend runs the declared normalizers "
-                         f"{NORMALIZERS} only; use backend='auto' or 'eager'")
+           normalizer: Normalizer | None = None, ctx: AttentionContext | None = None) -> Tensor:
+    if normalizer is None or FUSED_NORMALIZER not in normalizer.fused_in:
+        raise ValueError("the blockwise backend runs the normalizers that replace softmax by tiles "
+                         "(Normalizer.fused_in 'tiles'); use backend='auto' or 'eager'")
     n_q, n_k = q.shape[-2], k.shape[-2]
     extra = _grad_inputs(bias)
     if extra is None:  # a bias whose rows cannot be recomputed from stand-ins: the reference path
         from posenc_lightning.attention.backends import eager
 
-        return eager.attend(q, k, v, bias=bias, mask=mask, scale=scale, normalize=normalize, ctx=ctx)
+        return eager.attend(q, k, v, bias=bias, mask=mask, scale=scale, normalizer=normalizer, ctx=ctx)
     rows = block_rows(bias, q.shape[0], q.shape[1], n_k)
-    if enc.fused_normalizer == "stick_breaking":
-        if ctx is not None and not ctx.causal:
-            raise ValueError(f"{enc.name} is causal by construction (keys are broken off nearest first); "
-                             f"call attend(..., causal=True) or use a softmax encoding")
+    if ctx is not None:
+        normalizer.check_causal(ctx.causal)
+    if normalizer.walk is Walk.STICK_BREAKING:
         # key j is broken off for query i (at index i + n_k - n_q) iff j < i + n_k - n_q (j = i too
         # when attend_current), within the causal mask
-        diag = n_k - n_q - (0 if enc.attend_current else 1)
+        diag = n_k - n_q - (0 if normalizer.attend_current else 1)
         if mask.causal:
             diag = min(diag, mask.q_offset)
         tiling = Tiling(mask, n_q, n_k, diag, rows, BLOCK_KEYS, descending=True, split_diagonal=True)
@@ -104,11 +94,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
                          ascending=ctx is not None and ctx.ascending, stop_spent=STOP_SPENT and host_reads_ok(q))
         return StickBreakingBlocks.apply(q, k, v, spec, *extra)
     if ctx is None:
-        raise ValueError(f"{enc.name}: the distance-modulated softmax needs the positions (ctx)")
+        raise ValueError(f"{normalizer.name}: the blockwise softmax walk needs the positions (ctx)")
     tiling = Tiling(mask, n_q, n_k, mask.q_offset if mask.causal else None, rows, BLOCK_KEYS, descending=False)
-    spec = TilesSpec(tiling, bias, extra, scale, enc.distance_modulation, ctx.q_pos, ctx.k_pos,
-                     mod_shift=_modulation_shift(enc, ctx))
-    return ModulatedSoftmaxBlocks.apply(q, k, v, spec, *extra)
+    modulation = normalizer.modulation if normalizer.modulated else None
+    spec = TilesSpec(tiling, bias, extra, scale, modulation, ctx.q_pos, ctx.k_pos,
+                     mod_shift=_modulation_shift(normalizer, ctx) if modulation is not None else None)
+    return SoftmaxBlocks.apply(q, k, v, spec, *extra)
 
 
 def _channels(bias: Bias | None, mask: AttentionMask, ctx: AttentionContext | None, extra: tuple[Tensor, ...],
@@ -130,11 +121,11 @@ def _channels(bias: Bias | None, mask: AttentionMask, ctx: AttentionContext | No
     return form
 
 
-def _modulation_shift(enc: Encoding, ctx: AttentionContext) -> int | None:
+def _modulation_shift(normalizer: Normalizer, ctx: AttentionContext) -> int | None:
     """``a - c`` when the modulation depends on ``q_pos - k_pos`` only
-    (`Encoding.modulation_distance_only`) and the positions are ``a + arange``, ``c + arange``
+    (`Normalizer.modulation_distance_only`) and the positions are ``a + arange``, ``c + arange``
     (read only where that is free: `functional.positions.arange_offset`), else None."""
-    if not enc.modulation_distance_only:
+    if not normalizer.modulation_distance_only:
         return None
     a, c = arange_offset(ctx.q_pos, ctx.q_start), arange_offset(ctx.k_pos, ctx.k_start)
     return None if a is None or c is None else a - c

@@ -10,8 +10,8 @@ and for softmax the output and one log-sum-exp per query row, is kept for backwa
   (`functional.stick_breaking.stick_breaking_tile_backward`). A block stops at the tile before
   which every row's stick is spent (`functional.stick_breaking.stick_spent`: the farther weights
   are under ``exp(EXP_FLOOR)``, 0 instead of that floor); backward stops at the same tile.
-- `ModulatedSoftmaxBlocks`: ``softmax(s * mod(i, j))`` for a distance modulation of the scaled
-  logits (stage 4), an online softmax over key tiles (Milakov & Gimelshein, 2018;
+- `SoftmaxBlocks`: ``softmax(s * mod(i, j))`` for a normalizer's modulation of the scaled
+  logits (`Normalizer.modulation`; plain ``softmax(s)`` without one), an online softmax over key tiles (Milakov & Gimelshein, 2018;
   FlashAttention's forward) with the log-sum-exp kept per row, and the softmax gradient by tiles.
 
 Weights below ``exp(EXP_FLOOR)`` are computed as that, and forward and backward run with denormals
@@ -32,8 +32,8 @@ from torch import Tensor
 
 from posenc_lightning.attention.backends.blockwise.tiles import BiasTiles, Tile, Tiling, flat, grouped, ungrouped
 from posenc_lightning.attention.backends.engine.denormals import _flush_denormals
-from posenc_lightning.attention.backends.engine.mode import Mode
 from posenc_lightning.encodings.base import Bias, KeyOnly
+from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.stick_breaking import (
     EXP_FLOOR,
     stick_breaking_tail,
@@ -46,7 +46,7 @@ from posenc_lightning.functional.stick_breaking import (
 @dataclass(eq=False)
 class TilesSpec:
     """What the Functions need besides tensors: the tiling, the bias and its inputs that need a
-    gradient (``extra``), the logit scale, and for the modulated softmax the modulation
+    gradient (``extra``), the logit scale, and for the softmax walk the modulation (or None)
     ``mod(q_pos, k_pos) -> [B, 1, Nq, Nk]`` and the positions. ``keep_tails``: stick-breaking's
     forward keeps the tail before every tile for backward (`Tiling.max_tiles` floats per query row),
     which then skips recomputing them. ``stop_spent``: stick-breaking walks a block's key tiles only
@@ -372,8 +372,9 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtyp
     return out, kept
 
 
-class ModulatedSoftmaxBlocks(torch.autograd.Function):
-    """``softmax((q k^T s + bias) * mod(i, j))`` by tiles (see the module docstring)."""
+class SoftmaxBlocks(torch.autograd.Function):
+    """``softmax((q k^T s + bias) * mod(i, j))`` by tiles, ``mod`` the normalizer's modulation or
+    none (see the module docstring)."""
 
     @staticmethod
     @_flushing
@@ -414,12 +415,14 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
                 z = _logits(qb, kwt[:, :, span], bt, t, zv, grad=True)
                 mod = _modulation(spec, s, e, t.k0, t.k1, wt, made)
                 # P = exp(z mod - lse) <= 1 where visible; clamped so that hidden entries stay finite
-                p = torch.addcmul(neg_lse, z, mod, out=z).clamp_(EXP_FLOOR, 0.0).exp_()
+                p = (z.add_(neg_lse) if mod is None else torch.addcmul(neg_lse, z, mod, out=z)
+                     ).clamp_(EXP_FLOOR, 0.0).exp_()
                 vis = tl.keep(s, e, t, wt, q.device, made)
                 if vis is not None:
                     p = p.mul_(vis)
                 torch.bmm(dob, vwt[:, :, span], out=dp3)
-                dz = dp.sub_(delta).mul_(p).mul_(mod)  # d(q k^T s + bias) = P (dP - delta) mod
+                dz = dp.sub_(delta).mul_(p)  # d(q k^T s + bias) = P (dP - delta) mod
+                dz = dz if mod is None else dz.mul_(mod)
                 _tile_grads(t, span, dz, zv[1], dp3, qb, kw, dob, dq_b, dk3, dv3, bt)  # P in z's buffer
             dq[:, :, s:e] = ungrouped(dq_b.view(*shape, d)).mul_(spec.scale)
             bt.finish()
@@ -428,10 +431,12 @@ class ModulatedSoftmaxBlocks(torch.autograd.Function):
 
 
 def _modulation(spec: TilesSpec, s: int, e: int, k0: int, k1: int, wt: torch.dtype, made: dict | None = None
-                ) -> Tensor:
-    """``mod`` of the tile, ``[B|1, 1, 1, r, c]``. With `TilesSpec.mod_shift` it depends on the
-    tile's shape and ``s - k0`` only (`_diagonal_modulation`): with ``made`` (a pass's own dict) each
+                ) -> Tensor | None:
+    """``mod`` of the tile, ``[B|1, 1, 1, r, c]``, or None without a modulation. With
+    `TilesSpec.mod_shift` it depends on the tile's shape and ``s - k0`` only (`_diagonal_modulation`): with ``made`` (a pass's own dict) each
     is made once per pass (together at most the block's rows times twice the keys, for one head)."""
+    if spec.modulation is None:
+        return None
     if spec.mod_shift is None:
         return spec.modulation(spec.q_pos[:, s:e], spec.k_pos[:, k0:k1]).to(wt)[:, :, None]
     if made is None:
@@ -481,8 +486,10 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch
             z = _logits(qb, _batched(tl.key_tile(k, t, wt)).transpose(1, 2), bt, t, zv)
             mod, vis = _modulation(spec, s, e, t.k0, t.k1, wt, made), tl.keep(s, e, t, wt, q.device, made)
             if vis is None:
-                z = z.mul_(mod)
-            else:  # hidden keys: -inf for the running max, then 0
+                z = z if mod is None else z.mul_(mod)
+            elif mod is None:  # hidden keys: -inf for the running max, then 0
+                z = z.add_(_hidden(vis, made))
+            else:
                 z = torch.addcmul(_hidden(vis, made), z, mod, out=z)
             m_new = torch.maximum(m, z.amax(-1))
             m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # no key seen yet: exp(-inf) = 0
