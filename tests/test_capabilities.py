@@ -17,7 +17,7 @@ from tests.helpers import Attn
 
 CAPABILITIES = {"position_dims", "accepts_nd_positions", "scalable", "set_scale", "factor", "searchable",
                 "set_factors", "normalizer_kind", "fused_rotary", "rotary", "requires_hidden",
-                "dynamic", "cheap_rotation", "needs_even_head_dim", "bias_kinds"}
+                "dynamic", "cheap_rotation", "needs_even_head_dim", "bias_kinds", "hf_rope_type"}
 
 
 def test_every_capability_is_declared_on_the_base_class_with_a_default():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from posenc_lightning.encodings import build_encoding, from_hf
+from posenc_lightning.encodings.hf import hf_rope_laws
 from posenc_lightning.encodings.rope_scaling import DynamicNTK, Llama3, LongRoPE, YaRN
 from posenc_lightning.functional.rope_scaling import yarn_find_correction_dim
 
@@ -335,6 +336,23 @@ HF_MODULE_CASES = {
     "longrope": {"original_max_position_embeddings": 64, "short_factor": [1.0 + 0.01 * i for i in range(16)],
                  "long_factor": [1.0 + 0.5 * i for i in range(16)]},
 }
+
+
+#: the rope_types the project claims (docs/guides/huggingface.md, Export); transformers also knows
+#: others (5.x: ``proportional``, Gemma 4's), which `from_hf` refuses
+CLAIMED = {"default", "linear", "dynamic", "yarn", "longrope", "llama3"}
+
+
+def test_every_claimed_rope_type_is_a_declared_law_compared_with_transformers():
+    """The laws' own table (`hf_rope_laws`, from each class's ``hf_rope_type``) is the claimed set;
+    transformers knows each of them, and each is compared with its module below (and with
+    ``ROPE_INIT_FUNCTIONS`` in the tests above)."""
+    laws = hf_rope_laws()
+    assert set(laws) == CLAIMED == set(HF_MODULE_CASES)
+    assert CLAIMED - {"default"} <= set(ROPE_INIT_FUNCTIONS)  # "default" is plain rope there
+    for rope_type, cls in laws.items():
+        p = {"rope_type": rope_type, "rope_theta": 10000.0, **HF_MODULE_CASES[rope_type]}
+        assert type(from_hf(p, 32, 256)) is cls
 
 
 @pytest.mark.parametrize("rope_type", list(HF_MODULE_CASES))

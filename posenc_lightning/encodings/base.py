@@ -160,9 +160,15 @@ class Encoding(nn.Module):
     #: ``rotate`` is a cheap, deterministic function of (q, k, ctx): attention recomputes it in
     #: backward instead of keeping the rotated q, k for it (`attention.recompute`)
     cheap_rotation: ClassVar[bool] = False
+    #: the transformers ``rope_type`` this law is written as and read back from (`to_rope_parameters`,
+    #: `posenc_lightning.encodings.hf.from_hf`); None: no transformers rope law reads back as it. Each
+    #: class declares its own: a subclass that does not (it may change the law) has None
+    hf_rope_type: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "hf_rope_type" not in cls.__dict__:  # not inherited: a subclass's law may differ
+            cls.hf_rope_type = None
         init = cls.__dict__.get("__init__")
         if init is None:
             return
@@ -201,6 +207,16 @@ class Encoding(nn.Module):
         """
         cfg = dict(getattr(self, "_init_args", {}))
         return {k: v for k, v in cfg.items() if not isinstance(v, (nn.Module, Tensor))}
+
+    def to_rope_parameters(self) -> tuple[dict[str, Any], int | None] | None:
+        """This encoding as a transformers rope law (`models.hf_export.export_pretrained` writes it).
+
+        Returns:
+            ``(rope_parameters, max_position_embeddings or None)`` for which transformers'
+            ``ROPE_INIT_FUNCTIONS`` give this encoding's frequencies and attention scaling, or None
+            when no rope law does (here: every encoding but the rotary laws that declare one).
+        """
+        return None
 
     def hparams_for_logging(self) -> dict[str, Any]:
         """Returns:

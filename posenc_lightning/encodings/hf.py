@@ -1,15 +1,40 @@
-"""Build the rotary encoding that matches a Hugging Face ``rope_parameters`` / ``rope_scaling`` dict."""
+"""Build the rotary encoding that matches a Hugging Face ``rope_parameters`` / ``rope_scaling`` dict.
+
+Each rotary law declares its transformers ``rope_type`` (`Encoding.hf_rope_type`) and reads its own
+fields (`RotaryEncoding.config_from_rope_parameters`); `from_hf` looks the law up in a table of the
+registered classes.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from posenc_lightning.encodings.rope import RoPE, RotaryEncoding
-from posenc_lightning.encodings.rope_scaling import DynamicNTK, Llama3, LongRoPE, PositionInterpolation, YaRN
+from posenc_lightning.encodings.registry import available_encodings, encoding_class
+from posenc_lightning.encodings.rope import RotaryEncoding
 
-__all__ = ["from_hf"]
+__all__ = ["from_hf", "hf_rope_laws"]
 
-_SUPPORTED = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+def hf_rope_laws() -> dict[str, type[RotaryEncoding]]:
+    """The registered rotary laws by the transformers ``rope_type`` each declares.
+
+    Returns:
+        ``{rope_type: class}``, sorted by ``rope_type``.
+
+    Raises:
+        ValueError: two registered classes declare the same ``rope_type``.
+    """
+    table: dict[str, type[RotaryEncoding]] = {}
+    for name in available_encodings():
+        cls = encoding_class(name)
+        rope_type = cls.hf_rope_type
+        if rope_type is None:
+            continue
+        if rope_type in table:
+            raise ValueError(f"rope_type {rope_type!r} is declared by {table[rope_type].__qualname__} and "
+                             f"{cls.__qualname__}")
+        table[rope_type] = cls
+    return dict(sorted(table.items()))
 
 
 def from_hf(rope_parameters: dict[str, Any] | None, head_dim: int, max_position_embeddings: int,
@@ -26,43 +51,16 @@ def from_hf(rope_parameters: dict[str, Any] | None, head_dim: int, max_position_
 
     Returns:
         An encoding already bound to ``head_dim`` (``frequencies()`` works at once).
+
+    Raises:
+        ValueError: an unknown ``rope_type``, or a field its law needs is missing.
     """
     p = dict(rope_parameters or {})
     rope_type = p.get("rope_type", p.get("type", "default"))
-    theta = float(p.get("rope_theta", p.get("theta", 10000.0)))
-    common: dict[str, Any] = {"theta": theta, "partial_rotary_factor": float(p.get("partial_rotary_factor", 1.0))}
+    laws = hf_rope_laws()
+    if rope_type not in laws:
+        raise ValueError(f"from_hf: rope_type {rope_type!r} is not supported; supported: {', '.join(laws)}")
     original = original_max_position_embeddings or p.get("original_max_position_embeddings") or max_position_embeddings
-    original = int(original)
-
-    def need(key: str) -> Any:
-        if p.get(key) is None:
-            raise ValueError(f"from_hf: rope_type {rope_type!r} needs {key!r} in rope_parameters (got {sorted(p)})")
-        return p[key]
-
-    enc: RotaryEncoding
-    if rope_type == "default":
-        enc = RoPE(**common)
-    elif rope_type == "linear":
-        enc = PositionInterpolation(factor=float(need("factor")), original_max_position_embeddings=original, **common)
-    elif rope_type == "dynamic":
-        # HF's dynamic law measures lengths against config.max_position_embeddings
-        enc = DynamicNTK(factor=float(need("factor")), original_max_position_embeddings=int(max_position_embeddings),
-                         **common)
-    elif rope_type == "yarn":
-        factor = p.get("factor")
-        factor = max_position_embeddings / original if factor is None else float(factor)
-        enc = YaRN(factor=factor, original_max_position_embeddings=original, beta_fast=p.get("beta_fast") or 32.0,
-                   beta_slow=p.get("beta_slow") or 1.0, mscale=p.get("mscale"), mscale_all_dim=p.get("mscale_all_dim"),
-                   attention_factor=p.get("attention_factor"), truncate=p.get("truncate", True), **common)
-    elif rope_type == "longrope":
-        enc = LongRoPE(factor=p.get("factor"), short_factor=list(need("short_factor")),
-                       long_factor=list(need("long_factor")), original_max_position_embeddings=original,
-                       max_position_embeddings=int(max_position_embeddings),
-                       attention_factor=p.get("attention_factor"), **common)
-    elif rope_type == "llama3":
-        enc = Llama3(factor=float(need("factor")), original_max_position_embeddings=original,
-                     low_freq_factor=float(need("low_freq_factor")), high_freq_factor=float(need("high_freq_factor")),
-                     **common)
-    else:
-        raise ValueError(f"from_hf: rope_type {rope_type!r} is not supported; supported: {', '.join(_SUPPORTED)}")
+    cls = laws[rope_type]
+    enc = cls(**cls.config_from_rope_parameters(p, int(max_position_embeddings), int(original)))
     return enc.bind(head_dim=int(head_dim))

@@ -8,7 +8,7 @@ length and `frequencies_key` (so a change of scale never reuses a stale table).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -123,6 +123,61 @@ class RotaryEncoding(Encoding):
         if n_positions > have:
             self._grow(full_key, n_positions, have, None)
 
+    # ---------------------------------------------------------------- Hugging Face mapping
+    @classmethod
+    def config_from_rope_parameters(cls, rope_parameters: dict[str, Any], max_position_embeddings: int,
+                                    original_max_position_embeddings: int) -> dict[str, Any]:
+        """The ``__init__`` arguments of the law transformers reads from ``rope_parameters``.
+
+        `posenc_lightning.encodings.hf.from_hf` calls it on the class whose `hf_rope_type` the dict
+        names; each law adds the fields it reads (transformers' names) to the shared ones here.
+
+        Args:
+            rope_parameters: the config's ``rope_parameters`` (or older ``rope_scaling``).
+            max_position_embeddings: ``config.max_position_embeddings``.
+            original_max_position_embeddings: the original length, resolved as transformers does
+                (a top-level config value, else the dict's, else ``max_position_embeddings``).
+
+        Returns:
+            The config to build this class with.
+
+        Raises:
+            ValueError: a field the law needs is missing.
+        """
+        p = rope_parameters
+        return {"theta": float(p.get("rope_theta", p.get("theta", 10000.0))),
+                "partial_rotary_factor": float(p.get("partial_rotary_factor", 1.0))}
+
+    @classmethod
+    def _required(cls, rope_parameters: dict[str, Any], key: str) -> Any:
+        if rope_parameters.get(key) is None:
+            raise ValueError(f"from_hf: rope_type {cls.hf_rope_type!r} needs {key!r} in rope_parameters "
+                             f"(got {sorted(rope_parameters)})")
+        return rope_parameters[key]
+
+    def to_rope_parameters(self) -> tuple[dict[str, Any], int | None] | None:
+        """``rope_theta``, ``partial_rotary_factor`` (when not 1) and `hf_rope_type`, then the law's
+        own fields; None for a law with no `hf_rope_type` or with the interleaved layout.
+
+        Returns:
+            ``(rope_parameters, max_position_embeddings or None)``, or None.
+        """
+        if self.hf_rope_type is None or self.layout != "half":
+            return None
+        law = self._rope_law_parameters()
+        if law is None:
+            return None
+        fields, max_pos = law
+        p: dict[str, Any] = {"rope_theta": self.theta}
+        if self.partial_rotary_factor != 1.0:
+            p["partial_rotary_factor"] = self.partial_rotary_factor
+        return {**p, "rope_type": self.hf_rope_type, **fields}, max_pos
+
+    def _rope_law_parameters(self) -> tuple[dict[str, Any], int | None] | None:
+        """The law's own ``rope_parameters`` fields and the ``max_position_embeddings`` transformers
+        must see (None: keep the model's); None when this instance has no transformers form."""
+        return {}, None
+
     @property
     def fused_rotary(self) -> Encoding | None:
         """Itself when its rotation is exactly `RotaryEncoding.rotate` of ``[B, N]`` positions with
@@ -145,6 +200,8 @@ class RoPE(RotaryEncoding):
     """Plain RoPE (RoFormer eq. 15): each pair of dimensions of q and k at position m is rotated by
     ``m theta_i`` with ``theta_i = theta^(-2i/d)``, so ``q_m . k_n`` depends on ``m - n`` only;
     see `RotaryEncoding` for the args."""
+
+    hf_rope_type: ClassVar[str | None] = "default"
 
     def __init__(self, theta: float = 10000.0, layout: Literal["half", "interleaved"] = "half",
                  partial_rotary_factor: float = 1.0) -> None:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
 
 from posenc_lightning.encodings.registry import register
-from posenc_lightning.encodings.rope import RotaryEncoding
+from posenc_lightning.encodings.rope import RoPE, RotaryEncoding
 from posenc_lightning.functional.rope import rope_cos_sin
 from posenc_lightning.functional.rope_scaling import (
     dynamic_ntk_inv_freq,
@@ -75,9 +75,22 @@ class PositionInterpolation(ScaledRotary):
     """PI (Chen et al., 2023, eq. 2): ``f'(x, m) = f(x, m L / L')``; implemented as ``theta_i / s``
     like HF's ``linear`` rope_type."""
 
+    hf_rope_type: ClassVar[str | None] = "linear"
+
     def __init__(self, factor: float = 4.0, original_max_position_embeddings: int = 512, theta: float = 10000.0,
                  layout: Layout = "half", partial_rotary_factor: float = 1.0) -> None:
         super().__init__(factor, original_max_position_embeddings, theta, layout, partial_rotary_factor)
+
+    @classmethod
+    def config_from_rope_parameters(cls, rope_parameters: dict[str, Any], max_position_embeddings: int,
+                                    original_max_position_embeddings: int) -> dict[str, Any]:
+        return {**super().config_from_rope_parameters(rope_parameters, max_position_embeddings,
+                                                      original_max_position_embeddings),
+                "factor": float(cls._required(rope_parameters, "factor")),
+                "original_max_position_embeddings": original_max_position_embeddings}
+
+    def _rope_law_parameters(self) -> tuple[dict[str, Any], int | None] | None:
+        return {"factor": self.factor}, None
 
     def frequencies(self, seq_len: int | None = None, device: torch.device | None = None) -> tuple[Tensor, float]:
         return pi_inv_freq(self.rotary_dim, self.theta, self.factor, device), 1.0
@@ -85,11 +98,23 @@ class PositionInterpolation(ScaledRotary):
 
 @register("ntk", "rotate", "NTK-aware scaled rope: base b*s^(d/(d-2)) (bloc97, 2023)")
 class NTKAware(ScaledRotary):
-    """NTK-aware interpolation: rope with base ``theta * factor^(d/(d-2))`` at every length."""
+    """NTK-aware interpolation: rope with base ``theta * factor^(d/(d-2))`` at every length.
+
+    No transformers rope_type reads back as it (``hf_rope_type`` None): it is written as plain rope
+    (``default``) with that base, which transformers reads as `RoPE`."""
+
+    hf_rope_type: ClassVar[str | None] = None
 
     def __init__(self, factor: float = 4.0, original_max_position_embeddings: int = 512, theta: float = 10000.0,
                  layout: Layout = "half", partial_rotary_factor: float = 1.0) -> None:
         super().__init__(factor, original_max_position_embeddings, theta, layout, partial_rotary_factor)
+
+    def to_rope_parameters(self) -> tuple[dict[str, Any], int | None] | None:
+        if type(self) is not NTKAware:  # a subclass may change the law
+            return None
+        d = self.rotary_dim  # a new base: b' = b s^(d/(d-2)) (bloc97)
+        return RoPE(theta=self.theta * self.factor ** (d / (d - 2)), layout=self.layout,
+                    partial_rotary_factor=self.partial_rotary_factor).to_rope_parameters()
 
     def frequencies(self, seq_len: int | None = None, device: torch.device | None = None) -> tuple[Tensor, float]:
         return ntk_inv_freq(self.rotary_dim, self.theta, self.factor, device), 1.0
@@ -102,10 +127,24 @@ class DynamicNTK(ScaledRotary):
     HF's ``max_position_embeddings`` is ``original_max_position_embeddings`` here."""
 
     dynamic = True
+    hf_rope_type: ClassVar[str | None] = "dynamic"
 
     def __init__(self, factor: float = 4.0, original_max_position_embeddings: int = 512, theta: float = 10000.0,
                  layout: Layout = "half", partial_rotary_factor: float = 1.0) -> None:
         super().__init__(factor, original_max_position_embeddings, theta, layout, partial_rotary_factor)
+
+    @classmethod
+    def config_from_rope_parameters(cls, rope_parameters: dict[str, Any], max_position_embeddings: int,
+                                    original_max_position_embeddings: int) -> dict[str, Any]:
+        # HF's dynamic law measures lengths against config.max_position_embeddings
+        return {**super().config_from_rope_parameters(rope_parameters, max_position_embeddings,
+                                                      original_max_position_embeddings),
+                "factor": float(cls._required(rope_parameters, "factor")),
+                "original_max_position_embeddings": int(max_position_embeddings)}
+
+    def _rope_law_parameters(self) -> tuple[dict[str, Any], int | None] | None:
+        # transformers measures the length against max_position_embeddings
+        return {"factor": self.factor}, self.original_max_position_embeddings
 
     def _effective_len(self, seq_len: int | None) -> int:
         return max(int(seq_len or 0), self.original_max_position_embeddings)
@@ -134,6 +173,8 @@ class YaRN(ScaledRotary):
         truncate: floor/ceil the ramp bounds (HF default True; gpt-oss uses False).
     """
 
+    hf_rope_type: ClassVar[str | None] = "yarn"
+
     def __init__(self, factor: float = 4.0, original_max_position_embeddings: int = 512, theta: float = 10000.0,
                  beta_fast: float = 32.0, beta_slow: float = 1.0, mscale: float | None = None,
                  mscale_all_dim: float | None = None, attention_factor: float | None = None, truncate: bool = True,
@@ -146,6 +187,24 @@ class YaRN(ScaledRotary):
     def _law_key(self) -> tuple:
         return (self.beta_fast, self.beta_slow, self.mscale, self.mscale_all_dim, self.attention_factor,
                 self.truncate)
+
+    @classmethod
+    def config_from_rope_parameters(cls, rope_parameters: dict[str, Any], max_position_embeddings: int,
+                                    original_max_position_embeddings: int) -> dict[str, Any]:
+        p, original = rope_parameters, original_max_position_embeddings
+        factor = p.get("factor")
+        factor = max_position_embeddings / original if factor is None else float(factor)
+        return {**super().config_from_rope_parameters(p, max_position_embeddings, original),
+                "factor": factor, "original_max_position_embeddings": original,
+                "beta_fast": p.get("beta_fast") or 32.0, "beta_slow": p.get("beta_slow") or 1.0,
+                "mscale": p.get("mscale"), "mscale_all_dim": p.get("mscale_all_dim"),
+                "attention_factor": p.get("attention_factor"), "truncate": p.get("truncate", True)}
+
+    def _rope_law_parameters(self) -> tuple[dict[str, Any], int | None] | None:
+        c, orig = self.config(), self.original_max_position_embeddings
+        return {"factor": self.factor, "original_max_position_embeddings": orig, "beta_fast": c["beta_fast"],
+                "beta_slow": c["beta_slow"], "mscale": c["mscale"], "mscale_all_dim": c["mscale_all_dim"],
+                "attention_factor": c["attention_factor"], "truncate": c["truncate"]}, round(self.factor * orig)
 
     def attention_scaling(self) -> float:
         return yarn_attention_factor(self.factor, self.mscale, self.mscale_all_dim, self.attention_factor)
@@ -163,6 +222,8 @@ class Llama3(ScaledRotary):
     ``L_orig / high_freq_factor`` kept, and the band between interpolated smoothly. Llama 3.1 uses
     factor 8 with bands 1 and 4."""
 
+    hf_rope_type: ClassVar[str | None] = "llama3"
+
     def __init__(self, factor: float = 4.0, original_max_position_embeddings: int = 512, theta: float = 10000.0,
                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0, layout: Layout = "half",
                  partial_rotary_factor: float = 1.0) -> None:
@@ -174,6 +235,22 @@ class Llama3(ScaledRotary):
 
     def _law_key(self) -> tuple:
         return (self.low_freq_factor, self.high_freq_factor)
+
+    @classmethod
+    def config_from_rope_parameters(cls, rope_parameters: dict[str, Any], max_position_embeddings: int,
+                                    original_max_position_embeddings: int) -> dict[str, Any]:
+        p = rope_parameters
+        return {**super().config_from_rope_parameters(p, max_position_embeddings, original_max_position_embeddings),
+                "factor": float(cls._required(p, "factor")),
+                "original_max_position_embeddings": original_max_position_embeddings,
+                "low_freq_factor": float(cls._required(p, "low_freq_factor")),
+                "high_freq_factor": float(cls._required(p, "high_freq_factor"))}
+
+    def _rope_law_parameters(self) -> tuple[dict[str, Any], int | None] | None:
+        c, orig = self.config(), self.original_max_position_embeddings
+        law = {"factor": self.factor, "original_max_position_embeddings": orig,
+               "low_freq_factor": c["low_freq_factor"], "high_freq_factor": c["high_freq_factor"]}
+        return law, round(self.factor * orig)
 
     def frequencies(self, seq_len: int | None = None, device: torch.device | None = None) -> tuple[Tensor, float]:
         return llama3_inv_freq(self.rotary_dim, self.theta, self.factor, self.original_max_position_embeddings,
@@ -199,6 +276,7 @@ class LongRoPE(ScaledRotary):
 
     dynamic = True
     searchable = True
+    hf_rope_type: ClassVar[str | None] = "longrope"
 
     def __init__(self, factor: float | None = None, short_factor: list[float] | None = None,
                  long_factor: list[float] | None = None, original_max_position_embeddings: int = 512,
@@ -233,6 +311,23 @@ class LongRoPE(ScaledRotary):
 
     def build(self) -> None:
         self.set_factors(self._short, self._long)  # check the lengths now that rotary_dim is known
+
+    @classmethod
+    def config_from_rope_parameters(cls, rope_parameters: dict[str, Any], max_position_embeddings: int,
+                                    original_max_position_embeddings: int) -> dict[str, Any]:
+        p = rope_parameters
+        return {**super().config_from_rope_parameters(p, max_position_embeddings, original_max_position_embeddings),
+                "factor": p.get("factor"), "short_factor": list(cls._required(p, "short_factor")),
+                "long_factor": list(cls._required(p, "long_factor")),
+                "original_max_position_embeddings": original_max_position_embeddings,
+                "max_position_embeddings": int(max_position_embeddings), "attention_factor": p.get("attention_factor")}
+
+    def _rope_law_parameters(self) -> tuple[dict[str, Any], int | None] | None:
+        if self.n_hat:  # the kept initial positions have no transformers equivalent
+            return None
+        return {"short_factor": self.short_factor, "long_factor": self.long_factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings,
+                "attention_factor": self.attention_factor, "factor": self.factor}, self.max_position_embeddings
 
     @property
     def short_factor(self) -> list[float] | None:

@@ -26,6 +26,8 @@ class ResonanceRoPE(YaRN):
     frequencies are rounded (Resonance YaRN) and YaRN's attention scale applies. The YaRN args
     and ``set_scale`` work as in `YaRN`."""
 
+    hf_rope_type: ClassVar[str | None] = None  # rounded wavelengths: no transformers rope law
+
     def __init__(self, factor: float = 1.0, original_max_position_embeddings: int = 512, theta: float = 10000.0,
                  beta_fast: float = 32.0, beta_slow: float = 1.0, mscale: float | None = None,
                  mscale_all_dim: float | None = None, attention_factor: float | None = None, truncate: bool = True,

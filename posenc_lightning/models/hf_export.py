@@ -31,50 +31,17 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 def to_rope_parameters(enc: Encoding) -> tuple[dict[str, Any], int | None] | None:
-    """``(rope_parameters, max_position_embeddings or None)`` equal to ``enc`` in transformers'
-    ``ROPE_INIT_FUNCTIONS`` (the inverse of `posenc_lightning.encodings.hf.from_hf`), or None."""
-    from posenc_lightning.encodings.rope import RoPE
-    from posenc_lightning.encodings.rope_scaling import (
-        DynamicNTK,
-        Llama3,
-        LongRoPE,
-        NTKAware,
-        PositionInterpolation,
-        YaRN,
-    )
+    """``enc`` as transformers ``rope_parameters``: the law's own mapping (`Encoding.to_rope_parameters`,
+    the inverse of `posenc_lightning.encodings.hf.from_hf`).
 
-    if getattr(enc, "layout", None) != "half" or type(enc) not in (RoPE, NTKAware, PositionInterpolation, DynamicNTK,
-                                                                   YaRN, Llama3, LongRoPE):
-        return None
-    p: dict[str, Any] = {"rope_theta": enc.theta}
-    if enc.partial_rotary_factor != 1.0:
-        p["partial_rotary_factor"] = enc.partial_rotary_factor
-    orig = getattr(enc, "original_max_position_embeddings", None)
-    if type(enc) is RoPE:
-        return {**p, "rope_type": "default"}, None
-    if isinstance(enc, NTKAware):  # a new base: b' = b s^(d/(d-2)) (bloc97)
-        d = enc.rotary_dim
-        return {**p, "rope_type": "default", "rope_theta": enc.theta * enc.factor ** (d / (d - 2))}, None
-    if isinstance(enc, PositionInterpolation):
-        return {**p, "rope_type": "linear", "factor": enc.factor}, None
-    if isinstance(enc, DynamicNTK):  # transformers measures the length against max_position_embeddings
-        return {**p, "rope_type": "dynamic", "factor": enc.factor}, orig
-    longest = round(enc.factor * orig)
-    if isinstance(enc, YaRN):
-        c = enc.config()
-        return {**p, "rope_type": "yarn", "factor": enc.factor, "original_max_position_embeddings": orig,
-                "beta_fast": c["beta_fast"], "beta_slow": c["beta_slow"], "mscale": c["mscale"],
-                "mscale_all_dim": c["mscale_all_dim"], "attention_factor": c["attention_factor"],
-                "truncate": c["truncate"]}, longest
-    if isinstance(enc, Llama3):
-        c = enc.config()
-        return {**p, "rope_type": "llama3", "factor": enc.factor, "original_max_position_embeddings": orig,
-                "low_freq_factor": c["low_freq_factor"], "high_freq_factor": c["high_freq_factor"]}, longest
-    if enc.n_hat:  # LongRoPE's kept initial positions have no transformers equivalent
-        return None
-    return {**p, "rope_type": "longrope", "short_factor": enc.short_factor, "long_factor": enc.long_factor,
-            "original_max_position_embeddings": orig, "attention_factor": enc.attention_factor,
-            "factor": enc.factor}, enc.max_position_embeddings
+    Args:
+        enc: the injected encoding.
+
+    Returns:
+        ``(rope_parameters, max_position_embeddings or None)``, or None when no transformers rope
+        law equals ``enc``.
+    """
+    return enc.to_rope_parameters()
 
 
 def _single_hf(module: nn.Module) -> nn.Module:
