@@ -188,13 +188,21 @@ def test_sequence_longer_than_learned_table():
 
 
 def test_backend_that_cannot_run_the_encoding():
-    from posenc_lightning.encodings.base import Encoding
+    from posenc_lightning.encodings.base import Encoding, Normalizer, Walk
+
+    class SigmoidWeights(Normalizer):  # no fused form: only the eager reference runs it
+        walk = Walk.SOFTMAX
+        fused_in = frozenset()
+
+        def weights(self, logits, mask, q_pos, k_pos):
+            return torch.sigmoid(logits) * (mask if mask is not None else 1)
 
     class Sigmoidish(Encoding):
         name = "sigmoidish"
+        normalizer_kind = SigmoidWeights
 
-        def normalize(self, logits, mask, ctx):
-            return torch.sigmoid(logits) * (mask if mask is not None else 1)
+        def normalize(self, ctx):
+            return SigmoidWeights(self.name)
 
     m = Attn()
     with pytest.raises(ValueError, match="backend 'sdpa' cannot run encoding 'sigmoidish'.*'eager'"):
