@@ -14,6 +14,7 @@ from posenc_lightning.attention.recompute import RotationRecompute
 from posenc_lightning.attention.validate import check_attend, check_embed
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 from posenc_lightning.functional.positions import arange_offset
+from posenc_lightning.functional.tunables import Tunables
 from posenc_lightning.parallel.group import active as active_context_parallel
 
 
@@ -40,6 +41,8 @@ class PosEncAttentionMixin:
     n_heads: int
     head_dim: int
     posenc_backend: str = "auto"
+    #: the backends' block budgets and switches for this module's calls (None: the defaults)
+    posenc_tunables: Tunables | None = None
     #: rotate q, k again in backward instead of keeping the rotated copies (`attention.recompute`)
     posenc_recompute_rotation: bool = True
 
