@@ -13,7 +13,7 @@ from posenc_lightning.attention.backends.sdpa import runs as _runs
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import DenseBias, span
 from posenc_lightning.encodings.cope import encoding as ecope
-from posenc_lightning.functional.tunables import Tunables
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 from tests.helpers import Attn
 
 R = 9  # distances from R on share one table entry: the bias is q_i . w_h + t_h[min(i - j, R)]
@@ -140,12 +140,12 @@ def test_cope_past_its_clamp_runs_on_the_kernel(hkv, monkeypatch):
 
 
 def test_run_form_needs_a_run_that_pays():
-    """A block runs in the run form only where the keys past the run are at most `RUN_SHARE` of its
+    """A block runs in the run form only where the keys past the run are at most `Tunables.run_share` of its
     keys; no run (0) or one over all of them (`k_stop`) leaves the block to the engine."""
     bias = DenseBias.lazy(lambda s, e, ke: torch.zeros(1, 1, e - s, ke), 10, 100,
                           constant_before=lambda s, e, ke: ke - 40)
     assert _runs.run_of(bias, 0, 10, 100) == 60
-    over = int(40 / _runs.RUN_SHARE)  # the fewest keys of which 40 past the run are at most the share
+    over = int(40 / DEFAULT_TUNABLES.run_share)  # the fewest keys of which 40 past the run are at most the share
     assert _runs.run_of(bias, 0, 10, over + 1) == over + 1 - 40
     assert _runs.run_of(bias, 0, 10, over - 1) == 0  # 40 of them past the run: over the share
     assert _runs.run_of(DenseBias.lazy(lambda s, e, ke: torch.zeros(1, 1, e - s, ke), 10, 100), 0, 10, 100) == 0

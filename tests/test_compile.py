@@ -158,6 +158,9 @@ def test_static_positions_need_no_host_read(monkeypatch):
     for mod in [m for k, m in sys.modules.items() if k.startswith("posenc_lightning") and m is not None]:
         if hasattr(mod, "host_reads_ok"):
             monkeypatch.setattr(mod, "host_reads_ok", lambda t: False)
+    from posenc_lightning.functional.mode import Mode
+
+    monkeypatch.setattr(Mode, "host_reads", property(lambda self: False))  # what a call's Mode says
 
     def read(*_a, **_k):
         raise AssertionError("a host read of a tensor value")

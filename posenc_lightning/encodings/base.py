@@ -84,7 +84,8 @@ class AttentionContext:
 
     def __post_init__(self) -> None:
         if self.mode is None:  # the attention module's tunables, if it declares them
-            self.mode = Mode.of(self.q_pos, getattr(self.module, "posenc_tunables", None))
+            self.mode = Mode.now("cpu" if self.q_pos is None else self.q_pos.device.type,  # (no positions: a test's)
+                                 getattr(self.module, "posenc_tunables", None))
 
     @property
     def ascending(self) -> bool:
