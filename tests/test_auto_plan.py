@@ -15,9 +15,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from posenc_lightning.attention.backends import BACKENDS, flex, get_backend, proven, resolve_backend
-from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.encodings import proven_on_gpu
 from posenc_lightning.encodings.registry import available_encodings, build_encoding
+from posenc_lightning.functional.tunables import Tunables
 from posenc_lightning.inject import inject
 from tests.helpers import Attn, fast_triton_interpreter
 
@@ -132,7 +132,7 @@ def test_a_backend_that_claims_an_encoding_on_cuda_never_materializes_its_bias(c
     grad = backend != "flex"  # CPU flex has no backward; its claim for training on CUDA is the same plan
     if get_backend(backend).supports(enc, CUDA, grad) is not None:
         pytest.skip(f"{backend} refuses {case} on cuda")
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 1)  # 16-row blocks
+    monkeypatch.setattr(Attn, "posenc_tunables", Tunables(bias_block_bytes=1))  # 16-row blocks
     if backend == "triton":
         from posenc_lightning.kernels import fused
 

@@ -8,12 +8,12 @@ import torch
 
 from posenc_lightning import inject
 from posenc_lightning.attention.backends import sdpa
-from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.attention.backends.sdpa import rows as _rows
 from posenc_lightning.attention.backends.sdpa import runs as _runs
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import DenseBias, span
 from posenc_lightning.encodings.cope import encoding as ecope
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 from tests.helpers import Attn
 
 R = 9  # distances from R on share one table entry: the bias is q_i . w_h + t_h[min(i - j, R)]
@@ -58,7 +58,7 @@ def counted(monkeypatch):
 @pytest.mark.parametrize("hkv", [4, 2])
 @pytest.mark.parametrize("q_offset", [0, 13])
 def test_runs_equal_the_dense_formula(hkv, q_offset, monkeypatch):
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 1)  # the minimum blocks: 16 query rows, 8 in backward
+    tunables = Tunables(bias_block_bytes=1)  # the minimum blocks: 16 query rows, 8 in backward
     calls = counted(monkeypatch)
     torch.manual_seed(0)
     b, h, n, d = 2, 4, 75, 8
@@ -68,7 +68,7 @@ def test_runs_equal_the_dense_formula(hkv, q_offset, monkeypatch):
     w = torch.randn(h, d, requires_grad=True)
     t = torch.randn(h, R + 1, requires_grad=True)
     mask = AttentionMask(True, q_offset, n, n + q_offset)
-    out = sdpa.attend(q, k, v, bias=clipped_bias(q, w, t, q_offset), mask=mask, scale=0.3)
+    out = sdpa.attend(q, k, v, bias=clipped_bias(q, w, t, q_offset), mask=mask, scale=0.3, tunables=tunables)
     g = torch.randn_like(out)
     got = torch.autograd.grad((out * g).sum(), [q, k, v, w, t])
     assert calls["forward"] > 0 and calls["backward"] > 0
@@ -83,7 +83,7 @@ def test_runs_equal_the_dense_formula(hkv, q_offset, monkeypatch):
         torch.testing.assert_close(a.double(), b_, rtol=1e-4, atol=1e-5)
     before = calls["forward"]
     with torch.no_grad():  # inference: the rows form, with runs too
-        out = sdpa.attend(q, k, v, bias=clipped_bias(q, w, t, q_offset), mask=mask, scale=0.3)
+        out = sdpa.attend(q, k, v, bias=clipped_bias(q, w, t, q_offset), mask=mask, scale=0.3, tunables=tunables)
     assert calls["forward"] > before
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
@@ -108,7 +108,7 @@ def test_cope_past_its_clamp_runs_on_the_kernel(hkv, monkeypatch):
     """CoPE with few positions on long rows: most keys are clamped, so most blocks run in the run
     form, their rows on each row's band (`cope_band_rows`); the attention and all its gradients
     equal the eager backend's in float64, with GQA too."""
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 2**14)
+    tunables = Tunables(bias_block_bytes=2**14)
     calls = counted(monkeypatch)
     banded = {"n": 0}
     real = ecope.cope_band_rows
@@ -120,6 +120,7 @@ def test_cope_past_its_clamp_runs_on_the_kernel(hkv, monkeypatch):
     monkeypatch.setattr(ecope, "cope_band_rows", band_rows)
     n, h, d = 203, 4, 8
     attn = Attn(n_heads=h, head_dim=d)
+    attn.posenc_tunables = tunables
     enc = inject(attn, "cope", backend="sdpa", max_position=5, init_std=0.5)
     torch.manual_seed(0)
     q = torch.randn(1, h, n, d, requires_grad=True)
@@ -139,12 +140,12 @@ def test_cope_past_its_clamp_runs_on_the_kernel(hkv, monkeypatch):
 
 
 def test_run_form_needs_a_run_that_pays():
-    """A block runs in the run form only where the keys past the run are at most `RUN_SHARE` of its
+    """A block runs in the run form only where the keys past the run are at most `Tunables.run_share` of its
     keys; no run (0) or one over all of them (`k_stop`) leaves the block to the engine."""
     bias = DenseBias.lazy(lambda s, e, ke: torch.zeros(1, 1, e - s, ke), 10, 100,
                           constant_before=lambda s, e, ke: ke - 40)
     assert _runs.run_of(bias, 0, 10, 100) == 60
-    over = int(40 / _runs.RUN_SHARE)  # the fewest keys of which 40 past the run are at most the share
+    over = int(40 / DEFAULT_TUNABLES.run_share)  # the fewest keys of which 40 past the run are at most the share
     assert _runs.run_of(bias, 0, 10, over + 1) == over + 1 - 40
     assert _runs.run_of(bias, 0, 10, over - 1) == 0  # 40 of them past the run: over the share
     assert _runs.run_of(DenseBias.lazy(lambda s, e, ke: torch.zeros(1, 1, e - s, ke), 10, 100), 0, 10, 100) == 0

@@ -9,6 +9,8 @@ float32 by design, so fp32 and fp64 are held to 2e-5 of the case's scale, bf16 t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -16,7 +18,9 @@ from posenc_lightning.attention.backends import BACKENDS, blockwise, resolve_bac
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, LinearBias
 from posenc_lightning.encodings.registry import build_encoding
+from posenc_lightning.functional.tunables import Tunables
 from tests import test_conformance as conf
+from tests.conformance import ConfLayer
 
 NORMALIZERS = ("sba", "rse", "exposb")
 #: grouped kv heads where the encoding takes them (exposb's per-head rotation needs n_kv == n_heads)
@@ -24,13 +28,21 @@ HEADS = {"sba": (4, 2, 8), "rse": (4, 2, 8), "exposb": (2, 2, 8)}
 CPU = torch.device("cpu")
 
 
+#: 4 query rows x 3 keys per tile: N=29 is 8 blocks of rows and up to 10 key tiles, with partial
+#: tiles at both ends (29 is a multiple of neither)
+SMALL_TILES = Tunables(block_rows=4, block_keys=3, min_bias_rows=4)
+
+
+def _tiles(monkeypatch, tunables: Tunables) -> Tunables:
+    """The test layers' attention modules (`tests.conformance.ConfLayer`) declare ``tunables``."""
+    monkeypatch.setattr(ConfLayer, "posenc_tunables", tunables)
+    return tunables
+
+
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """4 query rows x 3 keys per tile: N=29 is 8 blocks of rows and up to 10 key tiles, with
-    partial tiles at both ends (29 is a multiple of neither)."""
-    monkeypatch.setattr(blockwise, "BLOCK_ROWS", 4)
-    monkeypatch.setattr(blockwise, "BLOCK_KEYS", 3)
-    monkeypatch.setattr(blockwise, "MIN_BIAS_ROWS", 4)
+    """`SMALL_TILES` on the test layers."""
+    return _tiles(monkeypatch, SMALL_TILES)
 
 
 @pytest.mark.parametrize("scenario", conf.SCENARIOS)
@@ -123,7 +135,8 @@ def test_auto_picks_it_for_the_normalizers_and_refuses_the_rest():
 
 
 # ------------------------------------------------------------------------------ compile-clean
-def _case(name: str, n: int = 24, heads: tuple[int, int, int] = (4, 2, 8), known: bool = False):
+def _case(name: str, n: int = 24, heads: tuple[int, int, int] = (4, 2, 8), known: bool = False,
+          tunables: Tunables | None = None):
     """The backend's own call for ``name`` with fixed shapes: (function of q, k, v, inputs);
     ``known``: the positions' starts given (as the mixin does), so none is read from the values."""
     h, hkv, d = heads if name != "exposb" else (heads[0], heads[0], heads[2])
@@ -136,18 +149,17 @@ def _case(name: str, n: int = 24, heads: tuple[int, int, int] = (4, 2, 8), known
     def fn(q, k, v):
         ctx = AttentionContext(pos, pos, True, q_start=0 if known else None, k_start=0 if known else None)
         bias = LinearBias(enc.penalty, pos, pos) if name == "rse" else None
-        return blockwise.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, normalizer=enc.normalize(ctx), ctx=ctx)
+        return blockwise.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, normalizer=enc.normalize(ctx), ctx=ctx,
+                                tunables=tunables)
 
     return fn, (q, k, v), [p for p in enc.parameters()]
 
 
 @pytest.mark.parametrize("name,known", [*((n, False) for n in NORMALIZERS), ("exposb", True)])
-def test_traces_without_graph_breaks_and_compiles_to_the_same_numbers(name, known, monkeypatch):
+def test_traces_without_graph_breaks_and_compiles_to_the_same_numbers(name, known):
     """N=24 in 8 x 10 tiles (3 blocks of rows, up to 3 key tiles each: the loops unroll in the trace);
     exposb with known starts takes each tile's modulation off one diagonal (`TilesSpec.mod_shift`)."""
-    monkeypatch.setattr(blockwise, "BLOCK_ROWS", 8)
-    monkeypatch.setattr(blockwise, "BLOCK_KEYS", 10)
-    fn, ins, params = _case(name, known=known)
+    fn, ins, params = _case(name, known=known, tunables=Tunables(block_rows=8, block_keys=10))
     assert torch._dynamo.explain(fn)(*ins).graph_break_count == 0
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
@@ -428,9 +440,7 @@ def test_penalty_as_two_channels_equals_the_reference(scenario, n, rows, keys, m
     from posenc_lightning.inject import inject
     from tests.conformance import ConfLayer, make_inputs, run_case, scenario_args
 
-    monkeypatch.setattr(blockwise, "BLOCK_ROWS", rows)
-    monkeypatch.setattr(blockwise, "BLOCK_KEYS", keys)
-    monkeypatch.setattr(blockwise, "MIN_BIAS_ROWS", min(rows, 16))
+    _tiles(monkeypatch, Tunables(block_rows=rows, block_keys=keys, min_bias_rows=min(rows, 16)))
     folds = []
     init = _normalizers.FoldedBias.__init__
     monkeypatch.setattr(_normalizers.FoldedBias, "__init__", lambda self, *a: folds.append(1) or init(self, *a))
@@ -485,7 +495,7 @@ def test_a_spent_stick_stops_the_walk(name, head_dim, small_tiles, monkeypatch):
     ref = run(torch.float64, "eager")
     got = run(torch.float32, "blockwise")
     assert any(spent)
-    monkeypatch.setattr(blockwise, "STOP_SPENT", False)
+    _tiles(monkeypatch, replace(small_tiles, stop_spent=False))
     n = len(spent)
     every = run(torch.float32, "blockwise")
     assert len(spent) == n

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from posenc_lightning.encodings.registry import available_encodings
-from posenc_lightning.models.tinygpt import TinyGPT
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
+from posenc_lightning.models.tinygpt import CausalSelfAttention, TinyGPT
 from tests.helpers import compiled_greedy
 
 #: encodings that cannot be traced on their default backend, with the reason (also in docs/guides/compile.md);
@@ -99,14 +100,12 @@ def _check_compiled_equals_eager(name: str | None, backend: str) -> None:
 @pytest.mark.parametrize("name", ENCODINGS, ids=str)
 def test_fullgraph_compile_equals_eager(name, one_block, monkeypatch):
     """In both compiled forms of a bias on CPU: a small attention as one traced block
-    (`sdpa.COMPILED_ONE_BLOCK_BYTES`, these sizes), and the forms a larger one takes."""
+    (`Tunables.compiled_one_block_bytes`, these sizes), and the forms a larger one takes."""
     if name in EXCEPTIONS:
         pytest.skip(EXCEPTIONS[name])
-    from posenc_lightning.attention.backends import sdpa
-
-    assert 4 * 2 * 2 * N * N <= sdpa.COMPILED_ONE_BLOCK_BYTES  # these sizes are one block
+    assert 4 * 2 * 2 * N * N <= DEFAULT_TUNABLES.compiled_one_block_bytes  # these sizes are one block
     if not one_block:
-        monkeypatch.setattr(sdpa, "COMPILED_ONE_BLOCK_BYTES", 0)
+        monkeypatch.setattr(CausalSelfAttention, "posenc_tunables", Tunables(compiled_one_block_bytes=0))
     _check_compiled_equals_eager(name, "aot_eager")
 
 
@@ -159,6 +158,9 @@ def test_static_positions_need_no_host_read(monkeypatch):
     for mod in [m for k, m in sys.modules.items() if k.startswith("posenc_lightning") and m is not None]:
         if hasattr(mod, "host_reads_ok"):
             monkeypatch.setattr(mod, "host_reads_ok", lambda t: False)
+    from posenc_lightning.functional.mode import Mode
+
+    monkeypatch.setattr(Mode, "host_reads", property(lambda self: False))  # what a call's Mode says
 
     def read(*_a, **_k):
         raise AssertionError("a host read of a tensor value")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from posenc_lightning.attention.backends import eager, sdpa
-from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.functional.tunables import Tunables
 from posenc_lightning.parallel.layout import ShardLayout
 from tests.helpers import run_posenc
 
@@ -35,15 +35,16 @@ def test_layout_rejects_a_length_that_does_not_split():
 
 
 @pytest.mark.parametrize("segments", [False, True])
-def test_sdpa_mask_rows_equal_eager_forward_and_backward(monkeypatch, segments):
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 4 * 2 * 16 * 61)  # blocks of 16 query rows: 16, 16, 7
+def test_sdpa_mask_rows_equal_eager_forward_and_backward(segments):
+    tunables = Tunables(bias_block_bytes=4 * 2 * 16 * 61)  # blocks of 16 query rows: 16, 16, 7
     torch.manual_seed(0)
     b, h, n_q, n_k, d = 2, 2, 39, 61, 8  # queries are the last 39 of 61 keys (a chunk at offset 22)
     q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64, requires_grad=True) for n in (n_q, n_k, n_k))
     seg = torch.randint(0, 3, (b, n_k)).sort(-1).values if segments else None
     mask = AttentionMask(True, n_k - n_q, n_q, n_k, None if seg is None else seg[:, -n_q:], seg)
-    assert 4 * b * n_q * n_k > _blocks.BIAS_BLOCK_BYTES and sdpa.block_rows(h, n_q, n_k) == 16  # rows, 3 blocks
-    outs = [m.attend(q, k, v, bias=None, mask=mask, scale=d ** -0.5) for m in (sdpa, eager)]
+    assert 4 * b * n_q * n_k > tunables.bias_block_bytes and sdpa.block_rows(h, n_q, n_k, tunables=tunables) == 16
+    outs = [sdpa.attend(q, k, v, bias=None, mask=mask, scale=d ** -0.5, tunables=tunables),  # rows, 3 blocks
+            eager.attend(q, k, v, bias=None, mask=mask, scale=d ** -0.5)]
     grads = [torch.autograd.grad((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum(), (q, k, v))
              for o in outs]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-10, atol=1e-12)

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from posenc_lightning import build_encoding, inject
-from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.encodings.base import AttentionContext, DenseBias
 from posenc_lightning.encodings.cope import encoding as ecope
 from posenc_lightning.encodings.cope import rows as rcope
 from posenc_lightning.functional import cope as fcope
+from posenc_lightning.functional.tunables import Tunables
 from tests.helpers import Attn
 
 
@@ -98,9 +98,10 @@ def test_whole_positions_match_the_eager_reference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_head", [True, False])
 def test_blockwise_attention_equals_eager_on_the_paper_formula(per_head, dtype, monkeypatch):
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 1)  # the minimum blocks: 16 query rows, 12 in backward
+    tunables = Tunables(bias_block_bytes=1)  # the minimum blocks: 16 query rows, 12 in backward
     n, cached, h, hkv, d = 150, 7, 4, 2, 8
     attn = Attn(n_heads=h, head_dim=d)
+    attn.posenc_tunables = tunables
     enc = inject(attn, "cope", backend="sdpa", max_position=6, per_head=per_head, init_std=0.5)
     q, k = leaves(2, h, hkv, n, n + cached, d, 2.0, dtype)
     v = torch.randn(2, hkv, n + cached, d).to(dtype).requires_grad_()

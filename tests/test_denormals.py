@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from posenc_lightning.attention.backends.engine import denormals as _denormals
+from posenc_lightning.functional.mode import Mode
 
 DENORMAL = 1e-39  # below float32's smallest normal, 1.18e-38
 N = 1 << 20  # far above PyTorch's grain size (32768): split across the threads
@@ -53,7 +54,7 @@ def test_plain_torch_setting_reaches_only_the_calling_thread(two_threads):
 
 def test_flush_context_reaches_every_thread_and_is_undone(two_threads):
     assert _survivors() == N
-    with _denormals._flush_denormals(torch.device("cpu")):
+    with _denormals._flush_denormals(Mode.now("cpu")):
         assert _survivors() == 0
     assert _survivors() == N
 

@@ -13,6 +13,7 @@ from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext
 from posenc_lightning.encodings.bias import DenseBias
 from posenc_lightning.encodings.registry import build_encoding
+from posenc_lightning.functional.tunables import Tunables
 
 H, H_KV, D, N, B = 4, 2, 8, 37, 2
 #: one row of logits, ``[B, H, 1, N]`` float32: a budget of 20 rows (37 = 20 + 17 whole, 16 + 16 + 5 halved)
@@ -38,19 +39,18 @@ def _encoding(name: str):
     return enc
 
 
-def test_whole_budget_only_with_released_rows_and_threads(monkeypatch):
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 20 * ROW)
-    assert _blocks.backward_rows(B, H, N, N, threads=2) == 16  # half the budget (at least MIN_ROWS)
-    assert _blocks.backward_rows(B, H, N, N, released=True, threads=2) == 20
-    assert _blocks.backward_rows(B, H, N, N, 0.75, released=True, threads=2) == 12  # a share keeps half a block
-    assert _blocks.backward_rows(B, H, N, N, released=True, threads=1) == 16
-    assert _blocks.backward_rows(B, H, N, N, released=True) == 16  # one thread unless told
+def test_whole_budget_only_with_released_rows_and_threads():
+    t = Tunables(bias_block_bytes=20 * ROW)
+    assert _blocks.backward_rows(B, H, N, N, threads=2, tunables=t) == 16  # half the budget (at least min_rows)
+    assert _blocks.backward_rows(B, H, N, N, released=True, threads=2, tunables=t) == 20
+    assert _blocks.backward_rows(B, H, N, N, 0.75, released=True, threads=2, tunables=t) == 12  # a share: half
+    assert _blocks.backward_rows(B, H, N, N, released=True, threads=1, tunables=t) == 16
+    assert _blocks.backward_rows(B, H, N, N, released=True, tunables=t) == 16  # one thread unless told
 
 
 @pytest.mark.parametrize("layout", ["arange", "gaps"])
 @pytest.mark.parametrize("name", ["fire", "mixture"])
 def test_whole_budget_blocks_equal_eager(name, layout, monkeypatch):
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 20 * ROW)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     released = []
     release = _blocks.BlockRows.release
@@ -63,7 +63,8 @@ def test_whole_budget_blocks_equal_eager(name, layout, monkeypatch):
     k, v = (torch.randn(B, H_KV, N, D, generator=g, requires_grad=True) for _ in range(2))
     params = list(enc.parameters())
     bias = enc.bias(q, k, ctx)
-    out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=D ** -0.5, ctx=ctx)
+    out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=D ** -0.5, ctx=ctx,
+                      tunables=Tunables(bias_block_bytes=20 * ROW))
     w = torch.randn(out.shape, generator=g)
     got = torch.autograd.grad((out * w).sum(), [q, k, v, *params], allow_unused=True, retain_graph=True)
     assert released == [20, 17]  # the engine's own backward ran, in whole-budget blocks

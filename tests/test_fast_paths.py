@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -93,8 +95,6 @@ def test_apply_rotary_odd_storage_offset_interleaved():
 # sdpa with a bias: Toeplitz view (i - j kinds at arange positions) and blockwise rows
 # ---------------------------------------------------------------------------------------------
 from posenc_lightning.attention.backends import eager, sdpa
-from posenc_lightning.attention.backends.engine import blocks as _blocks
-from posenc_lightning.attention.backends.engine import denormals as _denormals
 from posenc_lightning.attention.backends.sdpa.rows import RowsAttention
 from posenc_lightning.attention.backends.sdpa.toeplitz import toeplitz_template
 from posenc_lightning.attention.mask import AttentionMask
@@ -108,6 +108,7 @@ from posenc_lightning.encodings.base import (
     span,
 )
 from posenc_lightning.functional.alibi import alibi_slopes
+from posenc_lightning.functional.tunables import Tunables
 
 
 def _bias(kind: str, h: int, qp, kp, learned: bool = False):
@@ -136,7 +137,7 @@ CASES = {  # name: (n_q, n_k, q positions, k positions, causal, q_offset, segmen
 def test_sdpa_bias_fast_paths_equal_eager_fwd_bwd(kind, case, learned, monkeypatch):
     if learned and kind == "linear":
         pytest.skip("ALiBi slopes are fixed")
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 4 * 64 * 4 * 400)  # force several blocks of rows
+    tunables = Tunables(bias_block_bytes=4 * 64 * 4 * 400)  # force several blocks of rows
     n_q, n_k, qp, kp, causal, off, seg = CASES[case]
     kp = qp if kp is None else kp
     b, h, hkv, d = 2, 4, 2, 16
@@ -149,7 +150,8 @@ def test_sdpa_bias_fast_paths_equal_eager_fwd_bwd(kind, case, learned, monkeypat
     k, v = (torch.randn(b, hkv, n_k, d, requires_grad=True) for _ in range(2))
     outs, grads = [], []
     for backend in (sdpa, eager):
-        out = backend.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx)
+        given = {"tunables": tunables} if backend is sdpa else {}
+        out = backend.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx, **given)
         leaves = [q, k, v] + [p for p in (getattr(t, "table", None) for t in bias.terms)
                               if p is not None and p.requires_grad]
         outs.append(out)
@@ -286,8 +288,8 @@ def test_learned_toeplitz_backward_and_flush_state(monkeypatch):
     """A learned ``f(i - j)`` table at arange positions runs SDPA's kernel forward and its own
     backward (`_ToeplitzAttention`), equal to eager; flush-to-zero is off again after backward."""
     n, h, d = 301, 4, 16
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 2 * 4 * 2 * h * n * 40)  # 40-row backward blocks
-    assert sdpa.backward_rows(2, h, n, n) == 40
+    tunables = Tunables(bias_block_bytes=2 * 4 * 2 * h * n * 40)  # 40-row backward blocks
+    assert sdpa.backward_rows(2, h, n, n, tunables=tunables) == 40
     pos = torch.arange(n)[None].expand(2, n)
     table = torch.randn(h, 2 * 9 + 1, requires_grad=True)
     bias = RelativeBias(table, pos, pos)
@@ -295,8 +297,8 @@ def test_learned_toeplitz_backward_and_flush_state(monkeypatch):
     q, k, v = (torch.randn(2, h, n, d, requires_grad=True) for _ in range(3))
     res = []
     for flush in (True, False):
-        monkeypatch.setattr(_denormals, "FLUSH_DENORMALS", flush)
-        out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx)
+        out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx,
+                          tunables=replace(tunables, flush_denormals=flush))
         node = out.grad_fn if not flush else out.grad_fn.next_functions[0][0]
         assert "ToeplitzAttention" in type(node).__name__
         res.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v, table))))
@@ -304,8 +306,7 @@ def test_learned_toeplitz_backward_and_flush_state(monkeypatch):
         assert torch.tensor(1e-39) * torch.tensor(1.0) != 0
     # a gradient to the table only skips the q/k/v node that turns flush-to-zero off: the end
     # of the backward pass turns it off
-    monkeypatch.setattr(_denormals, "FLUSH_DENORMALS", True)
-    out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx)
+    out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx, tunables=tunables)
     (g_table,) = torch.autograd.grad(out.square().sum(), (table,))
     assert torch.tensor(1e-39) * torch.tensor(1.0) != 0
     torch.testing.assert_close(g_table, res[-1][-1], rtol=1e-5, atol=1e-5)
@@ -401,7 +402,7 @@ def test_blockwise_causal_fills_only_the_diagonal_part(case, form, monkeypatch):
     first query are visible to all its rows): blocks of rows that do not divide n, a KV-cache
     offset, rows computed just now (written in place) or read from the bias's own tensor (left
     untouched); forward and backward equal eager's."""
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 4 * 4 * 300 * 23)  # ~23-row blocks of 4 heads
+    tunables = Tunables(bias_block_bytes=4 * 4 * 300 * 23)  # ~23-row blocks of 4 heads
     n_q, n_k, qp, _, causal, off, _ = CASES[case]
     mask, ctx = AttentionMask(causal, off, n_q, n_k), AttentionContext(qp[None], torch.arange(n_k)[None], causal)
     base = torch.randn(1, 4, n_q, n_k)
@@ -415,7 +416,7 @@ def test_blockwise_causal_fills_only_the_diagonal_part(case, form, monkeypatch):
         bias = DenseBias.lazy(lambda s, e, ke: table[..., s:e, :ke] * 2, n_q, n_k)
     else:
         bias = DenseBias(table * 2)
-    out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=0.25, ctx=ctx)
+    out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=0.25, ctx=ctx, tunables=tunables)
     ref = eager.attend(q, k, v, bias=DenseBias(table * 2), mask=mask, scale=0.25, ctx=ctx)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     for g0, g1 in zip(torch.autograd.grad(out.square().sum(), (q, k, v, table)),

@@ -1,4 +1,4 @@
-"""Compiled FIRE on CPU past `sdpa.COMPILED_ONE_BLOCK_BYTES` runs the eager choice of form as one
+"""Compiled FIRE on CPU past `Tunables.compiled_one_block_bytes` runs the eager choice of form as one
 opaque operator (``posenc::opaque_sdpa``, `attention/backends/sdpa/opaque_form.py`): below the learned
 threshold ``L`` its O(N) table through the Toeplitz mask, past it the MLP rows by blocks; within
 it, one traced block. Forward and every gradient equal eager's in every form, at positions given
@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posenc_lightning.models.tinygpt import TinyGPT
+from posenc_lightning.functional.tunables import Tunables
+from posenc_lightning.models.tinygpt import CausalSelfAttention, TinyGPT
 from tests.helpers import compiled_greedy
 
 N = 21  # not a multiple of any block
@@ -17,11 +18,9 @@ N = 21  # not a multiple of any block
 
 @pytest.fixture(autouse=True)
 def _operator_sizes(monkeypatch):
-    """These sizes would run as one traced block (`sdpa.COMPILED_ONE_BLOCK_BYTES`): the operator
+    """These sizes would run as one traced block (`Tunables.compiled_one_block_bytes`): the operator
     is what larger ones take, so it is forced here (the one-block form: its own test below)."""
-    from posenc_lightning.attention.backends import sdpa
-
-    monkeypatch.setattr(sdpa, "COMPILED_ONE_BLOCK_BYTES", 0)
+    monkeypatch.setattr(CausalSelfAttention, "posenc_tunables", Tunables(compiled_one_block_bytes=0))
 
 
 def _model(init_L: float, **kw) -> TinyGPT:
@@ -171,12 +170,10 @@ def test_bf16_compiled_equals_eager(init_L):
 
 @pytest.mark.parametrize("init_L", [512.0, 7.0])
 def test_small_attention_is_one_traced_block(monkeypatch, init_L):
-    """Within `sdpa.COMPILED_ONE_BLOCK_BYTES` the compiled attention is one traced block (rows by
+    """Within `Tunables.compiled_one_block_bytes` the compiled attention is one traced block (rows by
     FIRE's formula, SDPA's math form, autograd): no operator and no form chosen by reading L, the
     same output and gradients as eager below and past L, with given positions that have gaps."""
-    from posenc_lightning.attention.backends import sdpa
-
-    monkeypatch.setattr(sdpa, "COMPILED_ONE_BLOCK_BYTES", 2 * 2**20)
+    monkeypatch.setattr(CausalSelfAttention, "posenc_tunables", Tunables(compiled_one_block_bytes=2 * 2**20))
     forms = _forms(monkeypatch)
     x = torch.randint(0, 256, (2, N), generator=torch.Generator().manual_seed(7))
     _compare(_model(init_L, n_kv_heads=2), x, forms=forms, operator=False)

@@ -18,6 +18,7 @@ from posenc_lightning.encodings.bias import DenseBias, FireBias
 from posenc_lightning.encodings.fire import by_distance as bdist
 from posenc_lightning.encodings.fire import functions as ffire
 from posenc_lightning.encodings.fire.bias import FireTableSum
+from posenc_lightning.functional.tunables import Tunables
 
 
 def _fire(width: int = 32, init_l: float = 64.0, seed: int = 0):
@@ -66,7 +67,7 @@ def test_spans_merge_into_disjoint_runs(monkeypatch):
 def test_mixture_table_in_fire_rows_end_to_end(members, monkeypatch):
     """sdpa's blocks of 16 rows (37 = 16 + 16 + 5) and its own backward, with the distance-only
     terms added inside FIRE's rows, against eager attention on the dense sum."""
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 1)
+    tunables = Tunables(bias_block_bytes=1)
     torch.manual_seed(1)
     h, d, n = 4, 8, 37
     enc = build_encoding("mixture", members=members, member_cfgs={"fire": {"init_L": 4.0}})
@@ -81,7 +82,7 @@ def test_mixture_table_in_fire_rows_end_to_end(members, monkeypatch):
     assert type(bias) is FireTableSum and bias._fire_term() is not None
     leaves = [q, k, v, *enc.parameters()]
     mask = AttentionMask(True, 0, n, n)
-    out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx)
+    out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=d ** -0.5, ctx=ctx, tunables=tunables)
     got = torch.autograd.grad(out.square().sum(), leaves, allow_unused=True, retain_graph=True)
     dense = sum(p.materialize() for p in bias.parts)
     ref = eager.attend(q, k, v, bias=DenseBias(dense), mask=mask, scale=d ** -0.5, ctx=ctx)

@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 from posenc_lightning import inject
-from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.encodings.base import AttentionContext, DenseBias, RelativeBias
 from posenc_lightning.encodings.bias import FireBias
 from posenc_lightning.encodings.fire import functions as ffire
 from posenc_lightning.encodings.fire.functions import fire_mlp
+from posenc_lightning.functional.tunables import Tunables
 from tests.helpers import Attn
 
 
@@ -194,7 +194,7 @@ def _dense_reference(enc, name):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", list(ENCODINGS))
 def test_blockwise_sdpa_equals_eager_dense_formula_fwd_bwd(name, layout, monkeypatch):
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 1)  # the minimum block: 16 query rows
+    monkeypatch.setattr(Attn, "posenc_tunables", Tunables(bias_block_bytes=1))  # the minimum block: 16 query rows
     from posenc_lightning.encodings.cope import CoPE
 
     monkeypatch.setattr(CoPE, "CHUNK_BYTES", 4 * B * H * N * 10)  # cope: sub-blocks of 10 rows

@@ -19,12 +19,11 @@ import torch
 from torch import Tensor, nn
 
 from posenc_lightning import inject
-from posenc_lightning.attention.backends import sdpa
-from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
 from posenc_lightning.encodings.bias import OpaqueOperands, register_opaque_kind
 from posenc_lightning.encodings.registry import _REGISTRY, register
 from posenc_lightning.functional.positions import arange_offset
+from posenc_lightning.functional.tunables import Tunables
 from tests.helpers import Attn
 
 
@@ -133,9 +132,8 @@ def _registered():
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch):
     """16-row blocks (37 = 16 + 16 + 5 rows), and the operator at these sizes (they would otherwise
-    run as one traced block, `sdpa.COMPILED_ONE_BLOCK_BYTES`)."""
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 1)
-    monkeypatch.setattr(sdpa, "COMPILED_ONE_BLOCK_BYTES", 0)
+    run as one traced block, `Tunables.compiled_one_block_bytes`)."""
+    monkeypatch.setattr(Attn, "posenc_tunables", Tunables(bias_block_bytes=1, compiled_one_block_bytes=0))
     LogMLPBias.calls.clear()
 
 

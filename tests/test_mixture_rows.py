@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from posenc_lightning.attention.backends import eager, sdpa
-from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext
 from posenc_lightning.encodings.bias import BiasSum, FireBias, LinearBias, RelativeBias
 from posenc_lightning.encodings.registry import build_encoding
+from posenc_lightning.functional.tunables import Tunables
 
 H, D, N = 4, 8, 37
 BLOCKS = [(0, 5, 5), (5, 16, 16), (16, 37, 37), (30, 37, 37), (3, 9, 37), (9, 20, 2)]
@@ -109,7 +109,7 @@ def test_terms_that_cannot_be_tabled_are_summed_as_given():
 def test_sdpa_blockwise_equals_eager(layout, monkeypatch):
     """End to end through sdpa's blocks (16 rows: 37 = 16 + 16 + 5) and own backward, against eager
     attention on the dense sum, with the packed documents' segment mask."""
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 1)
+    tunables = Tunables(bias_block_bytes=1)
     pos = POSITIONS[layout]
     seg = (pos[:, 1:] <= pos[:, :-1]).long().cumsum(1)
     seg = torch.cat([torch.zeros(2, 1, dtype=torch.long), seg], 1)
@@ -117,7 +117,7 @@ def test_sdpa_blockwise_equals_eager(layout, monkeypatch):
     bias, leaves = _mixture(MEMBERS["rope"], pos, seed=1)
     q, k = leaves[:2]
     v = torch.randn(2, H, N, D, requires_grad=True)
-    out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=D ** -0.5, ctx=ctx)
+    out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=D ** -0.5, ctx=ctx, tunables=tunables)
     got = torch.autograd.grad(out.square().sum(), [v, *leaves], allow_unused=True, retain_graph=True)
     dense = bias.materialize()
     from posenc_lightning.encodings.bias import DenseBias

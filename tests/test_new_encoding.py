@@ -13,10 +13,10 @@ from torch import Tensor, nn
 
 from posenc_lightning import PosEncCallback, inject
 from posenc_lightning.attention.backends import BACKENDS, get_backend, resolve_backend
-from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.data import CorpusDataModule
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
 from posenc_lightning.encodings.registry import _REGISTRY, register
+from posenc_lightning.functional.tunables import Tunables
 from posenc_lightning.models import TinyGPT
 from tests.helpers import Attn
 
@@ -100,7 +100,7 @@ def test_every_backend_claims_it_or_refuses_clearly():
 
 @pytest.mark.parametrize("backend", ["sdpa"])
 def test_forward_and_backward_equal_eager(backend, monkeypatch):
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 1)  # 16-row blocks: 16 + 16 + 5 rows
+    monkeypatch.setattr(Attn, "posenc_tunables", Tunables(bias_block_bytes=1))  # 16-row blocks: 16 + 16 + 5 rows
     slopes = torch.tensor([0.3, 1.1, 0.05, 2.0])
     q, k, v, pos = _inputs()
     outs, grads = [], []

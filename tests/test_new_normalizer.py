@@ -16,6 +16,7 @@ from posenc_lightning.attention.backends import BACKENDS, get_backend, resolve_b
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 from posenc_lightning.encodings.normalizer import Normalizer, Walk, modulated_softmax
 from posenc_lightning.encodings.registry import _REGISTRY, register
+from posenc_lightning.functional.tunables import Tunables
 from tests.helpers import Attn
 
 
@@ -82,17 +83,14 @@ def test_the_backends_read_its_declarations():
 
 
 @pytest.mark.parametrize("arange", [False, True])
-def test_blockwise_tiles_equal_eager_forward_and_backward(arange, monkeypatch):
-    from posenc_lightning.attention.backends import blockwise
-
-    monkeypatch.setattr(blockwise, "BLOCK_ROWS", 8)  # several query blocks and key tiles
-    monkeypatch.setattr(blockwise, "BLOCK_KEYS", 16)
+def test_blockwise_tiles_equal_eager_forward_and_backward(arange):
     (q, k, v), pos = _inputs()
     if arange:  # the modulation read off one diagonal per tile
         pos = torch.arange(5, 5 + N).expand(2, N)
     outs, grads = [], []
     for backend in ("eager", "blockwise"):
         m = Attn(n_heads=4, head_dim=16)
+        m.posenc_tunables = Tunables(block_rows=8, block_keys=16)  # several query blocks and key tiles
         inject(m, "log_tempered", backend=backend)
         out = m(q, k, v, positions=pos)
         outs.append(out)

@@ -9,6 +9,7 @@ import pytest
 
 from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.attention.backends.sdpa.plan import Call, Form, Mode, Plan, choose
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
 EAGER, CUDA = Mode(False, "cpu"), Mode(False, "cuda")
 COMPILED, COMPILED_CUDA = Mode(True, "cpu"), Mode(True, "cuda")
@@ -66,15 +67,17 @@ def test_rows_own_backward_only_when_recomputable_and_needed():
     assert choose(call(recomputable=True, grads=True, grad_mode=False), EAGER) == Plan(Form.ROWS, rows=rows)
 
 
-def test_rows_per_block_follow_the_budget(monkeypatch):
+def _eager(budget: int) -> Mode:
+    return Mode(False, "cpu", Tunables(bias_block_bytes=budget))
+
+
+def test_rows_per_block_follow_the_budget():
     """One block of bias ``[1, H, rows, keys]`` float32 within the budget, at least 16 rows, at
     most the queries."""
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 4 * H * N * 40)
-    assert choose(call(), EAGER).rows == 40
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 1)
-    assert choose(call(), EAGER).rows == _blocks.MIN_ROWS
-    monkeypatch.setattr(_blocks, "BIAS_BLOCK_BYTES", 2**40)
-    assert choose(call(), EAGER).rows == N
+    assert choose(call(), _eager(4 * H * N * 40)).rows == 40
+    assert choose(call(), _eager(1)).rows == DEFAULT_TUNABLES.min_rows
+    assert choose(call(), Mode(False, "cpu", Tunables(bias_block_bytes=1, min_rows=24))).rows == 24
+    assert choose(call(), _eager(2**40)).rows == N
 
 
 def test_compiled_one_block_on_cpu_up_to_its_size():
@@ -99,7 +102,7 @@ def test_backward_rows_and_a_bias_that_takes_a_share():
     """Half a forward block (two block-sized tensors of ``[B, H, rows, keys]``), and ``share`` of
     that (at least 8 rows) for a bias whose recomputed rows keep more state (`Bias.backward_share`)."""
     rows = _blocks.backward_rows(B, H, 4096, 1024)
-    assert rows == _blocks.BIAS_BLOCK_BYTES // (2 * 4 * B * H * 1024)
+    assert rows == DEFAULT_TUNABLES.bias_block_bytes // (2 * 4 * B * H * 1024)
     assert _blocks.backward_rows(B, H, 4096, 1024, 0.75) == 3 * rows // 4
     assert _blocks.backward_rows(B, H, 4096, 2**20, 0.75) == 12  # 16 rows at least, then the share
     assert _blocks.backward_rows(B, H, 4, 1024) == 4  # never more than the queries
@@ -108,7 +111,7 @@ def test_backward_rows_and_a_bias_that_takes_a_share():
 def test_blockwise_backend_tiles_take_a_quarter_of_the_budget():
     """The blockwise backend's bias blocks: four block-sized tensors, within its own row caps."""
     n_k = 1024
-    assert _blocks.tile_rows(1, H, n_k, 128, 16) == min(128, _blocks.BIAS_BLOCK_BYTES // (4 * 4 * H * n_k))
+    assert _blocks.tile_rows(1, H, n_k, 128, 16) == min(128, DEFAULT_TUNABLES.bias_block_bytes // (4 * 4 * H * n_k))
     assert _blocks.tile_rows(8, 16, 8192, 128, 16) == 16
     assert _blocks.tile_rows(8, 16, 8192, 128, 4) == 4
 
@@ -118,7 +121,7 @@ def _declared_form(bias, q, k, v, mask, ctx):
 
     mode = Mode.of(q)
     call, _ = sdpa._declared(q, k, v, bias, mask, ctx, None, mode)
-    return choose(call, mode, sdpa.COMPILED_ONE_BLOCK_BYTES).form
+    return choose(call, mode, mode.tunables.compiled_one_block_bytes).form
 
 
 def test_what_real_kinds_declare_leads_to_their_form():

@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.attention.backends.engine import denormals as _denormals
+from posenc_lightning.functional.mode import Mode
+from posenc_lightning.functional.tunables import Tunables
 
 __all__ = ["call_flushing_denormals", "flush_denormals"]
 
@@ -47,7 +49,7 @@ def flush_denormals() -> Iterator[bool]:
         yield supported
 
 
-def call_flushing_denormals(fn: Callable[..., Tensor], *args: object) -> Tensor:
+def call_flushing_denormals(fn: Callable[..., Tensor], *args: object, tunables: Tunables | None = None) -> Tensor:
     """``fn(*args)`` with denormals flushed to zero on CPU, in the call and in its backward.
 
     For a LightningModule whose compiled forward runs in ``training_step`` while Lightning runs the
@@ -57,12 +59,14 @@ def call_flushing_denormals(fn: Callable[..., Tensor], *args: object) -> Tensor:
     Args:
         fn: the callable, e.g. a ``torch.compile``-d module or function returning one tensor.
         *args: its arguments.
+        tunables: `Tunables.flush_denormals` False turns the flush off (None: the defaults).
 
     Returns:
         ``fn(*args)``.
     """
-    with _denormals._flush_denormals(torch.device("cpu")):
+    mode = Mode.now("cpu", tunables)  # the user's region, not an attention call: its own mode
+    with _denormals._flush_denormals(mode):
         out = fn(*args)
-    if _denormals.FLUSH_DENORMALS and torch.is_grad_enabled() and out.requires_grad and out.device.type == "cpu":
+    if mode.tunables.flush_denormals and torch.is_grad_enabled() and out.requires_grad and out.device.type == "cpu":
         out = _denormals._DenormalsOnForBackward.apply(out)
     return out

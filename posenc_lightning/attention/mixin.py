@@ -12,6 +12,7 @@ from posenc_lightning.attention.pipeline import context, fused_rotary, run_stage
 from posenc_lightning.attention.validate import check_attend, check_embed
 from posenc_lightning.encodings.base import Encoding
 from posenc_lightning.functional.positions import arange_offset
+from posenc_lightning.functional.tunables import Tunables
 from posenc_lightning.parallel.group import ContextParallelGroup
 
 
@@ -38,6 +39,8 @@ class PosEncAttentionMixin:
     n_heads: int
     head_dim: int
     posenc_backend: str = "auto"
+    #: the backends' block budgets and switches for this module's calls (None: the defaults)
+    posenc_tunables: Tunables | None = None
     #: rotate q, k again in backward instead of keeping the rotated copies (`attention.recompute`)
     posenc_recompute_rotation: bool = True
     #: the context-parallel group this module's calls shard over, or None; set around the batches

@@ -67,7 +67,8 @@ class AttentionContext:
     then the last ``Nq`` keys. None otherwise (``hidden`` covers the keys).
     ``context_len``: the context length when known at construction (else derived: `seq_len`).
     ``mode``: traced or eager and the device type, decided once when the context is made; an
-    encoding reads it (``ctx.mode.host_reads``) instead of asking ``torch.compiler``.
+    encoding reads it (``ctx.mode.host_reads``) instead of asking ``torch.compiler``. It carries
+    the module's ``posenc_tunables`` (`functional.tunables.Tunables`), the defaults where it has none.
     """
 
     q_pos: Tensor
@@ -86,8 +87,9 @@ class AttentionContext:
     mode: Mode = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
-        if self.mode is None:
-            self.mode = Mode.of(self.q_pos)
+        if self.mode is None:  # the attention module's tunables, if it declares them
+            self.mode = Mode.now("cpu" if self.q_pos is None else self.q_pos.device.type,  # (no positions: a test's)
+                                 getattr(self.module, "posenc_tunables", None))
 
     @property
     def ascending(self) -> bool:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
+
 
 @dataclass(frozen=True)
 class Mode:
@@ -18,11 +20,19 @@ class Mode:
 
     compiling: bool
     device: str
+    #: the block budgets and switches of this call (`functional.tunables.Tunables`)
+    tunables: Tunables = DEFAULT_TUNABLES
 
     @classmethod
-    def of(cls, t: Tensor) -> Mode:
-        """The mode of a call on ``t``'s device, now."""
-        return cls(torch.compiler.is_compiling(), t.device.type)
+    def of(cls, t: Tensor, tunables: Tunables | None = None) -> Mode:
+        """The mode of a call on ``t``'s device, now, with ``tunables`` (None: the defaults)."""
+        return cls.now(t.device.type, tunables)
+
+    @classmethod
+    def now(cls, device: str, tunables: Tunables | None = None) -> Mode:
+        """The mode of work on ``device`` (a device type) now: the one place ``is_compiling`` is asked
+        for attention and the encodings' attention-time code."""
+        return cls(torch.compiler.is_compiling(), device, DEFAULT_TUNABLES if tunables is None else tunables)
 
     @property
     def host_reads(self) -> bool:

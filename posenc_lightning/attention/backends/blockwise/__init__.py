@@ -26,25 +26,15 @@ from posenc_lightning.attention.backends.blockwise.tiles import Tiling
 from posenc_lightning.attention.backends.engine.blocks import rows_within, tile_rows
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KeyOnly, Normalizer, Walk
-from posenc_lightning.functional.positions import arange_offset, host_reads_ok
+from posenc_lightning.functional.mode import Mode
+from posenc_lightning.functional.positions import arange_offset
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
 NAME = "blockwise"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
 FUSES_ROTARY = False
 #: the fused form of a normalizer this backend runs (`Normalizer.fused_in`)
 FUSED_NORMALIZER = "tiles"
-#: the most query rows per block and the keys per tile; a block takes as many rows as the engine's
-#: block budget gives ``TILE_LIVE`` tile-sized tensors (`blocks.rows_within`), with a bias computed
-#: by rows fewer (at least ``MIN_BIAS_ROWS``: `blocks.tile_rows`)
-BLOCK_ROWS, BLOCK_KEYS = 256, 256
-MIN_BIAS_ROWS = 16
-#: stick-breaking stops walking a block's key tiles once every row's stick is spent (the rest is
-#: under exp(-80) = 1.8e-35, `functional.stick_breaking.stick_spent`): one host read per tile,
-#: eagerly on CPU only. Data-dependent: with sticks that are not spent it walks every tile.
-STOP_SPENT = True
-#: the tile-sized tensors a backward tile keeps alive together (logits, softplus, sigmoid, weights,
-#: dP, the reversed sums and their flips)
-TILE_LIVE = 8
 
 
 def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:
@@ -58,16 +48,20 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
     return None
 
 
-def block_rows(bias: Bias | None, b: int, h: int, n_k: int) -> int:
-    """Query rows per block: within the block budget for a tile's intermediates, fewer with a bias
-    computed by blocks of rows (not `Bias.distance_only`)."""
+def block_rows(bias: Bias | None, b: int, h: int, n_k: int, tunables: Tunables = DEFAULT_TUNABLES) -> int:
+    """Query rows per block: within the block budget for a tile's intermediates
+    (`Tunables.tile_live` of them, at most `Tunables.block_rows`), fewer with a bias computed by
+    blocks of rows (not `Bias.distance_only`; at least `Tunables.min_bias_rows`)."""
+    t = tunables
     if bias is None or bias.distance_only:
-        return rows_within(BLOCK_ROWS, 4 * b * h * max(1, min(n_k, BLOCK_KEYS)), live=TILE_LIVE, least=MIN_BIAS_ROWS)
-    return tile_rows(b, h, n_k, BLOCK_ROWS, MIN_BIAS_ROWS)
+        return rows_within(t.block_rows, 4 * b * h * max(1, min(n_k, t.block_keys)), live=t.tile_live,
+                           least=t.min_bias_rows, tunables=t)
+    return tile_rows(b, h, n_k, t.block_rows, t.min_bias_rows, tunables=t)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
-           normalizer: Normalizer | None = None, ctx: AttentionContext | None = None) -> Tensor:
+           normalizer: Normalizer | None = None, ctx: AttentionContext | None = None,
+           tunables: Tunables | None = None) -> Tensor:
     if normalizer is None or FUSED_NORMALIZER not in normalizer.fused_in:
         raise ValueError("the blockwise backend runs the normalizers that replace softmax by tiles "
                          "(Normalizer.fused_in 'tiles'); use backend='auto' or 'eager'")
@@ -77,7 +71,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         from posenc_lightning.attention.backends import eager
 
         return eager.attend(q, k, v, bias=bias, mask=mask, scale=scale, normalizer=normalizer, ctx=ctx)
-    rows = block_rows(bias, q.shape[0], q.shape[1], n_k)
+    mode = Mode.of(q, ctx.mode.tunables if tunables is None and ctx is not None else tunables)
+    tunables = mode.tunables
+    rows = block_rows(bias, q.shape[0], q.shape[1], n_k, tunables)
     if ctx is not None:
         normalizer.check_causal(ctx.causal)
     if normalizer.walk is Walk.STICK_BREAKING:
@@ -86,19 +82,22 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         diag = n_k - n_q - (0 if normalizer.attend_current else 1)
         if mask.causal:
             diag = min(diag, mask.q_offset)
-        tiling = Tiling(mask, n_q, n_k, diag, rows, BLOCK_KEYS, descending=True, split_diagonal=True)
+        tiling = Tiling(mask, n_q, n_k, diag, rows, tunables.block_keys, descending=True, split_diagonal=True)
         fold = _channels(bias, mask, ctx, extra, torch.promote_types(q.dtype, torch.float32))
         spec = TilesSpec(tiling, bias, extra, scale, None,
                          *((ctx.q_pos, ctx.k_pos) if ctx is not None else (None, None)),
                          keep_tails=_keeps_tails(q, k, v, extra, tiling), fold=fold,
-                         ascending=ctx is not None and ctx.ascending, stop_spent=STOP_SPENT and host_reads_ok(q))
+                         ascending=ctx is not None and ctx.ascending, stop_spent=tunables.stop_spent and mode.host_reads,
+                         tunables=tunables)
         return StickBreakingBlocks.apply(q, k, v, spec, *extra)
     if ctx is None:
         raise ValueError(f"{normalizer.name}: the blockwise softmax walk needs the positions (ctx)")
-    tiling = Tiling(mask, n_q, n_k, mask.q_offset if mask.causal else None, rows, BLOCK_KEYS, descending=False)
+    tiling = Tiling(mask, n_q, n_k, mask.q_offset if mask.causal else None, rows, tunables.block_keys,
+                    descending=False)
     modulation = normalizer.modulation if normalizer.modulated else None
     spec = TilesSpec(tiling, bias, extra, scale, modulation, ctx.q_pos, ctx.k_pos,
-                     mod_shift=_modulation_shift(normalizer, ctx) if modulation is not None else None)
+                     mod_shift=_modulation_shift(normalizer, ctx) if modulation is not None else None,
+                     tunables=tunables)
     return SoftmaxBlocks.apply(q, k, v, spec, *extra)
 
 

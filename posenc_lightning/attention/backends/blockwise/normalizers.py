@@ -41,6 +41,7 @@ from posenc_lightning.functional.stick_breaking import (
     stick_breaking_tile_backward,
     stick_spent,
 )
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
 
 @dataclass(eq=False)
@@ -68,12 +69,15 @@ class TilesSpec:
     ascending: bool = False
     stop_spent: bool = False
     mod_shift: int | None = None
+    #: the call's block budgets and switches (`functional.mode.Mode.tunables`)
+    tunables: Tunables = DEFAULT_TUNABLES
 
     def bias_tiles(self, h_kv: int, dtype: torch.dtype, mode: Mode, needs: tuple[bool, ...] = ()) -> BiasTiles:
         """`BiasTiles` of a pass in ``mode`` with, per bias input, whether it needs a gradient (an
         ``extra`` that needs one)."""
         bt = BiasTiles(self.bias, self.tiling, h_kv, dtype, self.q_pos, self.k_pos, mode.compiling,
-                       in_channels=self.fold is not None, ascending=self.ascending)
+                       in_channels=self.fold is not None, ascending=self.ascending,
+                       eager_autograd=mode.tunables.eager_autograd)
         if needs:
             bt.need = tuple(any(t is x and n for x, n in zip(self.extra, needs)) for t in bt.inputs)
         return bt
@@ -228,7 +232,8 @@ def _flushing(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def run(ctx, x: Tensor, *args):
-        with _flush_denormals(x.device):
+        spec = args[2] if len(args) > 2 else ctx.spec  # forward(ctx, q, k, v, spec, ...), backward(ctx, d_out)
+        with _flush_denormals(Mode.of(x, spec.tunables)):
             return fn(ctx, x, *args)
 
     return run

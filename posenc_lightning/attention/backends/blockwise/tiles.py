@@ -180,7 +180,7 @@ class BiasTiles:
 
     def __init__(self, bias: Bias | None, tiling: Tiling, h_kv: int, dtype: torch.dtype,
                  q_pos: Tensor | None = None, k_pos: Tensor | None = None, compiling: bool = False,
-                 in_channels: bool = False, ascending: bool = False) -> None:
+                 in_channels: bool = False, ascending: bool = False, eager_autograd: bool = True) -> None:
         self.bias, self.tiling, self.h_kv, self.dtype = bias, tiling, h_kv, dtype
         self.inputs = tuple(bias.grad_inputs() or ()) if bias is not None else ()
         self.need: tuple[bool, ...] = (False,) * len(self.inputs)
@@ -194,6 +194,7 @@ class BiasTiles:
         self._d_rows: Tensor | None = None
         self._vjp: _Routed | None = None
         self.compiling = compiling
+        self.eager_autograd = eager_autograd  # `Tunables.eager_autograd`
         # w[h] * pattern: a tile is one broadcast product, w's gradient a reduction (`Bias.head_scaled`);
         # ``_w``: w in the grouped layout ``[1, H_kv, g, 1, 1]``
         self.factored = bias.head_scaled() if self.per_tile else None
@@ -220,7 +221,8 @@ class BiasTiles:
         inputs = bias.grad_inputs()
         slots = [next((i for i, x in enumerate(self.inputs) if x is t), -1) for t in inputs]
         need = [slot >= 0 and self.need[slot] for slot in slots]
-        block = BlockRows.of(bias, inputs, need, start, stop, k_stop, self.compiling)
+        block = BlockRows.of(bias, inputs, need, start, stop, k_stop, self.compiling,
+                             eager_autograd=self.eager_autograd)
         return block.rows, _Routed(block, slots, self)
 
     def start(self, start: int, stop: int, k_stop: int, grad: bool = False) -> None:

@@ -153,12 +153,6 @@ class Scratch:
         return torch._softmax(s, -1, False, out=self.view(i, shape)) if self.eager else torch.softmax(s, -1)
 
 
-#: eagerly, a block's bias is differentiated with ``autograd.grad`` on its small graph rather than
-#: ``torch.func.vjp``, whose per-call overhead (pytrees, signature binding) can be most of a cheap
-#: block's backward; under compile ``torch.func.vjp`` (traceable)
-EAGER_AUTOGRAD = True
-
-
 def _autograd_records() -> bool:
     """Autograd records here (with grad mode on): not inside a custom operator's kernel, where the
     autograd dispatch keys are excluded whatever the grad mode."""
@@ -188,13 +182,14 @@ def _recording() -> Iterator[None]:
         yield
 
 
-def block_vjp(fn: Callable[..., Tensor], *primals: Tensor, compiling: bool = False
+def block_vjp(fn: Callable[..., Tensor], *primals: Tensor, compiling: bool = False, eager_autograd: bool = True
               ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]]:
     """``(fn(*primals), pullback)`` with ``pullback(g)`` the gradients of ``<fn(...), g>`` to every
     primal (zeros for one ``fn`` does not use), as ``torch.func.vjp``; eagerly through autograd
     (inside a custom operator's kernel too, `_recording`). ``compiling``: traced by
-    ``torch.compile``, as the caller's `mode.Mode` says."""
-    if compiling or not EAGER_AUTOGRAD:
+    ``torch.compile``, as the caller's `mode.Mode` says; ``eager_autograd``: its
+    `Tunables.eager_autograd` (False: ``torch.func.vjp`` eagerly too)."""
+    if compiling or not eager_autograd:
         return torch.func.vjp(fn, *primals)
     leaves = [p.detach().requires_grad_() for p in primals]
     with _recording():

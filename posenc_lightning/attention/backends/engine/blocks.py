@@ -1,5 +1,5 @@
 """The block engine shared by sdpa's rows (`sdpa`) and the blockwise backend's tiles (`tiles`): how many
-query rows one block takes (one budget, `BIAS_BLOCK_BYTES`), and a block's bias rows recomputed from
+query rows one block takes (one budget, `Tunables.bias_block_bytes`), and a block's bias rows recomputed from
 stand-ins for the bias's inputs with their gradient routed back to those inputs (`BlockRows`),
 whether a block's rows are new, so that its mask may be written into them (`owned_rows`), and a
 block's causal mask added to it (`hide_after_diagonal`).
@@ -20,40 +20,37 @@ from torch import Tensor
 from posenc_lightning.attention.backends.engine.block_grad import block_vjp
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
-#: the bytes of one block of bias rows (``[B|1, H, rows, keys]`` float32), never the whole
-#: ``[H, N, N]``. Content-dependent rows (an MLP per pair, gates and counts) keep several
-#: temporaries of this size, so it is small next to the attention's own memory; smaller blocks
-#: cost more per-block overhead than they save (the measurements are in CHANGELOG.md).
-BIAS_BLOCK_BYTES = 8 * 2**20
-#: the fewest query rows of a block, whatever the budget says (a block's fixed cost)
-MIN_ROWS = 16
 _F32 = 4
 
 
-def rows_within(n_rows: int, row_bytes: int, live: int = 1, least: int = MIN_ROWS) -> int:
+def rows_within(n_rows: int, row_bytes: int, live: int = 1, least: int | None = None, *,
+                tunables: Tunables = DEFAULT_TUNABLES) -> int:
     """Query rows per block so that ``live`` block-sized tensors of ``row_bytes`` per row fit in
-    `BIAS_BLOCK_BYTES`: at least ``least``, at most ``n_rows``.
+    the block budget (`Tunables.bias_block_bytes`): at least ``least``, at most ``n_rows``.
 
     Args:
         n_rows: the most rows a block may take (the queries, or a backend's own cap).
         row_bytes: bytes of one query row of one such tensor.
         live: how many such tensors a block keeps alive together.
-        least: the fewest rows.
+        least: the fewest rows (None: `Tunables.min_rows`).
+        tunables: the call's (`functional.mode.Mode.tunables`).
 
     Returns:
         The rows per block.
     """
-    return int(min(n_rows, max(least, BIAS_BLOCK_BYTES // (live * max(row_bytes, 1)))))
+    least = tunables.min_rows if least is None else least
+    return int(min(n_rows, max(least, tunables.bias_block_bytes // (live * max(row_bytes, 1)))))
 
 
-def forward_rows(n_heads: int, n_q: int, n_k: int) -> int:
+def forward_rows(n_heads: int, n_q: int, n_k: int, *, tunables: Tunables = DEFAULT_TUNABLES) -> int:
     """Query rows per block of sdpa's forward by rows: one block of bias ``[1, H, rows, keys]``."""
-    return rows_within(n_q, _F32 * n_heads * max(n_k, 1))
+    return rows_within(n_q, _F32 * n_heads * max(n_k, 1), tunables=tunables)
 
 
 def backward_rows(b: int, n_heads: int, n_q: int, n_k: int, share: float = 1.0, released: bool = False,
-                  threads: int = 1) -> int:
+                  threads: int = 1, *, tunables: Tunables = DEFAULT_TUNABLES) -> int:
     """Query rows per block of the own backward passes: half a forward block, as the logits, the
     weights, ``dS`` and the bias rows of a block are alive together; ``share`` of that for a bias
     whose recomputed rows keep more row-sized state (`Bias.backward_share`).
@@ -69,20 +66,21 @@ def backward_rows(b: int, n_heads: int, n_q: int, n_k: int, share: float = 1.0, 
             keeps half a block times ``share``.
         threads: the intra-op threads the backward runs on (1 where traced: no thread count is read
             inside a compiled graph).
+        tunables: the call's (`functional.mode.Mode.tunables`).
 
     Returns:
         The rows per block.
     """
     whole = released and share >= 1.0 and threads > 1
-    rows = rows_within(n_q, _F32 * b * n_heads * max(n_k, 1), live=1 if whole else 2)
-    return rows if share >= 1.0 else max(MIN_ROWS // 2, int(rows * share))
+    rows = rows_within(n_q, _F32 * b * n_heads * max(n_k, 1), live=1 if whole else 2, tunables=tunables)
+    return rows if share >= 1.0 else max(tunables.min_rows // 2, int(rows * share))
 
 
-def tile_rows(b: int, n_heads: int, n_k: int, cap: int, least: int) -> int:
+def tile_rows(b: int, n_heads: int, n_k: int, cap: int, least: int, *, tunables: Tunables = DEFAULT_TUNABLES) -> int:
     """Query rows per block of the blockwise backend with a bias computed by rows: a block's bias
     rows and their gradient live across all its key tiles, beside the rows' own intermediates
     (four block-sized tensors); at most ``cap``, at least ``least``."""
-    return rows_within(cap, _F32 * b * n_heads * max(n_k, 1), live=4, least=least)
+    return rows_within(cap, _F32 * b * n_heads * max(n_k, 1), live=4, least=least, tunables=tunables)
 
 
 def wide_zeros(t: Tensor) -> Tensor:
@@ -113,7 +111,8 @@ class BlockRows:
 
     @classmethod
     def of(cls, bias: Bias, inputs: Sequence[Tensor], need: Sequence[bool], start: int, stop: int, k_stop: int,
-           compiling: bool, k_start: int = 0, diagonal: int | None = None) -> BlockRows:
+           compiling: bool, k_start: int = 0, diagonal: int | None = None, eager_autograd: bool = True
+           ) -> BlockRows:
         """The rows ``[start, stop) x [k_start, k_stop)`` of ``bias`` from detached windows of its
         ``inputs`` (`Bias.grad_inputs`), differentiable to those where ``need``: by the bias's own
         `Bias.rows_and_pullback` where it has one (eagerly, all the keys, grad mode off), else
@@ -130,6 +129,7 @@ class BlockRows:
             k_start: first key (`Bias.rows_past`; the windows are those of keys ``[0, k_stop)``).
             diagonal: the caller's causal mask hides key ``j`` from row ``start + r`` where ``j >
                 diagonal + r`` (`Bias.rows_and_pullback`'s), or None.
+            eager_autograd: the call's `Tunables.eager_autograd` (`block_grad.block_vjp`).
 
         Returns:
             The block.
@@ -152,7 +152,8 @@ class BlockRows:
             fused = bias.rows_and_pullback(start, stop, k_stop, views, need, diagonal)  # `Bias.rows_and_pullback`
             if fused is not None:
                 return cls(fused[0], fused[1], live, windows)
-        rows, pullback = block_vjp(rows_of, *[views[i] for i in live], compiling=compiling)
+        rows, pullback = block_vjp(rows_of, *[views[i] for i in live], compiling=compiling,
+                                   eager_autograd=eager_autograd)
         return cls(rows.detach(), pullback, live, windows)
 
     def backward(self, d_rows: Tensor, into: Callable[[int], Tensor]) -> None:

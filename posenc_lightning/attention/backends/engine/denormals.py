@@ -13,11 +13,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-#: biased softmax weights decay into the denormal range (exp(-90)), where x86 CPU arithmetic
-#: is many times slower; flush them to zero inside the
-#: biased SDPA calls and their backward (CPU only). The setting is restored to PyTorch's
-#: default (off) afterwards.
-FLUSH_DENORMALS = True
+from posenc_lightning.functional.mode import Mode
+
 #: `flush_denormals()` regions open now: inside one, the switches here leave flush-to-zero on
 #: where they would turn it off
 _USER_REGIONS = 0
@@ -83,9 +80,10 @@ def _restore() -> None:
     set_flush_denormal(_USER_REGIONS > 0)
 
 
-def _flush_in_backward(*xs: Tensor) -> bool:
-    return (FLUSH_DENORMALS and torch.is_grad_enabled() and xs[0].device.type == "cpu"
-            and any(x.requires_grad for x in xs) and not torch.compiler.is_compiling())
+def _flush_in_backward(mode: Mode, *xs: Tensor) -> bool:
+    """Whether a call in ``mode`` on ``xs`` flushes in its backward (`Tunables.flush_denormals`)."""
+    return (mode.tunables.flush_denormals and torch.is_grad_enabled() and mode.device == "cpu"
+            and any(x.requires_grad for x in xs) and not mode.compiling)
 
 
 class _DenormalsOnForBackward(torch.autograd.Function):
@@ -121,9 +119,10 @@ class _DenormalsOffAfterBackward(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _flush_denormals(device: torch.device):
-    if torch.compiler.is_compiling() or not (FLUSH_DENORMALS and device.type == "cpu"
-                                               and set_flush_denormal(True)):
+def _flush_denormals(mode: Mode):
+    """Flush-to-zero on for the block of a call in ``mode`` (eagerly on CPU, `Tunables.flush_denormals`)."""
+    if mode.compiling or not (mode.tunables.flush_denormals and mode.device == "cpu"
+                              and set_flush_denormal(True)):
         yield
         return
     try:

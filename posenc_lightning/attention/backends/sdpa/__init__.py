@@ -42,6 +42,7 @@ from posenc_lightning.attention.backends.sdpa.toeplitz import (
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KeyOnly, Normalizer
 from posenc_lightning.functional.mode import Mode
+from posenc_lightning.functional.tunables import Tunables
 
 __all__ = ["attend", "backward_rows", "block_rows", "rows_backward", "supports",
            "toeplitz_backward"]
@@ -49,14 +50,6 @@ __all__ = ["attend", "backward_rows", "block_rows", "rows_backward", "supports",
 NAME = "sdpa"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
 FUSES_ROTARY = False
-#: recompute each block's bias in backward instead of keeping every block alive until then
-CHECKPOINT_BLOCKS = True
-#: under compile on CPU, an attention whose weights ``[B, H, Nq, Nk]`` fit in this many bytes
-#: (float32) runs as one traced block: the bias rows, SDPA's math form and its backward through
-#: autograd, all fused by inductor (at most this much saved for backward). Below it, the fixed
-#: cost of a loop over blocks (the own backward, the opaque operator) outweighs the work (the
-#: measurements are in CHANGELOG.md).
-COMPILED_ONE_BLOCK_BYTES = 2 * 2**20
 #: query rows per block of sdpa's forward by rows (`blocks.forward_rows`), the name `opaque_op` calls
 block_rows = forward_rows
 
@@ -68,23 +61,26 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
-           normalizer: Normalizer | None = None, ctx: AttentionContext | None = None) -> Tensor:
+           normalizer: Normalizer | None = None, ctx: AttentionContext | None = None,
+           tunables: Tunables | None = None) -> Tensor:
+    """``tunables``: the block budgets and switches of this call (None: the context's, which carry
+    the attention module's ``posenc_tunables``, else the defaults)."""
     if normalizer is not None:
         raise ValueError("the sdpa backend cannot replace softmax; use backend='eager'")
     gqa = k.shape[1] != q.shape[1]
+    mode = Mode.of(q, ctx.mode.tunables if tunables is None and ctx is not None else tunables)
     if bias is not None:
-        flush = _flush_in_backward(q, k, v)
+        flush = _flush_in_backward(mode, q, k, v)
         given = (q, k)  # a bias computed from q or k names these
         if flush:
             q, k, v = _DenormalsOffAfterBackward.apply(q, k, v)
-        with _flush_denormals(q.device):
-            out = _attend_biased(q, k, v, bias, mask, scale, gqa, ctx, given)
+        with _flush_denormals(mode):
+            out = _attend_biased(q, k, v, bias, mask, scale, gqa, ctx, given, mode)
         return _DenormalsOnForBackward.apply(out) if flush else out
     b, n_q, n_k = q.shape[0], q.shape[-2], k.shape[-2]
     call = Call(b, q.shape[1], n_q, n_k, bias=False, plain_mask=mask.is_plain_causal or mask.is_trivial,
                 offset_causal=mask.causal and mask.q_offset > 0, recomputable=True,
                 grads=q.requires_grad or k.requires_grad or v.requires_grad, grad_mode=torch.is_grad_enabled())
-    mode = Mode.of(q)
     plan = choose(call, mode)
     if plan.form is Form.SDPA:
         return F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, scale=scale, enable_gqa=gqa)
@@ -113,13 +109,12 @@ def _zero_rows(n_heads: int, n_q: int, n_k: int, device: torch.device) -> Bias:
 
 
 def _attend_biased(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,
-                   ctx: AttentionContext | None, given: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                   ctx: AttentionContext | None, given: tuple[Tensor, Tensor] | None, mode: Mode) -> Tensor:
     """The cheapest exact form of a biased attention (`plan.Form`): what the call declares is read
     once (`_declared`), the form chosen from it (`plan.choose`), then run (`_run`)."""
-    mode = Mode.of(q)
     call, found = _declared(q, k, v, bias, mask, ctx, given, mode)
-    return _run(choose(call, mode, COMPILED_ONE_BLOCK_BYTES), q, k, v, bias, mask, scale, gqa, ctx, given, mode,
-                found)
+    return _run(choose(call, mode, mode.tunables.compiled_one_block_bytes), q, k, v, bias, mask, scale, gqa, ctx,
+                given, mode, found)
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,7 +163,7 @@ def _run(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attentio
     if form is Form.ONE_BLOCK:
         return attend_rows(q, k, v, bias, mask, scale, gqa, 0, n_q, mode.compiling)
     if form is Form.OPAQUE:
-        out = opaque_attention(q, k, v, bias, mask, scale, ctx)
+        out = opaque_attention(q, k, v, bias, mask, scale, ctx, mode.tunables)
         return out if out is not None else _run(plan.fallback, q, k, v, bias, mask, scale, gqa, ctx, given, mode,
                                                 found)
     if form is Form.KEY_MASK:
@@ -180,16 +175,16 @@ def _run(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attentio
         if u is None:
             return _run(plan.fallback, q, k, v, bias, mask, scale, gqa, ctx, given, mode, found)
         if u.requires_grad and torch.is_grad_enabled():  # a learned template: its own backward
-            return ToeplitzAttention.apply(q, k, v, u, mask.causal, mask.q_offset, scale, gqa)
+            return ToeplitzAttention.apply(q, k, v, u, mask.causal, mask.q_offset, scale, gqa, mode.tunables)
         return attend_toeplitz(q, k, v, u.to(q.dtype), mask, scale, gqa)
     if form is Form.OWN_BACKWARD:
-        spec, extra = RowsSpec.route(bias, mask, scale, bias.grad_inputs(), q, k, given)
+        spec, extra = RowsSpec.route(bias, mask, scale, bias.grad_inputs(), q, k, given, tunables=mode.tunables)
         return RowsAttention.apply(q, k, v, replace(spec, kernel_runs=plan.kernel_runs), *extra)
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32) if plan.kernel_runs else None  # no backward reads it
     if plan.rows >= n_q:
         return attend_rows(q, k, v, bias, mask, scale, gqa, 0, n_q, mode.compiling, lse)
     return attend_by_rows(q, k, v, bias, mask, scale, gqa, plan.rows,
-                           checkpointed=CHECKPOINT_BLOCKS and torch.is_grad_enabled(), compiling=mode.compiling,
-                           lse=lse)
+                           checkpointed=mode.tunables.checkpoint_blocks and torch.is_grad_enabled(),
+                           compiling=mode.compiling, lse=lse, tunables=mode.tunables)
 
 

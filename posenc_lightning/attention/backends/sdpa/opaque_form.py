@@ -19,12 +19,13 @@ from torch import Tensor
 
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
 __all__ = ["opaque_attention", "template"]
 
 
 def opaque_attention(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float,
-                     ctx: AttentionContext) -> Tensor | None:
+                     ctx: AttentionContext, tunables: Tunables = DEFAULT_TUNABLES) -> Tensor | None:
     """``posenc::opaque_sdpa`` for a bias with opaque operands, on CPU, under a plain (causal or
     full) mask.
 
@@ -36,6 +37,7 @@ def opaque_attention(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attentio
         mask: the attention mask.
         scale: the logit scale.
         ctx: the positions (``q_start``/``k_start`` known: the template is traced in the graph).
+        tunables: the call's block budgets (`Tunables.as_floats` into the operator).
 
     Returns:
         The attention output ``[B, H, Nq, Dv]``, or None where the operator does not apply (the
@@ -47,7 +49,8 @@ def opaque_attention(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attentio
     static = ctx.q_start is not None and ctx.k_start is not None and not ctx.q_pos.dtype.is_floating_point
     u = template(bias, ctx.q_start - ctx.k_start, mask, q.shape[1], q.device) if static else None
     out, _, _ = torch.ops.posenc.opaque_sdpa(q, k, v, list(operands.tensors), u, operands.kind, list(operands.ints),
-                                             list(operands.floats), mask.causal, mask.q_offset, scale)
+                                             list(operands.floats), mask.causal, mask.q_offset, scale,
+                                             tunables.as_floats())
     return out
 
 

@@ -19,16 +19,20 @@ from posenc_lightning.attention.backends.sdpa.rows import RowsSpec, Sink, Target
 from posenc_lightning.attention.backends.sdpa.toeplitz import attend_toeplitz, toeplitz_backward
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.bias import Bias, Index, rebuild_bias
+from posenc_lightning.functional.tunables import Tunables
 
 __all__ = ["opaque_sdpa", "opaque_sdpa_backward"]
 
 
 @torch.library.custom_op("posenc::opaque_sdpa", mutates_args=())
 def opaque_sdpa(q: Tensor, k: Tensor, v: Tensor, operands: list[Tensor], u: Tensor | None, kind: str, ints: list[int],
-                floats: list[float], causal: bool, q_offset: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                floats: list[float], causal: bool, q_offset: int, scale: float, tunables: list[float]
+                ) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, u_used, toeplitz)``: the attention output ``[B, H, Nq, Dv]`` (laid out as SDPA's),
     the template the backward reads (zeros unless ``toeplitz``) and whether the Toeplitz form ran.
-    ``u``: the template computed in the graph (static positions), or None: computed here."""
+    ``u``: the template computed in the graph (static positions), or None: computed here.
+    ``tunables``: the call's `Tunables.as_floats` (an operator takes no Python object)."""
+    tun = Tunables.from_floats(tunables)
     n_q, n_k = q.shape[-2], k.shape[-2]
     mask = AttentionMask(causal, q_offset, n_q, n_k)
     gqa = k.shape[1] != q.shape[1]
@@ -40,7 +44,8 @@ def opaque_sdpa(q: Tensor, k: Tensor, v: Tensor, operands: list[Tensor], u: Tens
             # detached: a mask that requires grad sends SDPA to its math kernel, even here
             out = attend_toeplitz(q, k, v, u.detach().to(q.dtype), mask, scale, gqa)
         else:
-            out = attend_by_rows(q, k, v, bias, mask, scale, gqa, forward_rows(q.shape[1], n_q, n_k))
+            out = attend_by_rows(q, k, v, bias, mask, scale, gqa, forward_rows(q.shape[1], n_q, n_k, tunables=tun),
+                                 tunables=tun)
     u_out = u.float().clone() if shift is not None else q.new_zeros(q.shape[1], n_q + n_k - 1, dtype=torch.float32)
     return _laid_out(out, _sdpa_layout(q, v)), u_out, torch.tensor(shift is not None)
 
@@ -58,7 +63,7 @@ def _laid_out(t: Tensor, like: Tensor) -> Tensor:
 
 
 @opaque_sdpa.register_fake
-def _(q, k, v, operands, u, kind, ints, floats, causal, q_offset, scale):
+def _(q, k, v, operands, u, kind, ints, floats, causal, q_offset, scale, tunables):
     n_q, n_k = q.shape[-2], k.shape[-2]
     return (_sdpa_layout(q, v), q.new_empty(q.shape[1], n_q + n_k - 1, dtype=torch.float32),
             q.new_empty((), dtype=torch.bool))
@@ -100,17 +105,19 @@ class _DifferentiatedRows(Bias):
 @torch.library.custom_op("posenc::opaque_sdpa_backward", mutates_args=())
 def opaque_sdpa_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, u: Tensor, toeplitz: Tensor,
                          operands: list[Tensor], kind: str, ints: list[int], floats: list[float], causal: bool,
-                         q_offset: int, scale: float, u_given: bool, need: list[bool]) -> list[Tensor]:
+                         q_offset: int, scale: float, tunables: list[float], u_given: bool, need: list[bool]
+                         ) -> list[Tensor]:
     """``[dq, dk, dv, *d_operands, du]`` (zeros where ``need`` is False or the form that ran has
     none): the eager backward of that form (`toeplitz_backward`, then ``du`` to the given
     template or, computed here, through the template's vjp; or `rows_backward`)."""
     mask = AttentionMask(causal, q_offset, q.shape[-2], k.shape[-2])
     bias = rebuild_bias(kind, operands, ints, floats)
+    tun = Tunables.from_floats(tunables)
     need_ops = need[3:-1]
     grads: list[Tensor | None] = [None] * (len(operands) + 1)
     if bool(toeplitz):
         want_u = any(need[3:])
-        dq, dk, dv, du = toeplitz_backward(q, k, v, u, out, d_out, causal, q_offset, scale, want_u)
+        dq, dk, dv, du = toeplitz_backward(q, k, v, u, out, d_out, causal, q_offset, scale, want_u, tunables=tun)
         if u_given:
             grads[-1] = du
         elif want_u:
@@ -139,7 +146,7 @@ def opaque_sdpa_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
             if i not in extra:
                 extra.append(i)
             targets.append(Target(Sink.EXTRA, extra.index(i)))
-        spec = RowsSpec(_DifferentiatedRows(bias), mask, scale, tuple(inputs), tuple(targets))
+        spec = RowsSpec(_DifferentiatedRows(bias), mask, scale, tuple(inputs), tuple(targets), tunables=tun)
         dq, dk, dv, g = rows_backward(q, k, v, out, d_out, spec, (*need[:3], False, *[True] * len(extra)))
         for j, i in enumerate(extra):
             grads[i] = g[j]
@@ -149,16 +156,17 @@ def opaque_sdpa_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
 
 
 @opaque_sdpa_backward.register_fake
-def _(d_out, q, k, v, out, u, toeplitz, operands, kind, ints, floats, causal, q_offset, scale, u_given, need):
+def _(d_out, q, k, v, out, u, toeplitz, operands, kind, ints, floats, causal, q_offset, scale, tunables, u_given,
+      need):
     return [torch.empty_like(t) for t in (q, k, v, *operands, u)]
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    q, k, v, operands, u_in, kind, ints, floats, causal, q_offset, scale = inputs
+    q, k, v, operands, u_in, kind, ints, floats, causal, q_offset, scale, tunables = inputs
     out, u, toeplitz = output
     ctx.n_operands = len(operands)
     ctx.save_for_backward(q, k, v, out, u, toeplitz, *operands)
-    ctx.args = (kind, ints, floats, causal, q_offset, scale, u_in is not None)
+    ctx.args = (kind, ints, floats, causal, q_offset, scale, tunables, u_in is not None)
 
 
 def _backward(ctx, d_out: Tensor, _du: Tensor, _dt: Tensor) -> tuple:
@@ -173,7 +181,7 @@ def _backward(ctx, d_out: Tensor, _du: Tensor, _dt: Tensor) -> tuple:
     n_ops, ints, floats = ctx.n_operands, ctx.args[1], ctx.args[2]
     # no gradient for the constants: None, or an empty list for an empty one (autograd's structure)
     return (*kept[:3], kept[3:3 + n_ops], kept[3 + n_ops], None, None if ints else [], None if floats else [],
-            None, None, None)
+            None, None, None, None)
 
 
 opaque_sdpa.register_autograd(_backward, setup_context=_setup_context)

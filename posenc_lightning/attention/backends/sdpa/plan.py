@@ -94,7 +94,7 @@ def choose(call: Call, mode: Mode, one_block_bytes: int = 0) -> Plan:
         call: what the call declares.
         mode: eager or traced, and the device.
         one_block_bytes: compiled on CPU, attention weights ``[B, H, Nq, Nk]`` (float32) up to
-            this size run as one traced block (`sdpa.COMPILED_ONE_BLOCK_BYTES`).
+            this size run as one traced block (sdpa passes `Tunables.compiled_one_block_bytes`).
 
     Returns:
         The plan.
@@ -102,7 +102,7 @@ def choose(call: Call, mode: Mode, one_block_bytes: int = 0) -> Plan:
     if not call.bias:
         if call.plain_mask:
             return Plan(Form.SDPA)
-        if call.offset_causal and 4 * call.batch * call.n_q * call.n_k > _blocks.BIAS_BLOCK_BYTES:
+        if call.offset_causal and 4 * call.batch * call.n_q * call.n_k > mode.tunables.bias_block_bytes:
             # an offset SDPA's is_causal cannot express, with a mask larger than a bias block:
             # its rows a block at a time (a zero bias)
             return _rows(call, mode)
@@ -123,7 +123,7 @@ def _rows(call: Call, mode: Mode) -> Plan:
     """Blocks of query rows: the engine's own backward when the bias recomputes its rows and
     something needs a gradient, else each block checkpointed under grad mode."""
     if call.grad_mode and call.recomputable and call.grads:
-        return Plan(Form.OWN_BACKWARD, rows=_blocks.forward_rows(call.heads, call.n_q, call.n_k),
+        return Plan(Form.OWN_BACKWARD, rows=_blocks.forward_rows(call.heads, call.n_q, call.n_k, tunables=mode.tunables),
                     kernel_runs=call.kernel_runs and mode.host_reads)
-    return Plan(Form.ROWS, rows=_blocks.forward_rows(call.heads, call.n_q, call.n_k),
+    return Plan(Form.ROWS, rows=_blocks.forward_rows(call.heads, call.n_q, call.n_k, tunables=mode.tunables),
                 kernel_runs=call.kernel_runs and mode.host_reads and not call.grad_mode)

@@ -28,6 +28,7 @@ from posenc_lightning.attention.backends.sdpa.runs import run_backward, run_bloc
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias
 from posenc_lightning.functional.mode import Mode
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
 
 class Sink(enum.Enum):
@@ -60,10 +61,13 @@ class RowsSpec:
     #: the forward keeps its rows' log-sum-exp, so that blocks whose bias is one value per row over
     #: a run of keys run on SDPA's CPU kernel, forward and backward (`runs`)
     kernel_runs: bool = False
+    #: the call's block budgets and switches (`functional.mode.Mode.tunables`)
+    tunables: Tunables = DEFAULT_TUNABLES
 
     @classmethod
     def route(cls, bias: Bias, mask: AttentionMask, scale: float, inputs: Sequence[Tensor], q: Tensor, k: Tensor,
-              given: tuple[Tensor, Tensor] | None = None) -> tuple[RowsSpec, list[Tensor]]:
+              given: tuple[Tensor, Tensor] | None = None, tunables: Tunables = DEFAULT_TUNABLES
+              ) -> tuple[RowsSpec, list[Tensor]]:
         """The spec and the distinct extra inputs that need a gradient (in their slots' order).
 
         Args:
@@ -71,6 +75,7 @@ class RowsSpec:
             inputs: ``bias.grad_inputs()``.
             q, k: the attention's q and k.
             given: the q and k the caller was given, when ``q``/``k`` are identity stand-ins for them.
+            tunables: the call's (`functional.mode.Mode.tunables`).
 
         Returns:
             ``(spec, extra)``.
@@ -89,7 +94,7 @@ class RowsSpec:
                 targets.append(Target(Sink.EXTRA, slots[id(t)]))
             else:
                 targets.append(Target(Sink.NONE))
-        return cls(bias, mask, scale, tuple(inputs), tuple(targets)), extra
+        return cls(bias, mask, scale, tuple(inputs), tuple(targets), tunables=tunables), extra
 
 
 @dataclass
@@ -145,7 +150,8 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
 
     def add_bias(start: int, stop: int, k_stop: int, s: Tensor, unit: float = 1.0) -> None:
         flight.block = BlockRows.of(spec.bias, spec.inputs, live, start, stop, k_stop, compiling,
-                                    diagonal=start + spec.mask.q_offset if spec.mask.causal else None)
+                                    diagonal=start + spec.mask.q_offset if spec.mask.causal else None,
+                                    eager_autograd=spec.tunables.eager_autograd)
         s.add_(flight.block.release().to(s.dtype).view(-1, *s.shape[1:]), alpha=unit)  # the rows freed here
         masked(s, spec.mask, start, stop, k_stop, inplace=True, group_dim=True, hides=hides)
 
@@ -154,7 +160,7 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
         block.backward(ds.reshape(b, h, stop - start, k_stop), into)
 
     rows = backward_rows(b, h, n_q, n_k, spec.bias.backward_share, released=True,  # `add_bias` releases
-                         threads=1 if compiling else torch.get_num_threads())
+                         threads=1 if compiling else torch.get_num_threads(), tunables=spec.tunables)
     on_ds = to_inputs if any(live) else None
     if lse is None:
         dq, dk, dv = attention_backward_by_blocks(
@@ -177,11 +183,11 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
                     dk=dk, dv=dv, scratch=scratch[0], compiling=compiling, lse=lse, blocks=own)
                 own.clear()
 
-        for start, stop, k_stop, c in run_blocks(spec.bias, spec.mask, b, h, n_q, n_k, rows):
+        for start, stop, k_stop, c in run_blocks(spec.bias, spec.mask, b, h, n_q, n_k, rows, tunables=spec.tunables):
             if c:
                 run_own()
                 run_backward(q, k, v, out, d_out, lse, spec.bias, spec.inputs, live, spec.mask, spec.scale, start,
-                             stop, k_stop, c, (dq, dk, dv), into, compiling, hides)
+                             stop, k_stop, c, (dq, dk, dv), into, compiling, hides, spec.tunables.eager_autograd)
             else:
                 own.append((start, stop))
         run_own()
@@ -272,17 +278,17 @@ def attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask
 
 
 def attend_by_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,
-                    rows: int, checkpointed: bool = False, compiling: bool = False, lse: Tensor | None = None
-                    ) -> Tensor:
+                    rows: int, checkpointed: bool = False, compiling: bool = False, lse: Tensor | None = None,
+                    tunables: Tunables = DEFAULT_TUNABLES) -> Tensor:
     """`attend_rows` over consecutive blocks of ``rows`` queries, each recomputed in backward
     when ``checkpointed``; ``compiling``: traced by ``torch.compile`` (`mode.Mode`; a custom
     operator's kernel runs eagerly); ``lse``: written with the rows' log-sum-exp, and blocks whose
-    bias has a constant run in the run form (`runs.run_blocks`)."""
+    bias has a constant run in the run form (`runs.run_blocks`, sized by ``tunables``)."""
     from torch.utils.checkpoint import checkpoint
 
     n_q = q.shape[-2]
     if lse is not None:
-        blocks = _runs.run_blocks(bias, mask, q.shape[0], q.shape[1], n_q, k.shape[-2], rows)
+        blocks = _runs.run_blocks(bias, mask, q.shape[0], q.shape[1], n_q, k.shape[-2], rows, tunables=tunables)
         hides: dict = {}  # eagerly (`lse`): the blocks' causal triangles, built once a shape
         return collect_rows(q, v, ((s, e, _runs.attend_run(q, k, v, bias, mask, scale, s, e, ke, c, lse, hides) if c else
                                     attend_rows(q, k, v, bias, mask, scale, gqa, s, e, compiling, lse, hides))
@@ -310,10 +316,10 @@ class RowsAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: RowsSpec, *extra: Tensor) -> Tensor:
         gqa = k.shape[1] != q.shape[1]
-        rows = forward_rows(q.shape[1], q.shape[-2], k.shape[-2])
+        rows = forward_rows(q.shape[1], q.shape[-2], k.shape[-2], tunables=spec.tunables)
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32) if spec.kernel_runs else None
         out = attend_by_rows(q, k, v, spec.bias, spec.mask, spec.scale, gqa, rows, compiling=Mode.of(q).compiling,
-                              lse=lse)
+                              lse=lse, tunables=spec.tunables)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec = spec
         return out

@@ -17,51 +17,39 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.attention.backends.engine.blocks import BlockRows, hide_after_diagonal, owned_rows
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias, cut
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
-#: a block runs in this form where the keys past its bias's constant run are at most this share of
-#: its keys: the run's keys then save more than the second kernel call and the ``dS`` of the rest cost
-RUN_SHARE = 0.7
-
-#: a block of the run form takes ``sqrt(RUN_KEYS_PER_ROW * keys)`` query rows (`run_rows`): each
-#: block's kernel calls read and write gradients of all its keys (``dk, dv``: a cost per block that
-#: grows with the keys), while the keys past the run grow with its rows (the band: its rows plus
-#: the run's distance); the square root balances the two
-RUN_KEYS_PER_ROW = 80
-#: band-sized float32 tensors a run-form block keeps alive together (the bias's saved state for its
-#: gradient, the weights and ``dS`` of the band), its band taken as twice its rows: with the block
-#: budget (`blocks.BIAS_BLOCK_BYTES`) they bound its rows
-RUN_LIVE = 6
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def run_of(bias: Bias, start: int, stop: int, k_stop: int) -> int:
+def run_of(bias: Bias, start: int, stop: int, k_stop: int, *, tunables: Tunables = DEFAULT_TUNABLES) -> int:
     """The key ``c`` where the keys past the constant run of rows ``[start, stop)`` begin, where this
-    form pays (`RUN_SHARE`); 0 where it does not."""
+    form pays (`Tunables.run_share`); 0 where it does not."""
     c = bias.constant_before(start, stop, k_stop)
-    return c if 0 < c < k_stop and k_stop - c <= RUN_SHARE * k_stop else 0
+    return c if 0 < c < k_stop and k_stop - c <= tunables.run_share * k_stop else 0
 
 
-def run_rows(keys: int, batch: int, heads: int) -> int:
-    """Query rows of a run-form block whose first query sees ``keys`` keys (`RUN_KEYS_PER_ROW`), within
-    the block budget (`RUN_LIVE`)."""
-    most = (_blocks.BIAS_BLOCK_BYTES / (RUN_LIVE * 4 * 2 * batch * heads)) ** 0.5
-    return max(_blocks.MIN_ROWS, int(min(most, (RUN_KEYS_PER_ROW * max(keys, 1)) ** 0.5)))
+def run_rows(keys: int, batch: int, heads: int, *, tunables: Tunables = DEFAULT_TUNABLES) -> int:
+    """Query rows of a run-form block whose first query sees ``keys`` keys (`Tunables.run_keys_per_row`),
+    within the block budget (`Tunables.run_live`)."""
+    most = (tunables.bias_block_bytes / (tunables.run_live * 4 * 2 * batch * heads)) ** 0.5
+    return max(tunables.min_rows, int(min(most, (tunables.run_keys_per_row * max(keys, 1)) ** 0.5)))
 
 
-def run_blocks(bias: Bias, mask: AttentionMask, batch: int, heads: int, n_q: int, n_k: int, rows: int
-               ) -> Iterator[tuple[int, int, int, int]]:
+def run_blocks(bias: Bias, mask: AttentionMask, batch: int, heads: int, n_q: int, n_k: int, rows: int, *,
+               tunables: Tunables = DEFAULT_TUNABLES) -> Iterator[tuple[int, int, int, int]]:
     """Consecutive blocks of query rows ``(start, stop, k_stop, c)``: a block of `run_rows` rows where
     it runs in the run form (``c`` its run's end, `run_of`), else one of ``rows`` rows (``c = 0``)."""
     start = 0
     while start < n_q:
-        stop = min(n_q, start + run_rows(mask.q_offset + start if mask.causal else n_k, batch, heads))
+        stop = min(n_q, start + run_rows(mask.q_offset + start if mask.causal else n_k, batch, heads,
+                                         tunables=tunables))
         k_stop = min(n_k, mask.q_offset + stop) if mask.causal else n_k
-        c = run_of(bias, start, stop, k_stop)
+        c = run_of(bias, start, stop, k_stop, tunables=tunables)
         if mask.causal and c > mask.q_offset + start:  # the first query sees all the run and a key past it
             c = 0
         if not c:
@@ -120,7 +108,7 @@ def attend_run(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask,
 def run_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, lse: Tensor, bias: Bias,
                  inputs: Sequence[Tensor], live: Sequence[bool], mask: AttentionMask, scale: float, start: int,
                  stop: int, k_stop: int, c: int, grads: tuple[Tensor, Tensor, Tensor], into: Callable[[int], Tensor],
-                 compiling: bool = False, hides: dict | None = None) -> None:
+                 compiling: bool = False, hides: dict | None = None, eager_autograd: bool = True) -> None:
     """The backward of `attend_run`: ``dq, dk, dv`` added to ``grads`` (float32 accumulators of the
     shapes of q, k, v), the bias's inputs' gradients to ``into(i)`` (`BlockRows.backward`).
 
@@ -129,9 +117,10 @@ def run_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, ls
         bias, inputs, live: the bias, its `Bias.grad_inputs` and which need a gradient.
         mask, scale, start, stop, k_stop, c: as `attend_run`'s.
         grads: ``(dq, dk, dv)``; into: the accumulator of input ``i``'s gradient.
-        compiling: as `BlockRows.of`'s; hides: as `attend_run`'s.
+        compiling, eager_autograd: as `BlockRows.of`'s; hides: as `attend_run`'s.
     """
-    block = BlockRows.of(bias, inputs, live, start, stop, k_stop, compiling, k_start=c - 1)
+    block = BlockRows.of(bias, inputs, live, start, stop, k_stop, compiling, k_start=c - 1,
+                         eager_autograd=eager_autograd)
     qb, dob, ob, lb = q[:, :, start:stop], d_out[:, :, start:stop], out[:, :, start:stop], lse[:, :, start:stop]
     dq, dk, dv = grads
     # the run's logits carry their bias in the normalizer: exp(s + run - lse) = exp(s - (lse - run))

@@ -16,6 +16,7 @@ from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias
 from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.positions import arange_offset
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
 
 def toeplitz_shift(bias: Bias, mask: AttentionMask, n_q: int, n_k: int, ctx: AttentionContext | None) -> int | None:
@@ -49,13 +50,14 @@ def template_at(bias: Bias, mask: AttentionMask, n_q: int, n_k: int, shift: int,
 
 
 def toeplitz_backward(q: Tensor, k: Tensor, v: Tensor, u: Tensor, out: Tensor, d_out: Tensor, causal: bool,
-                      q_offset: int, scale: float, need_du: bool, compiling: bool = False
-                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      q_offset: int, scale: float, need_du: bool, compiling: bool = False,
+                      tunables: Tunables = DEFAULT_TUNABLES) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`sdpa.toeplitz.ToeplitzAttention`'s backward: ``dq, dk, dv`` and ``du`` (zeros unless ``need_du``).
 
     From the standard softmax attention gradient by blocks of query rows, ``du[h, t]`` the sum of
     ``dS`` over the diagonal ``j - i + n_q - 1 = t`` (summed over the batch). ``compiling``:
-    traced by ``torch.compile`` (`mode.Mode`; a custom operator's kernel runs eagerly).
+    traced by ``torch.compile`` (`mode.Mode`; a custom operator's kernel runs eagerly); ``tunables``:
+    the call's block budget.
     """
     b, h, n_q, _ = q.shape
     h_kv, n_k = k.shape[1], k.shape[-2]
@@ -69,7 +71,7 @@ def toeplitz_backward(q: Tensor, k: Tensor, v: Tensor, u: Tensor, out: Tensor, d
     def add_bias(start: int, stop: int, k_stop: int, s: Tensor) -> None:
         s.add_(uf.as_strided((h_kv, g, stop - start, k_stop), (g * length, length, 1, 1), n_q - stop))
 
-    rows = backward_rows(b, h, n_q, n_k)
+    rows = backward_rows(b, h, n_q, n_k, tunables=tunables)
     # buffer 1 (a block's weights, free while on_ds runs) also takes the padded rows of dS
     block = b * h * rows * n_k
     scratch = Scratch((block, max(block, h * rows * (n_k + rows))), torch.promote_types(q.dtype, torch.float32),
@@ -104,7 +106,7 @@ def toeplitz_template(bias: Bias, mask: AttentionMask, n_q: int, n_k: int,
 
 
 def attend_toeplitz(q: Tensor, k: Tensor, v: Tensor, u: Tensor, mask: AttentionMask, scale: float,
-                     gqa: bool) -> Tensor:
+                     gqa: bool, tunables: Tunables = DEFAULT_TUNABLES) -> Tensor:
     """SDPA with a Toeplitz bias given by its template ``u`` as a zero-copy strided mask.
 
     Rows are taken in reverse order so that both strides of the view are +1
@@ -141,17 +143,17 @@ class ToeplitzAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, u: Tensor, causal: bool, q_offset: int, scale: float,
-                gqa: bool) -> Tensor:
+                gqa: bool, tunables: Tunables = DEFAULT_TUNABLES) -> Tensor:
         mask = AttentionMask(causal, q_offset, q.shape[-2], k.shape[-2])
         # detached: a mask that requires grad sends SDPA to its math kernel even in no-grad mode
         out = attend_toeplitz(q, k, v, u.detach().to(q.dtype), mask, scale, gqa)
         ctx.save_for_backward(q, k, v, u, out)
-        ctx.causal, ctx.q_offset, ctx.scale = causal, q_offset, scale
+        ctx.causal, ctx.q_offset, ctx.scale, ctx.tunables = causal, q_offset, scale, tunables
         return out
 
     @staticmethod
     def backward(ctx, d_out: Tensor):
         q, k, v, u, out = ctx.saved_tensors
         dq, dk, dv, du = toeplitz_backward(q, k, v, u, out, d_out, ctx.causal, ctx.q_offset, ctx.scale,
-                                           ctx.needs_input_grad[3], Mode.of(q).compiling)
-        return dq, dk, dv, du, None, None, None, None
+                                           ctx.needs_input_grad[3], Mode.of(q).compiling, ctx.tunables)
+        return dq, dk, dv, du, None, None, None, None, None
