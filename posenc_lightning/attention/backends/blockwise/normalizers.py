@@ -32,8 +32,8 @@ from torch import Tensor
 
 from posenc_lightning.attention.backends.blockwise.tiles import BiasTiles, Tile, Tiling, flat, grouped, ungrouped
 from posenc_lightning.attention.backends.engine.denormals import _flush_denormals
-from posenc_lightning.attention.backends.engine.mode import Mode
 from posenc_lightning.encodings.base import Bias, KeyOnly
+from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.stick_breaking import (
     EXP_FLOOR,
     stick_breaking_tail,

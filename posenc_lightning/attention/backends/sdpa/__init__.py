@@ -3,7 +3,7 @@ materialized into the float mask one block of query rows at a time (`Bias.rows`)
 causal case uses SDPA's ``is_causal`` fast path.
 
 Each call's form is decided once (`plan.choose`, from a `plan.Call` of declarations and shapes
-and the `engine.mode.Mode`), then run here (`_run`); the forms' code is in this package's modules. See docs/architecture.md, section 4.
+and the `functional.mode.Mode`), then run here (`_run`); the forms' code is in this package's modules. See docs/architecture.md, section 4.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from posenc_lightning.attention.backends.engine.denormals import (
     _flush_denormals,
     _flush_in_backward,
 )
-from posenc_lightning.attention.backends.engine.mode import Mode
 from posenc_lightning.attention.backends.sdpa.key_bias import _attend_key_bias, _attend_key_channel, _key_mask_works
 from posenc_lightning.attention.backends.sdpa.opaque_form import opaque_attention
 from posenc_lightning.attention.backends.sdpa.plan import Call, Form, Plan, choose
@@ -43,6 +42,7 @@ from posenc_lightning.attention.backends.sdpa.toeplitz import (
 )
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KeyOnly
+from posenc_lightning.functional.mode import Mode
 
 __all__ = ["attend", "backward_rows", "block_rows", "rows_backward", "supports",
            "toeplitz_backward"]

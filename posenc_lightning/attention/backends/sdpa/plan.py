@@ -15,7 +15,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from posenc_lightning.attention.backends.engine import blocks as _blocks
-from posenc_lightning.attention.backends.engine.mode import Mode
+from posenc_lightning.functional.mode import Mode
 
 __all__ = ["Call", "Form", "Mode", "Plan", "choose"]
 

@@ -23,11 +23,11 @@ from posenc_lightning.attention.backends.engine.blocks import (
     owned_rows,
     wide_zeros,
 )
-from posenc_lightning.attention.backends.engine.mode import Mode
 from posenc_lightning.attention.backends.sdpa import runs as _runs
 from posenc_lightning.attention.backends.sdpa.runs import run_backward, run_blocks
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import Bias
+from posenc_lightning.functional.mode import Mode
 
 
 class Sink(enum.Enum):

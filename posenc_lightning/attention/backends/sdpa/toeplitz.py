@@ -11,10 +11,10 @@ from torch import Tensor
 
 from posenc_lightning.attention.backends.engine.block_grad import Scratch, attention_backward_by_blocks
 from posenc_lightning.attention.backends.engine.blocks import backward_rows
-from posenc_lightning.attention.backends.engine.mode import Mode
 from posenc_lightning.attention.backends.sdpa.rows import collect_rows
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias
+from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.positions import arange_offset
 
 
