@@ -10,7 +10,7 @@ from torch import nn
 from posenc_lightning import inject
 from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.encodings.base import AttentionContext, DenseBias, RelativeBias
-from posenc_lightning.encodings.bias import FireBias
+from posenc_lightning.encodings.fire import FireBias
 from posenc_lightning.encodings.fire import functions as ffire
 from posenc_lightning.encodings.fire.functions import fire_mlp
 from tests.helpers import Attn

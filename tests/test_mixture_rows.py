@@ -11,7 +11,8 @@ from posenc_lightning.attention.backends import eager, sdpa
 from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext
-from posenc_lightning.encodings.bias import BiasSum, FireBias, LinearBias, RelativeBias
+from posenc_lightning.encodings.bias import BiasSum, LinearBias, RelativeBias
+from posenc_lightning.encodings.fire import FireBias
 from posenc_lightning.encodings.registry import build_encoding
 
 H, D, N = 4, 8, 37

@@ -26,7 +26,9 @@ method               gives                                                  aske
 ==================== ====================================================== ==============
 
 A new kind implements `materialize` and `rows`; every other method has a default that is exact
-for any kind (dense score term and kernel argument, lazily scaled rows, no opaque operator).
+for any kind (dense score term and kernel argument, lazily scaled rows, no opaque operator). A kind
+whose tile the Triton kernels evaluate registers an example tile in its own file
+(`register_tile_kind`) for the kernels' resource report.
 """
 
 from posenc_lightning.encodings.bias.dense import DenseBias
@@ -47,19 +49,8 @@ from posenc_lightning.encodings.bias.kinds import (
 )
 from posenc_lightning.encodings.bias.opaque import rebuild_bias, register_opaque_kind
 from posenc_lightning.encodings.bias.structured import DecayBias, LinearBias, RelativeBias
-from posenc_lightning.encodings.bias.tile import TileBias
+from posenc_lightning.encodings.bias.tile import TileBias, register_tile_kind, tile_kinds
 
-__all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "FireBias", "HandRows", "HeadScaled", "Index", "KernelBias", "KeyOnly",
+__all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "HandRows", "HeadScaled", "Index", "KernelBias", "KeyOnly",
            "LinearBias", "OpaqueOperands", "RelativeBias", "ScaledBias", "ScoreTerm", "TileBias", "ValueDependentForm",
-           "cut", "rebuild_bias", "register_opaque_kind", "span"]
-
-
-def __getattr__(name: str) -> type:
-    """`FireBias`, FIRE's own kind (`posenc_lightning.encodings.fire`), re-exported here on first
-    use: importing it at the top would import the FIRE package while `encodings.base` is loading."""
-    if name == "FireBias":
-        from posenc_lightning.encodings.fire.bias import FireBias
-
-        globals()[name] = FireBias
-        return FireBias
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+           "cut", "rebuild_bias", "register_opaque_kind", "register_tile_kind", "span", "tile_kinds"]

@@ -16,7 +16,7 @@ from torch import Tensor
 from posenc_lightning.encodings.bias.forms import HandRows, ValueDependentForm
 from posenc_lightning.encodings.bias.kinds import Bias, BiasSum, KernelBias, OpaqueOperands, ScoreTerm
 from posenc_lightning.encodings.bias.opaque import register_opaque_kind
-from posenc_lightning.encodings.bias.tile import TileBias
+from posenc_lightning.encodings.bias.tile import TileBias, register_tile_kind
 from posenc_lightning.encodings.bias.windows import same_positions
 from posenc_lightning.encodings.fire import by_distance, compiled, template
 from posenc_lightning.encodings.fire.rows import fire_rows
@@ -24,7 +24,7 @@ from posenc_lightning.functional.positions import arange_offset
 
 __all__ = ["FireBias", "FireTableSum"]
 
-#: FIRE's name as an opaque operator's kind (`OpaqueOperands.kind`)
+#: FIRE's name as an opaque operator's kind (`OpaqueOperands.kind`) and as a kernel tile (`TileBias.name`)
 KIND = "fire"
 
 
@@ -263,21 +263,6 @@ class FireBias(Bias):
             dtype = functools.reduce(torch.promote_types, (t.dtype for t in self.grad_inputs()), torch.float32)
         return kernel_tile(self.kernel_params(dtype), self.width, self.eps)
 
-    @classmethod
-    def example_tile(cls, n_heads: int) -> TileBias:
-        """A tile with zero parameters of the paper's width, to compile the kernels with
-        (`posenc_lightning.kernels.resource_report`).
-
-        Args:
-            n_heads: H.
-
-        Returns:
-            The tile.
-        """
-        from posenc_lightning.encodings.fire.tile import example_tile
-
-        return example_tile(n_heads)
-
     def kernel_params(self, dtype: torch.dtype) -> Tensor:
         """The kernels' packed parameters ``[c, L, w1 (W), b1 (W), b2 (H), w2 (H x W)]`` in ``dtype``
         (differentiable: the kernels' gradient of it reaches every parameter)."""
@@ -293,6 +278,21 @@ class FireBias(Bias):
 
 register_opaque_kind(KIND)(FireBias.from_operands)
 
+
+@register_tile_kind(KIND)
+def example_tile(n_heads: int) -> TileBias:
+    """A FIRE tile with zero parameters of the paper's width, to compile the kernels with
+    (`posenc_lightning.kernels.resource_report`; triton is imported here, not at registration).
+
+    Args:
+        n_heads: H.
+
+    Returns:
+        The tile.
+    """
+    from posenc_lightning.encodings.fire import tile
+
+    return tile.example_tile(n_heads)
 
 
 def _last_column(start: int, stop: int, diagonal: int | None) -> int | None:
