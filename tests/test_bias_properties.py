@@ -8,7 +8,7 @@ import torch
 from posenc_lightning import inject
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.encodings.base import AttentionContext, BiasSum, DecayBias, DenseBias, LinearBias, RelativeBias
-from posenc_lightning.encodings.bias import FireBias
+from posenc_lightning.encodings.fire import FireBias
 from posenc_lightning.encodings.registry import build_encoding
 from posenc_lightning.functional.cope import cope_positions
 from posenc_lightning.functional.stick_breaking import stick_breaking_mask, stick_breaking_weights

@@ -14,7 +14,8 @@ from posenc_lightning.attention.backends import eager, sdpa
 from posenc_lightning.attention.backends.engine import blocks as _blocks
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext
-from posenc_lightning.encodings.bias import DenseBias, FireBias
+from posenc_lightning.encodings.bias import DenseBias
+from posenc_lightning.encodings.fire import FireBias
 from posenc_lightning.encodings.fire import by_distance as bdist
 from posenc_lightning.encodings.fire import functions as ffire
 from posenc_lightning.encodings.fire.bias import FireTableSum
@@ -159,7 +160,7 @@ def _bias_from(kind: str, n: int, start: int, batch: int = 1):
 
 @pytest.mark.parametrize("kind", ["fire", "scaled", "mixture"])
 def test_rows_and_pullback_equal_autograd(kind, monkeypatch):
-    """`Bias.rows_and_pullback` (FIRE's rows and gradients with no autograd graph, the engine's
+    """`HandRows.rows_and_pullback` (FIRE's rows and gradients with no autograd graph, the engine's
     backward blocks: `BlockRows.of` with grad mode off) against `rows_from` differentiated
     (grad mode on), rows and every input's gradient: blocks that do not divide the rows, keys
     beyond the rows, positions from 5 (not arange from 0), rows on both sides of L (40)."""
@@ -266,8 +267,8 @@ def test_selection_kept_between_forward_and_backward():
 
 @pytest.mark.parametrize("kind", ["fire", "mixture"])
 def test_causal_rows_exact_where_the_mask_shows_keys(kind, monkeypatch):
-    """`Bias.causal_rows` and `Bias.rows_and_pullback` with ``diagonal`` (the engine's causal blocks,
-    which mask the keys past it): the switching units' runs stop at the diagonal, so the rows equal
+    """`HandRows.causal_rows` and `HandRows.rows_and_pullback` with ``diagonal`` (the engine's causal
+    blocks, which mask the keys past it): the switching units' runs stop at the diagonal, so the rows equal
     `rows` wherever the mask shows a key and are finite where it hides one (and differ there: the
     skipped units); the pullback of a gradient that is 0 on the hidden keys equals the full
     rows'. Blocks that do not divide the rows, keys up to the last query and beyond it, rows on both
@@ -281,7 +282,7 @@ def test_causal_rows_exact_where_the_mask_shows_keys(kind, monkeypatch):
     for s, e, ke in [(0, 17, 17), (17, 50, 50), (33, 34, 34), (50, 90, 90), (20, 61, 80)]:
         shown = torch.arange(ke)[None, :] <= s + torch.arange(e - s)[:, None]  # diagonal s: key j <= s + r
         with torch.no_grad():
-            full, part = bias.rows(s, e, ke), bias.causal_rows(s, e, ke, s)
+            full, part = bias.rows(s, e, ke), bias.hand_rows().causal_rows(s, e, ke, s)
         assert part.shape == full.shape and torch.isfinite(part).all()
         torch.testing.assert_close(part[..., shown], full[..., shown], rtol=0, atol=1e-6)
         differ |= bool((part[..., ~shown] != full[..., ~shown]).any())

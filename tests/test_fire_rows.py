@@ -12,7 +12,7 @@ import torch
 
 from posenc_lightning import build_encoding
 from posenc_lightning.encodings.base import AttentionContext
-from posenc_lightning.encodings.bias import FireBias
+from posenc_lightning.encodings.fire import FireBias
 from posenc_lightning.encodings.fire import functions as ffire
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}

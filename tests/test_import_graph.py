@@ -170,3 +170,14 @@ def test_functional_is_formulas_without_autograd_functions():
     assert functions(ROOT / "autograd" / "rotary.py")  # the check sees a Function where there is one
     assert [f for p in sorted((ROOT / "functional").glob("*.py")) for f in functions(p)] == []
     assert GRAPH[f"{PKG}.autograd.rotary"] == set() and GRAPH[f"{PKG}.autograd.lie"] == set()
+
+
+def test_the_generic_bias_package_imports_no_encoding():
+    """`encodings/bias/` is the protocol every kind plugs into (issue 46): none of its modules imports
+    an encoding family (`encodings/fire/` included), at the top, inside a function or for typing; a
+    kind registers itself from its own file (`register_opaque_kind`, `register_tile_kind`)."""
+    bias = f"{PKG}.encodings.bias"
+    own = {m for m in MODULES if m == bias or m.startswith(bias + ".")}
+    assert f"{bias}.kinds" in own and f"{bias}.tile" in own
+    bad = [f"{m} -> {d}" for m in sorted(own) for d in sorted(TYPED_GRAPH[m]) if _layer(d) == "encodings" and d not in own]
+    assert bad == []

@@ -2,7 +2,8 @@
 defined here, ``a[h] log(1 + |i - j|) + b[h] sqrt(|i - j|)``, brings its own ``@triton.jit`` tile and gradient
 (`TileBias`) through `fold_into`; the softmax and stick-breaking kernels evaluate it per tile and
 reduce its parameter gradients per program, equal to eager attention on the dense formula,
-forward and backward (TRITON_INTERPRET=1)."""
+forward and backward (TRITON_INTERPRET=1). Its example tile, registered here
+(`register_tile_kind`, issue 46), is in the kernels' resource report with no edit to the package."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from posenc_lightning.attention.backends import eager
 from posenc_lightning.attention.backends import triton as triton_backend
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, KernelBias
-from posenc_lightning.encodings.bias import TileBias
+from posenc_lightning.encodings.bias import TileBias, register_tile_kind
 from posenc_lightning.encodings.registry import build_encoding
 from tests.helpers import fast_triton_interpreter
 
@@ -66,9 +67,19 @@ class _LogDistance(Bias):
     def fold_into(self, args: KernelBias) -> None:
         if args.tile is not None or not args.claim_positions(self.q_pos, self.k_pos):
             return super().fold_into(args)
-        args.tile = TileBias(name="log_distance", params=torch.cat((self.a, self.b)), heads=self.a.shape[0],
-                             width=0, eps=0.0, grad_block=2, value=_log_tile, grads=_log_grads,
-                             unpack=lambda per_head: torch.cat((per_head[:, 0], per_head[:, 1])))
+        args.tile = _tile(self.a, self.b)
+
+
+def _tile(a: torch.Tensor, b: torch.Tensor) -> TileBias:
+    """The kind's tile from its parameters ``a``, ``b`` ``[H]``."""
+    return TileBias(name="log_distance", params=torch.cat((a, b)), heads=a.shape[0], width=0, eps=0.0, grad_block=2,
+                    value=_log_tile, grads=_log_grads, unpack=lambda per_head: torch.cat((per_head[:, 0], per_head[:, 1])))
+
+
+@register_tile_kind("log_distance")
+def _example_tile(n_heads: int) -> TileBias:
+    """An example tile to compile the kernels with, registered in the kind's own file."""
+    return _tile(torch.zeros(n_heads), torch.zeros(n_heads))
 
 
 def _params(seed: int):
@@ -102,3 +113,23 @@ def test_a_new_tile_bias_equals_eager_forward_and_backward(normalizer):
     for i, (x, y) in enumerate(zip(got, want)):  # a parameter's gradient: float32 sums over B N^2 / 2 pairs
         tol = 3e-5 if i < 3 else 1e-4
         torch.testing.assert_close(x, y, rtol=tol, atol=tol)
+
+
+def test_a_tile_kind_registered_here_is_in_the_resource_report():
+    """Registered in this file (`register_tile_kind`), with no edit to ``encodings/bias/__init__.py``,
+    the kind is among the configurations the compile report runs: every attention kernel again with
+    its example tile (``<kernel>_log_distance``), beside FIRE's, with the tile's own functions. (The
+    report's compile for sm80/sm90, `tests/test_triton_compile.py`, runs in a
+    subprocess that does not import this file.)"""
+    from posenc_lightning.kernels import resource_report as report
+
+    report.example_tiles.cache_clear()  # cached per process: a call before this file's import would miss it
+    try:
+        attn = [k for k in report.BASE_KINDS if k != "rotate"]
+        kinds = [c[0] for c in report.configs(worst_only=True)]
+        assert {f"{k}_{t}" for k in attn for t in ("log_distance", "fire")} <= set(kinds)
+        assert sum(k.endswith("_log_distance") for k in kinds) == sum(k.endswith("_fire") for k in kinds) > 0
+        tile = report.example_tiles()["log_distance"]  # what `launch_spec` compiles the kernels with
+        assert tile.value is _log_tile and tile.grads is _log_grads and tile.heads == report._HEADS
+    finally:
+        report.example_tiles.cache_clear()

@@ -9,7 +9,7 @@ from torch import nn
 
 from posenc_lightning import inject
 from posenc_lightning.encodings.base import AttentionContext, DenseBias, RelativeBias
-from posenc_lightning.encodings.bias import FireBias
+from posenc_lightning.encodings.fire import FireBias
 from posenc_lightning.encodings.fire import functions as ffire
 from posenc_lightning.encodings.fire.functions import fire_mlp
 from posenc_lightning.functional.tunables import Tunables

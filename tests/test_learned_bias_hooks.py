@@ -1,9 +1,11 @@
 """A second learned-MLP bias, defined in this file and nowhere else (issue 29): it gets the fast
-paths FIRE has by implementing the optional `Bias` hooks, with no change to the package. Its rows
-are recomputed and differentiated by sdpa's own backward (`Bias.rows_from`); compiled on CPU it
-runs as the one generic opaque operator (``posenc::opaque_sdpa``), which picks its O(N) ``f(i - j)``
-form below its learned threshold (`Bias.distance_shift`, `Bias.distance_table`) and differentiates
-rows by its compiled-rows hook past it (`Bias.compiled_rows_from`). Forward and every gradient
+paths FIRE has by declaring its value-dependent form (`Bias.value_dependent`, a
+`ValueDependentForm`) and registering its rebuild (`register_opaque_kind`), with no change to the
+package. Its rows are recomputed and differentiated by sdpa's own backward (`Bias.rows_from`);
+compiled on CPU it runs as the one generic opaque operator (``posenc::opaque_sdpa``), which picks
+its O(N) ``f(i - j)`` form below its learned threshold (`ValueDependentForm.distance_shift`,
+`ValueDependentForm.distance_table`) and differentiates rows by its compiled-rows hook past it
+(`ValueDependentForm.compiled_rows_from`). Forward and every gradient
 equal the eager dense reference, at lengths that are no multiple of the block and positions that
 are not an arange; the counters show which hook ran."""
 
@@ -20,7 +22,7 @@ from torch import Tensor, nn
 
 from posenc_lightning import inject
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding
-from posenc_lightning.encodings.bias import OpaqueOperands, register_opaque_kind
+from posenc_lightning.encodings.bias import OpaqueOperands, ValueDependentForm, register_opaque_kind
 from posenc_lightning.encodings.registry import _REGISTRY, register
 from posenc_lightning.functional.positions import arange_offset
 from posenc_lightning.functional.tunables import Tunables
@@ -36,7 +38,6 @@ def _log_mlp(q_pos: Tensor, k_pos: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, 
     return (torch.tanh(x[..., None] * w1[:, 0] + b1) @ w2.t() + b2).permute(0, 3, 1, 2)
 
 
-@register_opaque_kind("test_log_mlp")
 @dataclass(eq=False)
 class LogMLPBias(Bias):
     """Below its learned threshold ``L`` (every query position under it) a function of ``i - j``."""
@@ -66,32 +67,35 @@ class LogMLPBias(Bias):
     def materialize(self) -> Tensor:
         return self.rows(0, self.q_pos.shape[1], self.k_pos.shape[1])
 
-    def compiled_rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
+    def value_dependent(self) -> ValueDependentForm:
+        starts = tuple(-1 if s is None else s for s in (self.q_start, self.k_start))
+        operands = OpaqueOperands("test_log_mlp", (self.q_pos, self.k_pos, *self.grad_inputs()), starts)
+        return ValueDependentForm(operands, self._distance_shift, self._distance_table, self._compiled_rows_from)
+
+    def _compiled_rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
         self.calls["compiled_rows_from"] += 1
         return _log_mlp(self.q_pos[:, start:stop], self.k_pos[:, :k_stop], *views)
 
-    def opaque_operands(self) -> OpaqueOperands:
-        starts = tuple(-1 if s is None else s for s in (self.q_start, self.k_start))
-        return OpaqueOperands(self.opaque_kind, (self.q_pos, self.k_pos, *self.grad_inputs()), starts)
-
-    @classmethod
-    def from_operands(cls, tensors: Sequence[Tensor], ints: Sequence[int], floats: Sequence[float]) -> LogMLPBias:
-        cls.calls["from_operands"] += 1
-        q_start, k_start = (None if s < 0 else s for s in ints)
-        return cls(tensors[0], tensors[1], q_start, k_start, *tensors[2:])
-
-    def distance_shift(self) -> int | None:
+    def _distance_shift(self) -> int | None:
         top = self.q_pos.shape[1] - 1 + self.q_start if self.q_start is not None else int(self.q_pos.max())
         a, c = arange_offset(self.q_pos, self.q_start), arange_offset(self.k_pos, self.k_start)
         shift = None if top >= float(self.thr.abs()) or a is None or c is None else a - c
         self.calls["distance_form" if shift is not None else "rows_form"] += 1
         return shift
 
-    def distance_table(self, distances: Tensor) -> Tensor:
+    def _distance_table(self, distances: Tensor) -> Tensor:
         if not torch.compiler.is_compiling():  # counted where the operator computes it (a traced
             self.calls["distance_table"] += 1  # count would be replayed over the kernels' by dynamo)
         x = torch.log1p(distances.float().abs()) / torch.log1p(self.thr.abs())
         return (torch.tanh(x[:, None] * self.w1[:, 0] + self.b1) @ self.w2.t() + self.b2).t()
+
+
+@register_opaque_kind("test_log_mlp")
+def _rebuild(tensors: Sequence[Tensor], ints: Sequence[int], floats: Sequence[float]) -> LogMLPBias:
+    """`LogMLPBias` from its operands, by name inside the operator."""
+    LogMLPBias.calls["from_operands"] += 1
+    q_start, k_start = (None if s < 0 else s for s in ints)
+    return LogMLPBias(tensors[0], tensors[1], q_start, k_start, *tensors[2:])
 
 
 class LogMLP(Encoding):

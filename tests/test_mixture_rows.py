@@ -10,7 +10,8 @@ import torch
 from posenc_lightning.attention.backends import eager, sdpa
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext
-from posenc_lightning.encodings.bias import BiasSum, FireBias, LinearBias, RelativeBias
+from posenc_lightning.encodings.bias import BiasSum, LinearBias, RelativeBias
+from posenc_lightning.encodings.fire import FireBias
 from posenc_lightning.encodings.registry import build_encoding
 from posenc_lightning.functional.tunables import Tunables
 

@@ -15,7 +15,7 @@ from posenc_lightning.attention.backends import eager
 from posenc_lightning.attention.backends import triton as triton_backend
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, DenseBias
-from posenc_lightning.encodings.bias import FireBias
+from posenc_lightning.encodings.fire import FireBias
 from posenc_lightning.encodings.fire.tile import fire_tile
 from posenc_lightning.encodings.registry import build_encoding
 from posenc_lightning.inject import inject

@@ -8,8 +8,8 @@ so the tests start it in a subprocess. Compiled kernels land in Triton's cache
 ``--check`` exits 1 on a compile error or on shared memory above the target's limit.
 
 Besides the plain kernels, ``<kernel>_<tile>`` compiles the kernel again with a tile bias
-evaluated per tile on top (`TileBias`): one variant per bias kind in
-``posenc_lightning.encodings.bias`` that offers an ``example_tile(n_heads)``.
+evaluated per tile on top (`TileBias`): one variant per registered tile kind
+(`posenc_lightning.encodings.bias.register_tile_kind`, in the kind's own file).
 """
 
 from __future__ import annotations
@@ -45,13 +45,16 @@ _TY = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", tor
 
 @functools.cache
 def example_tiles() -> dict[str, TileBias]:
-    """One example tile per bias kind of ``posenc_lightning.encodings.bias`` with an
-    ``example_tile(n_heads)``, by `TileBias.name`."""
-    from posenc_lightning.encodings import bias
+    """One example tile per registered tile kind (`register_tile_kind`), by `TileBias.name`.
+    Importing ``encodings.bias`` imports the ``encodings`` package first, which imports every
+    family module, so every kind's registration has run."""
+    from posenc_lightning.encodings.bias import tile_kinds
 
-    kinds = (getattr(bias, n) for n in bias.__all__)
-    tiles = (kind.example_tile(_HEADS) for kind in kinds if callable(getattr(kind, "example_tile", None)))
-    return {t.name: t for t in tiles}
+    tiles = {name: example(_HEADS) for name, example in tile_kinds().items()}
+    wrong = [f"{name} (gives {t.name})" for name, t in tiles.items() if t.name != name]
+    if wrong:
+        raise ValueError(f"example tiles named other than their kind: {', '.join(wrong)}")
+    return tiles
 
 
 def all_kinds() -> tuple[str, ...]:

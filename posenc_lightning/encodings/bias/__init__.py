@@ -18,19 +18,24 @@ method               gives                                                  aske
                      kernels evaluate per tile fills ``args.tile``, `TileBias`)
 ``fused_in``         the fused forms that need no ``N x N`` ("kernel",       triton, flex
                      "score_mod"), read from `Encoding.bias_kinds`           (`supports`)
-``opaque_operands``  tensors and constants of a kind whose cheapest form      sdpa (compiled,
-& co.                depends on values (`distance_shift`, `distance_table`,  opaque operator)
-                     `compiled_rows_from`; rebuilt by name, `opaque.py`)
+``value_dependent``  a `ValueDependentForm`: operands and hooks of a kind    sdpa (compiled,
+                     whose cheapest form depends on values (rebuilt by name, opaque operator)
+                     `opaque.py`)
+``hand_rows()``      a `HandRows`: causal rows, and rows with their pullback sdpa (rows),
+                     with no autograd graph, by the kind's own algorithm     block engine
 ==================== ====================================================== ==============
 
 A new kind implements `materialize` and `rows`; every other method has a default that is exact
-for any kind (dense score term and kernel argument, lazily scaled rows, no opaque operator).
+for any kind (dense score term and kernel argument, lazily scaled rows, no opaque operator). A kind
+whose tile the Triton kernels evaluate registers an example tile in its own file
+(`register_tile_kind`) for the kernels' resource report.
 """
 
 from posenc_lightning.encodings.bias.dense import DenseBias
 from posenc_lightning.encodings.bias.kinds import (
     Bias,
     BiasSum,
+    HandRows,
     HeadScaled,
     Index,
     KernelBias,
@@ -38,24 +43,14 @@ from posenc_lightning.encodings.bias.kinds import (
     OpaqueOperands,
     ScaledBias,
     ScoreTerm,
+    ValueDependentForm,
     cut,
     span,
 )
 from posenc_lightning.encodings.bias.opaque import rebuild_bias, register_opaque_kind
 from posenc_lightning.encodings.bias.structured import DecayBias, LinearBias, RelativeBias
-from posenc_lightning.encodings.bias.tile import TileBias
+from posenc_lightning.encodings.bias.tile import TileBias, register_tile_kind, tile_kinds
 
-__all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "FireBias", "HeadScaled", "Index", "KernelBias", "KeyOnly", "LinearBias",
-           "OpaqueOperands", "RelativeBias", "ScaledBias", "ScoreTerm", "TileBias", "cut", "rebuild_bias", "register_opaque_kind",
-           "span"]
-
-
-def __getattr__(name: str) -> type:
-    """`FireBias`, FIRE's own kind (`posenc_lightning.encodings.fire`), re-exported here on first
-    use: importing it at the top would import the FIRE package while `encodings.base` is loading."""
-    if name == "FireBias":
-        from posenc_lightning.encodings.fire.bias import FireBias
-
-        globals()[name] = FireBias
-        return FireBias
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "HandRows", "HeadScaled", "Index", "KernelBias", "KeyOnly",
+           "LinearBias", "OpaqueOperands", "RelativeBias", "ScaledBias", "ScoreTerm", "TileBias", "ValueDependentForm",
+           "cut", "rebuild_bias", "register_opaque_kind", "register_tile_kind", "span", "tile_kinds"]

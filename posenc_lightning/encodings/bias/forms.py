@@ -1,10 +1,12 @@
 """The forms a bias kind gives backends besides its rows: `KeyOnly` (sdpa's key channel),
-`OpaqueOperands` (an opaque operator's tensors and constants), `HeadScaled` (a per-head weight times a
-shared pattern, the blockwise tiles), `KernelBias` (the Triton kernels' arguments, `Bias.fold_into`)."""
+`ValueDependentForm` (a form chosen by values, run as an opaque operator: its `OpaqueOperands` and
+hooks), `HandRows` (rows computed and differentiated by the kind's own algorithm), `HeadScaled` (a
+per-head weight times a shared pattern, the blockwise tiles), `KernelBias` (the Triton kernels'
+arguments, `Bias.fold_into`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -12,7 +14,7 @@ from torch import Tensor
 from posenc_lightning.encodings.bias.tile import TileBias
 from posenc_lightning.encodings.bias.windows import same_positions
 
-__all__ = ["HeadScaled", "KernelBias", "KeyOnly", "OpaqueOperands"]
+__all__ = ["HandRows", "HeadScaled", "KernelBias", "KeyOnly", "OpaqueOperands", "ValueDependentForm"]
 
 
 @dataclass(eq=False)
@@ -37,11 +39,11 @@ class KeyOnly:
 
 @dataclass(frozen=True, eq=False)
 class OpaqueOperands:
-    """A bias as an opaque operator takes it (`Bias.opaque_operands`): tensors and constants only.
+    """A bias as an opaque operator takes it (`ValueDependentForm.operands`): tensors and constants only.
 
     Attributes:
-        kind: the name the kind is registered under (`register_opaque_kind`); the operator rebuilds
-            the bias with that kind's `Bias.from_operands`, never importing its class.
+        kind: the name its rebuild function is registered under (`register_opaque_kind`); the
+            operator rebuilds the bias with it (`rebuild_bias`), never importing its class.
         tensors: every tensor the bias is computed from (positions, parameters); those that
             require a gradient get one.
         ints: its integer constants (e.g. known position starts).
@@ -52,6 +54,64 @@ class OpaqueOperands:
     tensors: tuple[Tensor, ...]
     ints: tuple[int, ...] = ()
     floats: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class ValueDependentForm:
+    """A bias whose cheapest exact evaluation depends on values (`Bias.value_dependent`; FIRE's: an
+    O(N) table of ``f(i - j)`` while every query is below its learned threshold, the MLP per pair
+    past it). A compiled graph cannot branch on a value, so on CPU sdpa hands the bias to one opaque
+    operator as its `operands`; the operator rebuilds it by name (`rebuild_bias`) and, where
+    reading a CPU tensor costs no sync, makes the eager choice: `distance_shift`, then the Toeplitz
+    template of `distance_table`, else rows by blocks differentiated by `compiled_rows_from`.
+
+    Attributes:
+        operands: the bias as tensors and constants, rebuilt by `OpaqueOperands.kind`.
+        distance_shift: ``() -> int | None``, reads values: ``a - c`` when at positions ``a +
+            arange`` (queries) and ``c + arange`` (keys) the bias is a function of ``i - j`` alone
+            here (`distance_table` gives it), else None.
+        distance_table: ``(distances [T] int64) -> [H, T]`` float32, the bias at those query-key
+            distances ``i - j`` where `distance_shift` holds (differentiable in `operands`' tensors).
+        compiled_rows_from: ``(start, stop, k_stop, views) -> rows``, `Bias.rows_from` where the
+            engine differentiates rows inside the operator (its kernel runs eagerly): a kind may run
+            a compiled formula there; None: `Bias.rows_from`.
+    """
+
+    operands: OpaqueOperands
+    distance_shift: Callable[[], int | None]
+    distance_table: Callable[[Tensor], Tensor]
+    compiled_rows_from: Callable[[int, int, int, Sequence[Tensor]], Tensor] | None = None
+
+
+#: ``(rows, pullback)``: rows and ``pullback(d_rows)``, the gradient of ``<rows, d_rows>`` to each
+#: view where needed, in order (`HandRows.rows_and_pullback`)
+RowsAndPullback = tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]]
+
+
+@dataclass(frozen=True, eq=False)
+class HandRows:
+    """Rows a kind computes and differentiates by its own algorithm (`Bias.hand_rows`; FIRE by
+    distance and `FireTableSum`), which can use what a caller knows beyond `Bias.rows`' arguments.
+
+    Attributes:
+        causal_rows: ``(start, stop, k_stop, diagonal) -> rows``, `Bias.rows` for a caller whose
+            causal mask hides key ``j`` from row ``start + r`` where ``j > diagonal + r``: the rows
+            there may hold any finite value (the caller masks them), so the kind may skip work
+            there (FIRE by distance does not evaluate its switching units on a causal block's
+            negative distances). Asked by sdpa's rows forward for a causal mask.
+        rows_and_pullback: ``(start, stop, k_stop, views, need, diagonal) -> (rows, pullback) |
+            None``, `Bias.rows_from` and its pullback from one call with no autograd graph: the
+            block engine's backward (`attention.backends.engine.blocks.BlockRows`, eagerly, grad
+            mode off) then skips autograd's fixed cost per block. ``views``: as `Bias.rows_from`'s
+            (detached); ``need``: per view, whether its gradient is wanted; ``diagonal``: as
+            ``causal_rows``' (``d_rows`` is 0 past it), None: every key is seen. Same values and
+            gradients as differentiating `Bias.rows_from`; None where the kind has no such form
+            for these rows (the engine differentiates `Bias.rows_from`).
+    """
+
+    causal_rows: Callable[[int, int, int, int], Tensor]
+    rows_and_pullback: Callable[[int, int, int, Sequence[Tensor], Sequence[bool], int | None],
+                                RowsAndPullback | None]
 
 
 @dataclass(frozen=True, eq=False)

@@ -15,10 +15,18 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.encodings.bias._distance_table import DistanceTable, accumulate
-from posenc_lightning.encodings.bias.forms import HeadScaled, KernelBias, KeyOnly, OpaqueOperands
+from posenc_lightning.encodings.bias.forms import (
+    HandRows,
+    HeadScaled,
+    KernelBias,
+    KeyOnly,
+    OpaqueOperands,
+    ValueDependentForm,
+)
 from posenc_lightning.encodings.bias.windows import Index, cut, span
 
-__all__ = ["Bias", "BiasSum", "HeadScaled", "KernelBias", "KeyOnly", "OpaqueOperands", "ScaledBias", "cut", "span"]
+__all__ = ["Bias", "BiasSum", "HandRows", "HeadScaled", "KernelBias", "KeyOnly", "OpaqueOperands", "ScaledBias",
+           "ValueDependentForm", "cut", "span"]
 
 #: ``f(b, h, q_idx, kv_idx) -> value`` (float32), one term of a flex ``score_mod``
 ScoreTerm = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -53,22 +61,6 @@ class Bias(ABC):
         Returns:
             ``[B|1, H, stop - start, k_stop]``.
         """
-
-    def causal_rows(self, start: int, stop: int, k_stop: int, diagonal: int) -> Tensor:
-        """`rows` for a caller whose causal mask hides key ``j`` from row ``start + r`` where ``j >
-        diagonal + r``: the rows there may hold any finite value (the caller masks them), so a kind
-        may skip work there. By default `rows`.
-
-        Args:
-            start: first query row.
-            stop: query row past the last.
-            k_stop: keys ``0..k_stop-1``.
-            diagonal: the last key the first row sees.
-
-        Returns:
-            As `rows`'s, exact where the caller's mask shows a key.
-        """
-        return self.rows(start, stop, k_stop)
 
     def grad_inputs(self) -> tuple[Tensor, ...] | None:
         """Backends with their own backward recompute rows (`rows_from`) and differentiate to these.
@@ -200,56 +192,15 @@ class Bias(ABC):
         """
         args.add_dense(self.materialize())
 
-    #: the name `from_operands` is registered under (`register_opaque_kind`); None: not registered
-    opaque_kind: ClassVar[str | None] = None
-
-    def opaque_operands(self) -> OpaqueOperands | None:
-        """For a kind whose cheapest exact form depends on values, which a compiled graph cannot
-        branch on: the operands of one opaque operator that makes the eager choice inside the
-        graph, where reading a CPU tensor costs no sync (`distance_shift`: the ``f(i - j)`` form
-        of `distance_table`; otherwise rows, differentiated by `compiled_rows_from`).
+    def value_dependent(self) -> ValueDependentForm | None:
+        """Whether the cheapest exact form depends on values, which a compiled graph cannot branch
+        on (FIRE below and past its learned threshold): then one opaque operator makes the eager
+        choice inside the graph, where reading a CPU tensor costs no sync (`ValueDependentForm`).
 
         Returns:
-            The operands (`from_operands` rebuilds the bias from them), or None (default): the
-            compiled graph traces the rows.
+            The form's operands and hooks, or None (default): the compiled graph traces the rows.
         """
         return None
-
-    @classmethod
-    def from_operands(cls, tensors: Sequence[Tensor], ints: Sequence[int], floats: Sequence[float]) -> Bias:
-        """The bias again from its `opaque_operands` (inside the operator, or from stand-ins for
-        its tensors to differentiate `distance_table`).
-
-        Args:
-            tensors: `OpaqueOperands.tensors`, or stand-ins for them.
-            ints: `OpaqueOperands.ints`.
-            floats: `OpaqueOperands.floats`.
-
-        Returns:
-            The bias.
-        """
-        raise NotImplementedError(f"{cls.__name__} has no opaque operands")
-
-    def distance_shift(self) -> int | None:
-        """Reads values (asked where reads are free): whether the bias is a function of ``i - j``
-        alone here, at positions ``a + arange`` (queries) and ``c + arange`` (keys).
-
-        Returns:
-            ``a - c`` when it is (`distance_table` gives it), else None (default).
-        """
-        return None
-
-    def distance_table(self, distances: Tensor) -> Tensor:
-        """The bias where `distance_shift` holds, at query-key distances (differentiable in the
-        tensors of `opaque_operands`).
-
-        Args:
-            distances: ``i - j`` ``[T]`` (int64).
-
-        Returns:
-            ``[H, T]`` float32.
-        """
-        raise NotImplementedError(f"{type(self).__name__} is no function of i - j")
 
     def head_scaled(self) -> HeadScaled | None:
         """Whether the bias is ``w[h] * pattern(q_pos, k_pos)``: one weight per head times a pattern
@@ -294,42 +245,13 @@ class Bias(ABC):
         """
         return self.rows_from(start, stop, k_stop, views)[..., k_start:]
 
-    def compiled_rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
-        """`rows_from` where the engine differentiates rows inside an opaque operator (its kernel
-        runs eagerly): a kind may run a compiled formula there (default: `rows_from`).
-
-        Args:
-            start: first query row.
-            stop: query row past the last.
-            k_stop: keys ``0..k_stop-1``.
-            views: as `rows_from`'s.
+    def hand_rows(self) -> HandRows | None:
+        """Whether the kind computes and differentiates its rows by its own algorithm and so can
+        use what a caller knows: the keys its causal mask hides, and no autograd graph wanted
+        (`HandRows`; FIRE by distance).
 
         Returns:
-            The rows, differentiable to ``views``.
-        """
-        return self.rows_from(start, stop, k_stop, views)
-
-    def rows_and_pullback(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor], need: Sequence[bool],
-                          diagonal: int | None = None
-                          ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]] | None:
-        """`rows_from` and its pullback from one call, with no autograd graph: a kind whose rows are
-        differentiated by hand may skip autograd's fixed cost per block (recording the rows,
-        ``torch.autograd.grad``) in the engine's backward (`attention.backends.engine.blocks.BlockRows`,
-        eagerly, without grad mode). Same values and gradients as differentiating `rows_from`.
-
-        Args:
-            start: first query row.
-            stop: query row past the last.
-            k_stop: keys ``0..k_stop-1``.
-            views: as `rows_from`'s (detached).
-            need: per view, whether its gradient is wanted.
-            diagonal: as `causal_rows`': the caller hides the keys past it (the rows may hold any
-                finite value there, and ``d_rows`` is 0 there); None: every key is seen.
-
-        Returns:
-            ``(rows, pullback)``: the rows as `rows_from`'s and ``pullback(d_rows)``, the gradient of
-            ``<rows, d_rows>`` to each view where ``need``, in order; or None (default: the engine
-            differentiates `rows_from`).
+            The hooks, or None (default): callers take `rows` and differentiate `rows_from`.
         """
         return None
 

@@ -13,9 +13,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from posenc_lightning.encodings.bias.forms import HandRows, ValueDependentForm
 from posenc_lightning.encodings.bias.kinds import Bias, BiasSum, KernelBias, OpaqueOperands, ScoreTerm
 from posenc_lightning.encodings.bias.opaque import register_opaque_kind
-from posenc_lightning.encodings.bias.tile import TileBias
+from posenc_lightning.encodings.bias.tile import TileBias, register_tile_kind
 from posenc_lightning.encodings.bias.windows import same_positions
 from posenc_lightning.encodings.fire import by_distance, compiled, template
 from posenc_lightning.encodings.fire.rows import fire_rows
@@ -23,8 +24,10 @@ from posenc_lightning.functional.positions import arange_offset
 
 __all__ = ["FireBias", "FireTableSum"]
 
+#: FIRE's name as an opaque operator's kind (`OpaqueOperands.kind`) and as a kernel tile (`TileBias.name`)
+KIND = "fire"
 
-@register_opaque_kind("fire")
+
 @dataclass(eq=False)
 class FireBias(Bias):
     """``weight * f_theta(psi(i - j) / (psi(max(L, i)) + eps))`` with ``psi(x) = log(|c x| + 1)``,
@@ -38,8 +41,9 @@ class FireBias(Bias):
 
     Its cheapest exact form depends on values (`template`): below ``L`` an O(N) table of
     ``f(i - j)``, past it the MLP per pair, so a compiled graph takes it as an opaque operator's
-    operands (`opaque_operands`), whose backward differentiates rows in the inductor-compiled
-    formula (`compiled_rows_from`)."""
+    operands (`value_dependent`), whose backward differentiates rows in the inductor-compiled
+    formula (`compiled_rows_from`). At known ``start + arange`` positions it computes rows by
+    distance and differentiates them by hand (`hand_rows`: `causal_rows`, `rows_and_pullback`)."""
 
     q_pos: Tensor  # [B, Nq]
     k_pos: Tensor  # [B, Nk]
@@ -159,16 +163,22 @@ class FireBias(Bias):
         qp, kp = self._positions(start, stop, k_stop)
         return compiled.compiled_rows()(qp, kp, c, l_mult * self.init_L, w1, b1, w2, b2, self.eps)
 
-    def opaque_operands(self) -> OpaqueOperands | None:
-        """Positions, ``init_L`` and the parameters; None once scaled (the traced rows then)."""
+    def value_dependent(self) -> ValueDependentForm | None:
+        """Operands: positions, ``init_L`` and the parameters (`from_operands` rebuilds the bias);
+        None once scaled (the traced rows then)."""
         if self.weight is not None:
             return None
         starts = tuple(-1 if s is None else s for s in (self.q_start, self.k_start))
-        return OpaqueOperands(self.opaque_kind, (self.q_pos, self.k_pos, self.init_L, *self.grad_inputs()),
-                              starts, (self.eps,))
+        operands = OpaqueOperands(KIND, (self.q_pos, self.k_pos, self.init_L, *self.grad_inputs()), starts,
+                                  (self.eps,))
+        return ValueDependentForm(operands, self.distance_shift, self.distance_table, self.compiled_rows_from)
+
+    def hand_rows(self) -> HandRows:
+        return HandRows(self.causal_rows, self.rows_and_pullback)
 
     @classmethod
     def from_operands(cls, tensors: Sequence[Tensor], ints: Sequence[int], floats: Sequence[float]) -> FireBias:
+        """The bias again from its operands (`value_dependent`; registered, `register_opaque_kind`)."""
         q_pos, k_pos, init_L, c, l_mult, w1, b1, w2, b2 = tensors
         q_start, k_start = (None if s < 0 else s for s in ints)
         return cls(q_pos, k_pos, c, l_mult, init_L, w1, b1, w2, b2, eps=floats[0], q_start=q_start, k_start=k_start)
@@ -253,21 +263,6 @@ class FireBias(Bias):
             dtype = functools.reduce(torch.promote_types, (t.dtype for t in self.grad_inputs()), torch.float32)
         return kernel_tile(self.kernel_params(dtype), self.width, self.eps)
 
-    @classmethod
-    def example_tile(cls, n_heads: int) -> TileBias:
-        """A tile with zero parameters of the paper's width, to compile the kernels with
-        (`posenc_lightning.kernels.resource_report`).
-
-        Args:
-            n_heads: H.
-
-        Returns:
-            The tile.
-        """
-        from posenc_lightning.encodings.fire.tile import example_tile
-
-        return example_tile(n_heads)
-
     def kernel_params(self, dtype: torch.dtype) -> Tensor:
         """The kernels' packed parameters ``[c, L, w1 (W), b1 (W), b2 (H), w2 (H x W)]`` in ``dtype``
         (differentiable: the kernels' gradient of it reaches every parameter)."""
@@ -280,6 +275,24 @@ class FireBias(Bias):
     def width(self) -> int:
         return self.w1.shape[0]
 
+
+register_opaque_kind(KIND)(FireBias.from_operands)
+
+
+@register_tile_kind(KIND)
+def example_tile(n_heads: int) -> TileBias:
+    """A FIRE tile with zero parameters of the paper's width, to compile the kernels with
+    (`posenc_lightning.kernels.resource_report`; triton is imported here, not at registration).
+
+    Args:
+        n_heads: H.
+
+    Returns:
+        The tile.
+    """
+    from posenc_lightning.encodings.fire import tile
+
+    return tile.example_tile(n_heads)
 
 
 def _last_column(start: int, stop: int, diagonal: int | None) -> int | None:
@@ -343,6 +356,9 @@ class FireTableSum(BiasSum):
             return (gt, *rest) if need[0] else tuple(rest)
 
         return (rows if b == rows.shape[0] else rows.expand(b, *rows.shape[1:])), grads
+
+    def hand_rows(self) -> HandRows:
+        return HandRows(self.causal_rows, self.rows_and_pullback)
 
     def causal_rows(self, start: int, stop: int, k_stop: int, diagonal: int) -> Tensor:
         """`rows`, FIRE's as `FireBias.causal_rows` where its rows take the table."""

@@ -115,7 +115,7 @@ class BlockRows:
            ) -> BlockRows:
         """The rows ``[start, stop) x [k_start, k_stop)`` of ``bias`` from detached windows of its
         ``inputs`` (`Bias.grad_inputs`), differentiable to those where ``need``: by the bias's own
-        `Bias.rows_and_pullback` where it has one (eagerly, all the keys, grad mode off), else
+        `HandRows.rows_and_pullback` where it has one (eagerly, all the keys, grad mode off), else
         ``rows_from`` differentiated (`block_grad.block_vjp`).
 
         Args:
@@ -128,7 +128,7 @@ class BlockRows:
             compiling: traced by ``torch.compile`` (`block_grad.block_vjp`).
             k_start: first key (`Bias.rows_past`; the windows are those of keys ``[0, k_stop)``).
             diagonal: the caller's causal mask hides key ``j`` from row ``start + r`` where ``j >
-                diagonal + r`` (`Bias.rows_and_pullback`'s), or None.
+                diagonal + r`` (`HandRows.rows_and_pullback`'s), or None.
             eager_autograd: the call's `Tunables.eager_autograd` (`block_grad.block_vjp`).
 
         Returns:
@@ -149,7 +149,8 @@ class BlockRows:
         if not live:
             return cls(rows_of().detach(), None, live, windows)
         if not (compiling or k_start or torch.is_grad_enabled()):  # no graph wanted of the gradients
-            fused = bias.rows_and_pullback(start, stop, k_stop, views, need, diagonal)  # `Bias.rows_and_pullback`
+            hand = bias.hand_rows()  # `Bias.hand_rows`
+            fused = None if hand is None else hand.rows_and_pullback(start, stop, k_stop, views, need, diagonal)
             if fused is not None:
                 return cls(fused[0], fused[1], live, windows)
         rows, pullback = block_vjp(rows_of, *[views[i] for i in live], compiling=compiling,

@@ -135,7 +135,7 @@ def _declared(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, 
     key_only = bias.key_only(q.dtype, mask.is_plain_causal, ctx is not None and ctx.ascending)
     key_bias = None if key_only is None else key_only.key_bias()
     # compiled, a kind whose cheapest form depends on values runs as one opaque operator (`opaque_form`)
-    opaque = mode.compiling and ctx is not None and bias.opaque_operands() is not None
+    opaque = mode.compiling and ctx is not None and bias.value_dependent() is not None
     shift = None if key_only is not None or mode.compiling else toeplitz_shift(bias, mask, n_q, n_k, ctx)
     grad_mode = torch.is_grad_enabled()
     recomputable = grads = False

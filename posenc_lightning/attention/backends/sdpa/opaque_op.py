@@ -1,9 +1,9 @@
 """``posenc::opaque_sdpa`` and its backward operator (`opaque_form`): the eager choice of form of a
-bias with opaque operands, inside a compiled graph. The kernels rebuild the bias from its tensors
-and constants by its registered kind name and run sdpa's engine: the Toeplitz template
-(`attend_toeplitz`, `toeplitz_backward`) where `Bias.distance_shift` holds, else rows
-by blocks (`attend_by_rows`, `rows_backward`, rows differentiated by
-`Bias.compiled_rows_from`). Nothing is recomputed in backward but the bias rows."""
+bias with a value-dependent form (`Bias.value_dependent`), inside a compiled graph. The kernels
+rebuild the bias from its tensors and constants by its registered kind name and run sdpa's engine:
+the Toeplitz template (`attend_toeplitz`, `toeplitz_backward`) where
+`ValueDependentForm.distance_shift` holds, else rows by blocks (`attend_by_rows`, `rows_backward`,
+rows differentiated by `ValueDependentForm.compiled_rows_from`). Nothing is recomputed in backward but the bias rows."""
 
 from __future__ import annotations
 
@@ -37,10 +37,11 @@ def opaque_sdpa(q: Tensor, k: Tensor, v: Tensor, operands: list[Tensor], u: Tens
     mask = AttentionMask(causal, q_offset, n_q, n_k)
     gqa = k.shape[1] != q.shape[1]
     bias = rebuild_bias(kind, operands, ints, floats)
+    form = bias.value_dependent()
     with torch.no_grad():  # (blocks written straight into SDPA's layout)
-        shift = bias.distance_shift()
+        shift = form.distance_shift()
         if shift is not None:
-            u = u if u is not None else template(bias, shift, mask, q.shape[1], q.device)
+            u = u if u is not None else template(form, shift, mask, q.shape[1], q.device)
             # detached: a mask that requires grad sends SDPA to its math kernel, even here
             out = attend_toeplitz(q, k, v, u.detach().to(q.dtype), mask, scale, gqa)
         else:
@@ -72,7 +73,7 @@ def _(q, k, v, operands, u, kind, ints, floats, causal, q_offset, scale, tunable
 @dataclass(eq=False)
 class _DifferentiatedRows(Bias):
     """``inner`` as the engine's backward reads it inside the operator: rows differentiated by its
-    `Bias.compiled_rows_from` (with gradients on), everything else its own."""
+    `ValueDependentForm.compiled_rows_from` where it has one (with gradients on), everything else its own."""
 
     inner: Bias
 
@@ -98,7 +99,9 @@ class _DifferentiatedRows(Bias):
 
     def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor]) -> Tensor:
         if torch.is_grad_enabled():
-            return self.inner.compiled_rows_from(start, stop, k_stop, views)
+            compiled = self.inner.value_dependent().compiled_rows_from
+            if compiled is not None:
+                return compiled(start, stop, k_stop, views)
         return self.inner.rows_from(start, stop, k_stop, views)
 
 
@@ -121,14 +124,15 @@ def opaque_sdpa_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         if u_given:
             grads[-1] = du
         elif want_u:
-            shift = bias.distance_shift()
+            shift = bias.value_dependent().distance_shift()
             diff = [i for i, n in enumerate(need_ops) if n]
 
             def of_operands(*p: Tensor) -> Tensor:
                 ts = list(operands)
                 for i, t in zip(diff, p):
                     ts[i] = t
-                return template(rebuild_bias(kind, ts, ints, floats), shift, mask, q.shape[1], q.device)
+                return template(rebuild_bias(kind, ts, ints, floats).value_dependent(), shift, mask, q.shape[1],
+                                q.device)
 
             _, vjp = torch.func.vjp(of_operands, *[operands[i] for i in diff])
             for i, g in zip(diff, vjp(du.to(torch.float32))):

@@ -257,8 +257,9 @@ def attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask
     padding: `RowsSpec.kernel_runs`); ``hides``: the causal triangles of a call's blocks (`rows.masked`)."""
     # causal by index: the queries [start, stop) see keys [0, q_offset + stop) only
     k_stop = min(k.shape[-2], mask.q_offset + stop) if mask.causal else k.shape[-2]
-    # where the causal mask hides keys, the bias may leave them unspecified (`Bias.causal_rows`)
-    attn_mask = (bias.causal_rows(start, stop, k_stop, start + mask.q_offset) if mask.causal
+    # where the causal mask hides keys, the bias may leave them unspecified (`HandRows.causal_rows`)
+    hand = bias.hand_rows() if mask.causal else None
+    attn_mask = (hand.causal_rows(start, stop, k_stop, start + mask.q_offset) if hand is not None
                  else bias.rows(start, stop, k_stop)).to(q.dtype)
     attn_mask = masked(attn_mask, mask, start, stop, k_stop,
                        inplace=owned_rows(attn_mask, bias, mask, q.shape[0], compiling), hides=hides)
