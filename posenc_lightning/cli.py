@@ -134,6 +134,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:  # LightningCLI parses its own arguments (and --help, --print_config)
+        # a misspelt encoding or encoding argument fails here, before Lightning is imported (seconds)
+        # and before the Trainer creates a run directory: one line, nothing written
+        from posenc_lightning.cli_checks import precheck_train
+
+        error = None if {"-h", "--help"} & set(argv) else precheck_train(argv[1:])
+        if error is not None:
+            print(f"posenc train: error: {error}", file=sys.stderr)
+            return 2
         from posenc_lightning.cli_train import main as train
 
         return train(argv[1:])
