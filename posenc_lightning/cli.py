@@ -84,9 +84,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import shlex
     import subprocess
 
-    cmd = recipe_command(args.recipe, args.overrides)
+    # --dry-run is posenc run's own wherever it stands (after RECIPE it lands among the overrides):
+    # never handed to the recipe, whose parser does not know it
+    dry_run = args.dry_run or "--dry-run" in args.overrides
+    cmd = recipe_command(args.recipe, [a for a in args.overrides if a != "--dry-run"])
     print("+ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    if args.dry_run:
+    if dry_run:
         return 0
     return subprocess.call(cmd)
 
@@ -106,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    f"--devices N > 1 adds --trainer.strategy=ddp; --context-parallel K splits each sequence "
                                    f"over K of the N ranks (posenc_lightning.ContextParallel). Recipes: {recipes}. "
                                    f"A recipe's own options: posenc run RECIPE --help.")
-    r.add_argument("--dry-run", action="store_true", help="print the command only")
+    r.add_argument("--dry-run", action="store_true", help="print the command only, run nothing (anywhere on the line: "
+                                                         "posenc run RECIPE ... --dry-run)")
     r.add_argument("recipe", help=f"one of {recipes}, or a path to a .py")
     r.add_argument("overrides", nargs=argparse.REMAINDER,
                    help="--devices N, --context-parallel K, --config FILE (default: configs/RECIPE.yaml), "
