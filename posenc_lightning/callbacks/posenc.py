@@ -10,6 +10,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from posenc_lightning.encodings.base import Encoding
 from posenc_lightning.inject import CHECKPOINT_KEY, find_mixin_modules, inject, injected_spec
+from posenc_lightning.plain import plain
 
 
 class PosEncCallback(pl.Callback):
@@ -34,6 +35,7 @@ class PosEncCallback(pl.Callback):
 
     def __init__(self, encoding: str | Encoding, backend: str = "auto", share_across_layers: bool = True,
                  log_hparams: bool = True, config: dict[str, Any] | None = None, **cfg: Any) -> None:
+        config, cfg = plain(config), plain(cfg)  # OmegaConf containers (Hydra) as dicts and lists
         both = sorted(set(config or {}) & set(cfg))
         if both:
             raise ValueError(f"PosEncCallback: {both} given both in config={config!r} and as keywords {cfg!r}; "
