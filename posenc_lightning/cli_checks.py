@@ -107,8 +107,8 @@ def precheck_train(args: Sequence[str]) -> str | None:
         encoding, config = encoding_from_args(args)
     except (OSError, ValueError, AttributeError, yaml.YAMLError):  # unreadable: LightningCLI's parser says why
         return None
-    if not isinstance(encoding, str) or "." in encoding or encoding.startswith("{"):
-        return None
+    if not isinstance(encoding, str) or "." in encoding or encoding.startswith("{") or "${" in encoding:
+        return None  # a class path, a mapping or an OmegaConf interpolation: LightningCLI resolves it
     try:
         check_encoding_args(encoding, config if isinstance(config, dict) else None)
     except ValueError as err:

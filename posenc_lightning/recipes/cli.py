@@ -133,11 +133,14 @@ def make_cli(options: type, args: list[str] | None = None, name: str = "recipe",
 
 def recipe_parser_kwargs(name: str, description: str | None) -> dict[str, Any]:
     """``--help`` names the recipe and shows its docstring (not "Lightning Trainer command line tool"),
-    its examples on lines of their own (`ExamplesHelpFormatter`)."""
+    its examples on lines of their own (`ExamplesHelpFormatter`); config files are read in
+    jsonargparse's ``omegaconf`` mode, so they may use ``${...}`` interpolation."""
     from posenc_lightning.recipes.help import ExamplesHelpFormatter
 
     return {"prog": f"recipes/{name}.py", "description": (description or name).strip("\n"),
-            "formatter_class": ExamplesHelpFormatter}
+            "formatter_class": ExamplesHelpFormatter,
+            # config files (and mapping values) are read by OmegaConf: ${...} interpolation, as in Hydra
+            "parser_mode": "omegaconf"}
 
 
 def finetune_trainer(cli: LightningCLI, max_steps: int, sub: str, callbacks: list | None = None,
