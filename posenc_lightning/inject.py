@@ -79,7 +79,7 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
         TypeError: ``encoding`` is neither a name nor an `Encoding`, or an instance came with
             extra arguments.
 
-    Example:
+    Examples:
         >>> from posenc_lightning.models import TinyGPT
         >>> enc = inject(TinyGPT(d_model=32, n_layers=1, n_heads=2), "alibi")
         >>> enc.name

@@ -22,7 +22,7 @@ def plain(value: Any) -> Any:
     Returns:
         The same content in ``dict`` / ``list`` / ``tuple`` (interpolations resolved).
 
-    Example:
+    Examples:
         >>> from omegaconf import OmegaConf
         >>> plain(OmegaConf.create({"n": 16, "lengths": ["${n}", 32]}))
         {'n': 16, 'lengths': [16, 32]}
