@@ -46,15 +46,47 @@ SCALED_ROTARY_NOTE = ("`original_max_position_embeddings` defaults to 512; pass 
 
 
 def _md(text: str) -> str:
-    """reST inline markup of the docstrings -> Markdown."""
-    return text.replace("``", "`")
+    """reST inline markup of the docstrings -> Markdown: ``x`` and :math:`x` become `x`."""
+    return re.sub(r":(?:math|class|func|meth|attr|mod):`([^`]*)`", r"`\1`", text).replace("``", "`")
+
+
+def _rst_block(doc: str) -> str:
+    """A reST docstring (a module's formulas) -> Markdown: inline markup as `_md`, a paragraph ending
+    in ``::`` introduces a literal block (the indented lines after it), fenced as code; ``.. ``
+    directives (comments, notes) are dropped with their indented body."""
+    out: list[str] = []
+    lines = inspect.cleandoc(doc).splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith(".. "):  # a directive and its indented body
+            i += 1
+            while i < len(lines) and (not lines[i].strip() or lines[i].startswith(" ")):
+                i += 1
+            continue
+        if line.rstrip().endswith("::"):
+            head = line.rstrip()[:-2].rstrip()
+            out.append(_md(head + ":") if head else "")
+            i += 1
+            block: list[str] = []
+            while i < len(lines) and (not lines[i].strip() or lines[i].startswith(" ")):
+                block.append(lines[i])
+                i += 1
+            while block and not block[-1].strip():
+                block.pop()
+            body = inspect.cleandoc("\n".join(block))
+            out += ["", "```text", body, "```", ""]
+            continue
+        out.append(_md(line))
+        i += 1
+    return "\n".join(out).strip()
 
 
 def _prose(doc: str | None) -> str:
     """A class docstring's text before its ``Args:`` (the formula), paragraphs kept."""
     if not doc:
         return ""
-    text = re.split(r"^(?:Args|Returns|Raises|Example):\s*$", inspect.cleandoc(doc), flags=re.MULTILINE)[0]
+    text = re.split(r"^(?:Args|Returns|Raises|Examples?):\s*$", inspect.cleandoc(doc), flags=re.MULTILINE)[0]
     paras = [" ".join(line.strip() for line in p.splitlines()) for p in text.strip().split("\n\n")]
     return _md("\n\n".join(p for p in paras if p))
 
@@ -172,7 +204,7 @@ def catalogue() -> str:
             lines += [f"{eq}", ""]
         module_doc = inspect.getmodule(cls).__doc__
         if "module docstring" in (cls.__doc__ or "") and module_doc:  # the formulas live there
-            lines += ["```text", inspect.cleandoc(module_doc), "```", ""]
+            lines += [_rst_block(module_doc), ""]
         lines += [f"Class: `{cls.__module__}.{cls.__qualname__}`", ""]
         params = [p for p in inspect.signature(cls.__init__).parameters.values()
                   if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]

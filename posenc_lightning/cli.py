@@ -84,9 +84,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import shlex
     import subprocess
 
-    cmd = recipe_command(args.recipe, args.overrides)
+    # --dry-run is posenc run's own wherever it stands (after RECIPE it lands among the overrides):
+    # never handed to the recipe, whose parser does not know it
+    dry_run = args.dry_run or "--dry-run" in args.overrides
+    cmd = recipe_command(args.recipe, [a for a in args.overrides if a != "--dry-run"])
     print("+ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    if args.dry_run:
+    if dry_run:
         return 0
     return subprocess.call(cmd)
 
@@ -106,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    f"--devices N > 1 adds --trainer.strategy=ddp; --context-parallel K splits each sequence "
                                    f"over K of the N ranks (posenc_lightning.ContextParallel). Recipes: {recipes}. "
                                    f"A recipe's own options: posenc run RECIPE --help.")
-    r.add_argument("--dry-run", action="store_true", help="print the command only")
+    r.add_argument("--dry-run", action="store_true", help="print the command only, run nothing (anywhere on the line: "
+                                                         "posenc run RECIPE ... --dry-run)")
     r.add_argument("recipe", help=f"one of {recipes}, or a path to a .py")
     r.add_argument("overrides", nargs=argparse.REMAINDER,
                    help="--devices N, --context-parallel K, --config FILE (default: configs/RECIPE.yaml), "
@@ -134,6 +138,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:  # LightningCLI parses its own arguments (and --help, --print_config)
+        # a misspelt encoding or encoding argument fails here, before Lightning is imported (seconds)
+        # and before the Trainer creates a run directory: one line, nothing written
+        from posenc_lightning.cli_checks import precheck_train
+
+        error = None if {"-h", "--help"} & set(argv) else precheck_train(argv[1:])
+        if error is not None:
+            print(f"posenc train: error: {error}", file=sys.stderr)
+            return 2
         from posenc_lightning.cli_train import main as train
 
         return train(argv[1:])

@@ -1,7 +1,8 @@
 """``posenc train``: the main job on LightningCLI (`TinyGPT` on the bundled corpus, the encoding
 injected by a `PosEncCallback`). Every ``--trainer.*``, ``--model.*``, ``--data.*`` and
 ``--posenc.*`` option is documented in ``posenc train --help`` with its default;
-``--print_config`` prints the full config, ``--config FILE`` reads one.
+``--print_config`` prints the full config, ``--config FILE`` reads one. The encoding is chosen
+with ``--posenc.*`` only (default rope); the model records it in ``hparams.yaml``.
 
     posenc train --posenc.encoding=alibi
     posenc train --posenc.encoding=fire --posenc.config='{init_L: 64}' --trainer.max_steps=500
@@ -22,10 +23,14 @@ TRAINER_DEFAULTS: dict[str, Any] = {
                "init_args": {"save_dir": "runs", "name": ""}},  # name "" = the encoding's name
 }
 MODEL_DATA_DEFAULTS: dict[str, Any] = {
-    "model.d_model": 128, "model.n_layers": 4, "model.n_heads": 4, "model.lr": 3e-3, "model.encoding": None,
+    "model.d_model": 128, "model.n_layers": 4, "model.n_heads": 4, "model.lr": 3e-3,
     "data.seq_len": 128, "data.batch_size": 16, "data.max_bytes": 4_000_000, "data.max_val_windows": 32,
     "posenc.encoding": "rope", "seed_everything": 0,
 }
+
+
+def _bare(_: Any) -> None:
+    """The model's own encoding arguments under ``posenc train``: none (the `PosEncCallback` injects it)."""
 
 
 class TrainCLI(RecipeCLI):
@@ -39,7 +44,15 @@ class TrainCLI(RecipeCLI):
 
         parser.add_lightning_class_args(PosEncCallback, "posenc")
         parser.link_arguments("data.seq_len", "model.max_seq_len")
+        # one way to choose the encoding: --posenc.*. The model is built bare (no --model.encoding /
+        # --model.encoding_cfg options) and the callback records the encoding it injects in the
+        # model's hyperparameters (hparams.yaml, checkpoints)
+        parser.link_arguments("posenc.encoding", "model.encoding", compute_fn=_bare)
+        parser.link_arguments("posenc.config", "model.encoding_cfg", compute_fn=_bare)
         parser.set_defaults(MODEL_DATA_DEFAULTS)
+        # PosEncCallback's encoding has no default of its own, so the option was marked required;
+        # it has one here (rope): not required, and --help says so once
+        parser._option_string_actions["--posenc.encoding"].required = False
 
     def before_instantiate_classes(self) -> None:
         super().before_instantiate_classes()
@@ -60,7 +73,7 @@ def main(args: list[str] | None = None) -> int:
 
     from posenc_lightning.data import CorpusDataModule
     from posenc_lightning.models import TinyGPT
-    from posenc_lightning.recipes import RunDirSaveConfig
+    from posenc_lightning.recipes import RunDirSaveConfig, recipe_parser_kwargs
 
     if args is None:
         args = sys.argv[1:]
@@ -70,7 +83,7 @@ def main(args: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
         cli = TrainCLI(TinyGPT, CorpusDataModule, run=False, args=args, trainer_defaults=TRAINER_DEFAULTS,
                        save_config_callback=RunDirSaveConfig, save_config_kwargs={"overwrite": True},
-                       parser_kwargs={"prog": "posenc train", "description": __doc__.strip()})
+                       parser_kwargs={**recipe_parser_kwargs("train", __doc__), "prog": "posenc train"})
     torch.set_num_threads(max(1, torch.get_num_threads()))
     trainer = cli.trainer
     trainer.fit(cli.model, cli.datamodule)

@@ -12,6 +12,7 @@ from posenc_lightning.attention.backends import BACKENDS, resolve_backend
 from posenc_lightning.attention.mixin import PosEncAttentionMixin, PosEncEmbeddingMixin
 from posenc_lightning.encodings.base import Encoding
 from posenc_lightning.encodings.registry import build_encoding, encoding_class
+from posenc_lightning.plain import plain
 
 SPEC_ATTR = "_posenc_spec"
 CHECKPOINT_KEY = "posenc_lightning"
@@ -78,7 +79,7 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
         TypeError: ``encoding`` is neither a name nor an `Encoding`, or an instance came with
             extra arguments.
 
-    Example:
+    Examples:
         >>> from posenc_lightning.models import TinyGPT
         >>> enc = inject(TinyGPT(d_model=32, n_layers=1, n_heads=2), "alibi")
         >>> enc.name
@@ -86,6 +87,7 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
     """
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + BACKENDS}")
+    cfg = plain(cfg)  # OmegaConf containers (Hydra) as dicts and lists: the spec is compared and saved
     if not isinstance(encoding, (str, Encoding)):
         raise TypeError(f"encoding must be a name or an Encoding, got {type(encoding).__name__}")
     if isinstance(encoding, Encoding) and cfg:

@@ -163,7 +163,9 @@ def test_encoding_hparams_are_logged(tmp_path):
     pl.Trainer(max_steps=1, logger=logger, enable_progress_bar=False, limit_val_batches=0,
                callbacks=[PosEncCallback("rope", theta=500000.0)]).fit(model, data())
     text = (tmp_path / "lightning_logs" / "version_0" / "hparams.yaml").read_text()
-    assert "posenc/encoding: rope" in text and "500000" in text
+    # one entry names the encoding used: the model's own hyperparameter (it was built bare, None)
+    assert "\nencoding: rope\n" in f"\n{text}" and "encoding: null" not in text and "posenc/encoding" not in text
+    assert "posenc/theta: 500000.0" in text and model.hparams.encoding_cfg == {"theta": 500000.0}
 
 
 # ------------------------------------------------------------------------------- clear errors

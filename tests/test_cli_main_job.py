@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from posenc_lightning import available_encodings
 
 
@@ -39,3 +41,8 @@ def test_posenc_train_prints_perplexity_and_writes_tensorboard(tmp_path):
     acc = EventAccumulator(str(events[0].parent))
     acc.Reload()
     assert {"train/loss", "val/ppl"} <= set(acc.Tags()["scalars"])
+    assert "Tip:" not in out.stdout + out.stderr  # Lightning's litlogger / litmodels advertising is off
+    # hparams.yaml names the encoding used once: the model's (built bare for the callback) records it
+    hparams = yaml.safe_load((events[0].parent / "hparams.yaml").read_text())
+    assert hparams["encoding"] == "alibi" and "posenc/encoding" not in hparams
+    assert [k for k, v in hparams.items() if v == "alibi"] == ["encoding"]

@@ -53,6 +53,30 @@ def test_catalogue_covers_every_registered_encoding():
     assert "FIRE-S" in fire and "share_across_layers=False" in fire  # the default departs from the paper
 
 
+def test_catalogue_entries_have_no_restructuredtext():
+    """The catalogue is Markdown: no reST markup left from the docstrings it quotes (``double
+    backticks``, roles such as :math:`x`, ``.. `` directives, ``::`` literal-block markers), outside
+    its fenced code blocks."""
+    text = (ROOT / "docs" / "reference" / "encodings.md").read_text()
+    prose = re.sub(r"^```.*?^```$", "", text, flags=re.MULTILINE | re.DOTALL)
+    for name in re.findall(r"^## (\S+)$", text, re.MULTILINE):
+        section = prose.split(f"\n## {name}\n", 1)[1].split("\n## ", 1)[0]
+        bad = [line for line in section.splitlines()
+               if "``" in line or re.search(r":(?:math|class|func|meth|attr|mod):`", line)
+               or line.lstrip().startswith(".. ") or line.rstrip().endswith("::")]
+        assert bad == [], (name, bad)
+    clex = text.split("\n## clex\n", 1)[1].split("\n## ", 1)[0]
+    assert "```text\ndz/dt = W_down" in clex  # the reST literal block, now a fenced block
+
+
+def test_docstring_examples_use_the_examples_section():
+    """mkdocstrings (griffe, Google style) renders an ``Examples:`` section as code; an ``Example:``
+    section is an admonition of Markdown, where ``>>>`` lines become nested quotes."""
+    bad = [f"{p.relative_to(ROOT)}:{i + 1}" for p in sorted((ROOT / "posenc_lightning").rglob("*.py"))
+           for i, line in enumerate(p.read_text().splitlines()) if line.strip() == "Example:"]
+    assert bad == []
+
+
 # ----------------------------------------------------------------------------------- docstrings
 def _args_section(doc: str) -> str | None:
     m = re.search(rf"^Args:\s*$(.*?)(?=^{SECTIONS}\s*$|\Z)", doc, re.MULTILINE | re.DOTALL)
@@ -151,3 +175,15 @@ def test_mkdocs_build_strict(tmp_path):
     assert (tmp_path / "site" / "reference" / "encodings" / "index.html").exists()
     api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
     assert "PosEncCallback" in api and "share_across_layers" in api  # mkdocstrings rendered the docstrings
+    # every Examples section is a code block (<pre><code>), never run-together text in nested quotes
+    sections = api.split('<span class="doc-section-title">Examples:</span>')[1:]
+    assert len(sections) >= 3
+    for after in sections:
+        assert re.match(r"\s*</p>\s*<div class=\"highlight\"><pre><span></span><code>", after), after[:300]
+    assert "<blockquote>" not in api
+    code = [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<pre>(.*?)</pre>", api, re.DOTALL)]
+    assert any('enc = inject(TinyGPT(d_model=32, n_layers=1, n_heads=2), "alibi")' in c.replace("&quot;", '"')
+               for c in code)
+    catalogue = (tmp_path / "site" / "reference" / "encodings" / "index.html").read_text()
+    assert "``" not in catalogue and "::\n" not in catalogue
+    assert any("dz/dt = W_down" in re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<pre>(.*?)</pre>", catalogue, re.DOTALL))

@@ -78,6 +78,7 @@ def test_clex_train_through_posenc_run(tmp_path):
     proc = subprocess.run(cmd, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list(cwd.iterdir()) == []
+    assert "Tip:" not in proc.stdout + proc.stderr  # Lightning's litlogger / litmodels advertising is off
     assert (out / "checkpoints" / "epoch=0-step=3.ckpt").is_file()
     r = json.loads((out / "results.json").read_text())["results"]
     assert r["encoding"] == "clex" and r["L"] == 64 and r["steps"] == 3

@@ -79,7 +79,7 @@ class KVCache:
     Args:
         n_layers: the number of attention layers.
 
-    Example:
+    Examples:
         >>> cache = KVCache(n_layers=2)
         >>> len(cache), cache.length
         (2, 0)

@@ -168,9 +168,11 @@ class LengthEvalCallback(pl.Callback):
         if trainer.sanity_checking or trainer.current_epoch % self.every_n_epochs:
             return
         res = self.evaluate(pl_module, trainer)
+        # every rank holds the same values (the metric's compute() gathers all ranks, a failure on one
+        # fails the length on all): sync_dist=True averages equal values and tells Lightning so
         for n, ppl in res.items():
-            pl_module.log(f"length_eval/ppl/{n}", ppl, sync_dist=False)
-            pl_module.log(f"length_eval/nll/{n}", math.log(ppl) if not math.isnan(ppl) else ppl, sync_dist=False)
+            pl_module.log(f"length_eval/ppl/{n}", ppl, sync_dist=True)
+            pl_module.log(f"length_eval/nll/{n}", math.log(ppl) if not math.isnan(ppl) else ppl, sync_dist=True)
         self.history.append({"step": trainer.global_step, "ppl": dict(res), "failures": dict(self.failures)})
         if trainer.is_global_zero:
             for logger in trainer.loggers:

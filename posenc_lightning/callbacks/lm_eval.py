@@ -9,6 +9,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from posenc_lightning.plain import plain
+
 
 class LMEvalCallback(pl.Callback):
     """Runs lm-eval in-process at the end of validation and logs ``lm_eval/<task>/<length>``.
@@ -56,7 +58,7 @@ class LMEvalCallback(pl.Callback):
         self.haystack_files = list(haystack_files) if haystack_files else None
         self.max_length = max_length
         self.include_path = list(include_path) if include_path else None
-        self.metadata = metadata
+        self.metadata = plain(metadata)  # an OmegaConf DictConfig (Hydra) as a dict: lm-eval copies it
         self.built: Any = None
         self.history: list[dict[str, Any]] = []  # per evaluation: {"step", "metrics"}
         self.last_results: dict[str, Any] | None = None

@@ -10,6 +10,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from posenc_lightning.encodings.base import Encoding
 from posenc_lightning.inject import CHECKPOINT_KEY, find_mixin_modules, inject, injected_spec
+from posenc_lightning.plain import plain
 
 
 class PosEncCallback(pl.Callback):
@@ -34,6 +35,7 @@ class PosEncCallback(pl.Callback):
 
     def __init__(self, encoding: str | Encoding, backend: str = "auto", share_across_layers: bool = True,
                  log_hparams: bool = True, config: dict[str, Any] | None = None, **cfg: Any) -> None:
+        config, cfg = plain(config), plain(cfg)  # OmegaConf containers (Hydra) as dicts and lists
         both = sorted(set(config or {}) & set(cfg))
         if both:
             raise ValueError(f"PosEncCallback: {both} given both in config={config!r} and as keywords {cfg!r}; "
@@ -66,9 +68,30 @@ class PosEncCallback(pl.Callback):
         except ValueError:
             if not is_overridden("configure_model", pl_module) or any(find_mixin_modules(pl_module)):
                 raise  # layers there (or none coming): the error stands; else configure_model builds them
-        if self.log_hparams and self.injected is not None:
+        if self.injected is None:
+            return
+        recorded = self._record_in_model_hparams(pl_module)
+        if self.log_hparams:
+            logged = self.injected.hparams_for_logging()
+            if recorded:  # the model's own ``encoding`` hyperparameter names it: one entry, not two
+                logged.pop("posenc/encoding", None)
             for logger in trainer.loggers:
-                logger.log_hyperparams(self.injected.hparams_for_logging())
+                logger.log_hyperparams(logged)
+
+    def _record_in_model_hparams(self, pl_module: pl.LightningModule) -> bool:
+        """A model whose hyperparameters name its encoding (`TinyGPT`'s ``encoding`` / ``encoding_cfg``,
+        None when it was built bare for this callback) records the one injected: ``hparams.yaml`` and
+        checkpoints then say which encoding was used. Returns whether the model has such a hyperparameter."""
+        hparams = pl_module.hparams
+        if "encoding" not in hparams:
+            return False
+        name = self.encoding_name
+        cfg = (dict(self.cfg) or None) if isinstance(self.encoding, str) else None
+        if hparams.get("encoding") != name or ("encoding_cfg" in hparams and hparams.get("encoding_cfg") != cfg):
+            updated = {**hparams, "encoding": name, **({"encoding_cfg": cfg} if "encoding_cfg" in hparams else {})}
+            # save_hyperparameters also refreshes the copy Lightning logs (``hparams_initial``)
+            pl_module.save_hyperparameters(updated, logger=getattr(pl_module, "_log_hyperparams", True))
+        return True
 
     def _wrap_configure_model(self, pl_module: pl.LightningModule) -> None:
         if not is_overridden("configure_model", pl_module) or getattr(pl_module, "_posenc_wrapped", False):

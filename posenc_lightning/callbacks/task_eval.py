@@ -115,6 +115,8 @@ class TaskEvalCallback(pl.Callback):
         if trainer.sanity_checking:
             return
         res = self.evaluate(pl_module, trainer)
+        # the same values on every rank (the metric's compute() gathers all ranks): sync_dist=True
+        # averages equal values and tells Lightning so (no "use sync_dist=True" warning under DDP)
         for n, v in res.items():
-            pl_module.log(f"task_eval/exact_match/{n}", v, sync_dist=False)
-            pl_module.log(f"task_eval/token_accuracy/{n}", self.token_accuracy[n], sync_dist=False)
+            pl_module.log(f"task_eval/exact_match/{n}", v, sync_dist=True)
+            pl_module.log(f"task_eval/token_accuracy/{n}", self.token_accuracy[n], sync_dist=True)

@@ -30,8 +30,11 @@ def register(name: str, family: str, description: str) -> Callable[[T], T]:
     Raises:
         ValueError: ``name`` is already registered to another class.
 
-    Example:
-        ``@register("rope", "rotate", "Rotary position embedding (Su et al., 2021)")``
+    Examples:
+        ```python
+        @register("rope", "rotate", "Rotary position embedding (Su et al., 2021)")
+        class RoPE(RotaryEncoding): ...
+        ```
     """
 
     def deco(cls: T) -> T:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,23 @@ def _ppl_from_results(payload: dict[str, Any]) -> dict[str, dict[int, float]]:
             for k, r in (payload.get("ppl") or {}).items()}
 
 
+_LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
+
+
+def rebase_links(markdown: str, src_dir: Path, out_dir: Path) -> str:
+    """``markdown`` written in ``src_dir`` with its relative links (``![t](heatmap_t.png)``) made
+    relative to ``out_dir``, where it is copied to (the report): the links still reach the files.
+    Absolute paths, URLs and ``#anchors`` are kept."""
+    def fix(m: re.Match) -> str:
+        target = m.group(2)
+        if target.startswith(("#", "/")) or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target):
+            return m.group(0)
+        rel = os.path.relpath(Path(src_dir).resolve() / target, Path(out_dir).resolve())
+        return f"{m.group(1)}{Path(rel).as_posix()}{m.group(3)}"
+
+    return _LINK.sub(fix, markdown)
+
+
 def report(run_dir: str | Path, out_dir: str | Path | None = None) -> str:
     """``posenc report RUN_DIR``: what a run has, in ``report.md`` / ``report.json`` (+
     ``report_ppl_vs_length.png`` when it has perplexity-by-length data) under ``out_dir``
@@ -119,7 +138,7 @@ def report(run_dir: str | Path, out_dir: str | Path | None = None) -> str:
             ppl, base_len = _ppl_from_results(payload), payload.get("base_len")
         table = res.with_name("results.md")
         if table.is_file():
-            body = table.read_text().replace("\n# ", "\n### ")
+            body = rebase_links(table.read_text(), table.parent, out).replace("\n# ", "\n### ")
             body = "### " + body[2:] if body.startswith("# ") else body
             md += [f"## Recipe results: {res.parent.relative_to(root) if res.parent != root else '.'}", "", body.strip(), ""]
     if ppl:

@@ -139,7 +139,8 @@ def accuracy_heatmap(acc: dict[str, dict[int, float]], path: str | None, title: 
     val = np.array([[acc[k].get(n, math.nan) for n in lengths] for k in rows], dtype=float)
     fig, ax = plt.subplots(figsize=(2.4 + 0.9 * len(lengths), 1.2 + 0.32 * len(rows)))
     cmap = plt.get_cmap("viridis").with_extremes(bad="#d9d9d9")
-    img = ax.imshow(np.ma.masked_invalid(val), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
+    # drawn in percent, the cells' unit, so the colour bar reads 0-100 like the labels
+    img = ax.imshow(np.ma.masked_invalid(100.0 * val), cmap=cmap, vmin=0.0, vmax=100.0, aspect="auto")
     for i in range(len(rows)):
         for j in range(len(lengths)):
             v = val[i, j]
@@ -156,7 +157,7 @@ def accuracy_heatmap(acc: dict[str, dict[int, float]], path: str | None, title: 
             ax.text(len(lengths) - 0.4, (start + k - 1) / 2, families.get(rows[start], "other"), rotation=90,
                     ha="left", va="center", fontsize=8, fontweight="bold")
             start = k
-    fig.colorbar(img, ax=ax, fraction=0.04, pad=0.1, label="exact match")
+    fig.colorbar(img, ax=ax, fraction=0.04, pad=0.1, label="exact match (%)")
     ax.set_title(f"{title}\nexact match (%) by input length; trained at L={base_len}", fontsize=9)
     fig.tight_layout()
     if path:

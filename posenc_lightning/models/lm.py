@@ -61,10 +61,13 @@ class CausalLMSteps:
         self.val_nll.update(nll[y != IGNORE_INDEX])  # scored tokens only (all of them for plain LM data)
 
     def on_validation_epoch_end(self) -> None:
+        # the MeanMetric's compute() already gathers every rank's tokens: the same global mean on
+        # every rank. sync_dist=True averages those equal values (no change) and says so to Lightning,
+        # which otherwise warns that an epoch-level value is not synced across processes
         mean = self.val_nll.compute()
         self.val_nll.reset()
-        self.log("val/loss", mean, prog_bar=True)
-        self.log("val/ppl", torch.exp(mean), prog_bar=True)
+        self.log("val/loss", mean, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", torch.exp(mean), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         decay, no_decay = [], []

@@ -4,6 +4,7 @@ fine-tune, and a model loaded from a pretrained directory."""
 
 from __future__ import annotations
 
+import logging
 import shlex
 import sys
 from pathlib import Path
@@ -22,6 +23,25 @@ class RunDirSaveConfig(SaveConfigCallback):
         if trainer.logger is None and trainer.default_root_dir == str(Path.cwd()):
             return  # no run directory of its own: write nothing into the working directory
         super().setup(trainer, pl_module, stage)
+
+
+class _NoTips(logging.Filter):
+    """Drops Lightning's advertising ("💡 Tip: For seamless cloud ... try installing litlogger /
+    litmodels"), printed on every Trainer construction; every other message passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+def silence_lightning_tips() -> None:
+    """Keep Lightning's advertising tips out of ``posenc train`` and the recipes' output (idempotent)."""
+    from lightning_utilities.core import rank_zero
+
+    loggers = {logging.getLogger("lightning.pytorch.utilities.rank_zero"),
+               logging.getLogger("lightning.fabric.utilities.rank_zero"), rank_zero.log}
+    for log in loggers:  # rank_zero_info logs through the one Lightning last set on lightning_utilities
+        if not any(isinstance(f, _NoTips) for f in log.filters):
+            log.addFilter(_NoTips())
 
 
 #: Trainer options that ``barebones=True`` refuses unless off, and the value that turns them off
@@ -72,6 +92,7 @@ class RecipeCLI(LightningCLI):
 
         from posenc_lightning.callbacks.progress import step_progress_bar
 
+        silence_lightning_tips()
         config = dict(config)  # a copy: the parsed config's callback list is not extended in place
         given = config.get("callbacks") or []
         config["callbacks"] = list(given) if isinstance(given, (list, tuple)) else [given]
@@ -111,8 +132,15 @@ def make_cli(options: type, args: list[str] | None = None, name: str = "recipe",
 
 
 def recipe_parser_kwargs(name: str, description: str | None) -> dict[str, Any]:
-    """``--help`` names the recipe and shows its docstring (not "Lightning Trainer command line tool")."""
-    return {"prog": f"recipes/{name}.py", "description": (description or name).strip()}
+    """``--help`` names the recipe and shows its docstring (not "Lightning Trainer command line tool"),
+    its examples on lines of their own (`ExamplesHelpFormatter`); config files are read in
+    jsonargparse's ``omegaconf`` mode, so they may use ``${...}`` interpolation."""
+    from posenc_lightning.recipes.help import ExamplesHelpFormatter
+
+    return {"prog": f"recipes/{name}.py", "description": (description or name).strip("\n"),
+            "formatter_class": ExamplesHelpFormatter,
+            # config files (and mapping values) are read by OmegaConf: ${...} interpolation, as in Hydra
+            "parser_mode": "omegaconf"}
 
 
 def finetune_trainer(cli: LightningCLI, max_steps: int, sub: str, callbacks: list | None = None,
