@@ -225,7 +225,7 @@ class RotaryEncoding(Encoding):
             # [B, H|1, N, R/2] in the compute dtype, as `rotate_qk` takes them without a cast or a view
             tables = tuple((t if t.dim() == 4 else t[:, None]).to(dtype) for t in (cq, sq, ck, sk))
             if key is not None:
-                if len(self._pair_tables) >= 16:
+                if len(self._pair_tables) >= 4:  # a few: a decode step misses anyway
                     self._pair_tables.clear()
                 self._pair_tables[key] = tables
         return rotate_qk(q, k, *tables, self.layout, ctx.mode.compiling)
