@@ -163,6 +163,13 @@ def test_the_function_backward_is_the_inverse_rotation(interleaved):
     _check_function(q, k, cq, sq, ck, sk, interleaved, 1e-12)
 
 
+def test_the_function_differentiates_twice():
+    g = torch.Generator().manual_seed(5)
+    q, k, cq, sq, ck, sk = _pair_inputs(torch.float64, 16, True, g)
+    q, k = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+    assert torch.autograd.gradgradcheck(lambda a, b: RotaryPair.apply(a, b, cq, sq, ck, sk, False), (q, k))
+
+
 def _check_function(q, k, cq, sq, ck, sk, interleaved, tol):
     q, k = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
     layout = "interleaved" if interleaved else "half"

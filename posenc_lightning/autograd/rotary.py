@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 
 def rotary_dtype(x: Tensor, cos: Tensor) -> torch.dtype:
@@ -108,20 +107,20 @@ def _(q, k, cos_q, sin_q, cos_k, sin_k, interleaved, inverse):
 
 
 class RotaryPair(torch.autograd.Function):
-    """q and k rotated together by ``posenc::rotate_pair``; backward un-rotates ``dq`` and ``dk``
-    together (a rotation's adjoint is its inverse). Saves the four tables only: no rotated or
-    un-rotated copy of q or k. The tables take no gradient (learned frequencies: plain autograd)."""
+    """q and k rotated together by ``posenc::rotate_pair`` (``inverse``: by the opposite angles);
+    backward un-rotates ``dq`` and ``dk`` together (a rotation's adjoint is its inverse), through this
+    Function again, so it differentiates twice. Saves the four tables only: no rotated or un-rotated
+    copy of q or k. The tables take no gradient (learned frequencies: plain autograd)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, cos_q: Tensor, sin_q: Tensor, cos_k: Tensor, sin_k: Tensor,  # type: ignore[override]
-                interleaved: bool) -> tuple[Tensor, Tensor]:
+                interleaved: bool, inverse: bool = False) -> tuple[Tensor, Tensor]:
         ctx.save_for_backward(cos_q, sin_q, cos_k, sin_k)
-        ctx.interleaved = interleaved
-        return rotate_pair(q, k, cos_q, sin_q, cos_k, sin_k, interleaved, False)
+        ctx.interleaved, ctx.inverse = interleaved, inverse
+        return rotate_pair(q, k, cos_q, sin_q, cos_k, sin_k, interleaved, inverse)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dq: Tensor, dk: Tensor):  # type: ignore[override]
         cos_q, sin_q, cos_k, sin_k = ctx.saved_tensors
-        gq, gk = rotate_pair(dq, dk, cos_q, sin_q, cos_k, sin_k, ctx.interleaved, True)
-        return gq, gk, None, None, None, None, None
+        gq, gk = RotaryPair.apply(dq, dk, cos_q, sin_q, cos_k, sin_k, ctx.interleaved, not ctx.inverse)
+        return gq, gk, None, None, None, None, None, None
