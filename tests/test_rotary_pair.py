@@ -78,7 +78,7 @@ def test_one_attention_step_dispatches_at_most_8_operators_more_than_nope(case):
 @pytest.mark.parametrize("name", ["liere", "comrope"])
 def test_matrix_rotaries_dispatch_their_parameter_work_plus_a_few_per_token_operators(name):
     """Their per-call work on the generators (eigh and its gradient) is N-independent, and
-    attention's recompute reuses the forward's basis and tables: +335 operators, +400 before (the
+    attention's recompute reuses the forward's basis and tables: +333 operators, +400 before (the
     per-token rotation, two ``D x D`` products and RoPE per tensor and pass, is most of the rest)."""
     nope = sum(dispatched_ops(_step(None)[1]).values())
     counts = [sum(dispatched_ops(_step(name, n)[1]).values()) - nope for n in (67, 131)]

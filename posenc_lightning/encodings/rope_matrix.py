@@ -205,8 +205,9 @@ class MatrixRotary(Encoding):
             if not ctx.mode.compiling:  # (a traced graph keeps what its backward needs itself)
                 self._recompute_memo = None
             if torch.is_grad_enabled() and not ctx.mode.compiling:  # kept (parameter-sized and [B, N, D/2]) for the recompute
-                self._recompute_memo = (weakref.ref(ctx), basis.detach(), tuple(t.detach() for t in tq),
-                                        tuple(t.detach() for t in tk))
+                dq = tuple(t.detach() for t in tq)
+                self._recompute_memo = (weakref.ref(ctx), basis.detach(), dq,
+                                        dq if tk is tq else tuple(t.detach() for t in tk))
             return lie_rotate_pair(q, k, basis, tq, tk)
         gens, chunk = self.generators().to(self._dtype(q, k)), self.exact_chunk_elems
         if ctx.k_pos is ctx.q_pos:
