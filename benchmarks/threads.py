@@ -46,17 +46,20 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class _Count(TorchDispatchMode):
-    """Counts, per operator, the calls that read or write at least `GRAIN_SIZE` elements."""
+    """Counts, per operator, the calls that read or write at least `GRAIN_SIZE` elements; and every
+    operator dispatched, views included (``every``: each is a launch on CUDA)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.large: collections.Counter[str] = collections.Counter()
         self.small = 0
+        self.every: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
+        self.every[f"{func.namespace}::{name}"] += 1
         if name in _VIEWS or (name == "copy_" and _same_view(args[0], args[1])):
             return out
         outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -76,6 +79,16 @@ def parallel_ops(fn: Callable[[], object]) -> tuple[collections.Counter[str], in
     with count:
         fn()
     return count.large, count.small
+
+
+def dispatched_ops(fn: Callable[[], object]) -> collections.Counter[str]:
+    """Every operator ``fn`` dispatches (forward and backward alike, views and allocations
+    included), by ``namespace::name``: on CUDA each is a kernel launch or at least a trip through
+    the dispatcher from Python."""
+    count = _Count()
+    with count:
+        fn()
+    return count.every
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -67,4 +67,7 @@ class RotationRecompute:
         if (r.storage_offset(), tuple(r.stride()), r.dtype) != self.layout[packed.index]:
             raise RuntimeError(f"{self.encoding.name}: the rotation recomputed in backward is laid out differently "
                                "from the forward's; set posenc_recompute_rotation = False on the attention module")
+        shape, stride, offset = packed.view
+        if r.shape == shape and r.stride() == stride and r.storage_offset() == offset:
+            return r  # the saved tensor was the rotated tensor itself
         return r.as_strided(*packed.view)

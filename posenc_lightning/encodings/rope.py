@@ -3,7 +3,9 @@
 `RotaryEncoding` is the shared path of the whole rotary family: a frequency law
 ``frequencies(seq_len) -> (inv_freq, attention_scaling)`` and the rotation of q and k at any
 ``[B, N]`` positions. cos/sin tables are cached in non-persistent buffers keyed on device,
-length and `frequencies_key` (so a change of scale never reuses a stale table).
+length and `frequencies_key` (so a change of scale never reuses a stale table). q and k are rotated
+together by one operator (`functional.rope.rotate_qk`), with the tables of a call at known
+``start + arange`` positions kept in the compute dtype (`RotaryEncoding.rotate`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import Tensor
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.functional.positions import arange_offset, max_position
-from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin, rope_inv_freq
+from posenc_lightning.functional.rope import rope_cos_sin, rope_inv_freq, rotate_qk
 
 
 class RotaryEncoding(Encoding):
@@ -44,6 +46,9 @@ class RotaryEncoding(Encoding):
         self.register_buffer("_cos", torch.empty(0), persistent=False)
         self.register_buffer("_sin", torch.empty(0), persistent=False)
         self._table_key: Any = None
+        #: the compute-dtype tables of recent calls at known ``start + arange`` positions, by
+        #: (frequencies, device, dtype, starts, shapes): a repeated call dispatches no operator for them
+        self._pair_tables: dict[Any, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
 
     @property
     def rotary_dim(self) -> int:
@@ -110,6 +115,7 @@ class RotaryEncoding(Encoding):
         size = max(need, 2 * have if full_key == self._table_key else need, 256)
         self._cos, self._sin = self.cos_sin_of(torch.arange(size, device=full_key[1]), seq_len)
         self._table_key = full_key
+        self._pair_tables.clear()
 
     def reserve(self, n_positions: int, device: torch.device | None = None) -> None:
         """Build the cos/sin table for positions ``< n_positions`` now, outside any traced region
@@ -180,19 +186,49 @@ class RotaryEncoding(Encoding):
 
     @property
     def fused_rotary(self) -> Encoding | None:
-        """Itself when its rotation is exactly `RotaryEncoding.rotate` of ``[B, N]`` positions with
+        """Itself when its rotation is exactly `RotaryEncoding.rotate` (and `rotation_tables`) of ``[B, N]`` positions with
         frequencies that carry no gradient (learned frequencies stay on the mixin's path)."""
-        if type(self).rotate is not RotaryEncoding.rotate or self.position_dims != 1:
+        own = type(self).rotate is RotaryEncoding.rotate and type(self).rotation_tables is RotaryEncoding.rotation_tables
+        if not own or self.position_dims != 1:
             return None
         return None if any(p.requires_grad for p in self.parameters()) else self
 
-    def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
+    def rotation_tables(self, ctx: AttentionContext) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(cos_q, sin_q, cos_k, sin_k)`` of the call's positions (`cos_sin`), float32: what
+        `rotate` turns q and k by (xPos scales them)."""
         seq_len = ctx.seq_len if self.frequencies_key(None) != "static" else None
         cq, sq = self.cos_sin(ctx.q_pos, seq_len, ctx.q_start)
         ck, sk = (cq, sq) if ctx.k_pos is ctx.q_pos else self.cos_sin(ctx.k_pos, seq_len, ctx.k_start)
-        if ck.dim() == 4 and k.shape[1] != ck.shape[1]:  # per-head freqs with grouped kv heads
-            raise ValueError(f"{self.name}: per-head frequencies need n_kv_heads == n_heads")
-        return apply_rotary(q, cq, sq, self.layout), apply_rotary(k, ck, sk, self.layout)
+        return cq, sq, ck, sk
+
+    def _pair_key(self, ctx: AttentionContext, dtype: torch.dtype) -> Any:
+        """The key of this call's tables in `_pair_tables`, or None: not cached (traced, positions
+        not a known ``start + arange``, or frequencies that must not be cached)."""
+        if ctx.mode.compiling or ctx.q_start is None or ctx.k_start is None or ctx.q_pos.is_floating_point():
+            return None
+        fkey = self.frequencies_key(ctx.seq_len if self.frequencies_key(None) != "static" else None)
+        if fkey is None:
+            return None
+        return (fkey, ctx.q_pos.device, dtype, ctx.q_start, ctx.k_start, tuple(ctx.q_pos.shape),
+                tuple(ctx.k_pos.shape), ctx.k_pos is ctx.q_pos)
+
+    def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
+        # the compute dtype (`autograd.rotary.rotary_dtype`; a Python choice: promote_types dispatches)
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        key = self._pair_key(ctx, dtype)
+        tables = self._pair_tables.get(key) if key is not None else None
+        if tables is None:
+            cq, sq, ck, sk = self.rotation_tables(ctx)
+            if ck.dim() == 4 and k.shape[1] != ck.shape[1]:  # per-head freqs with grouped kv heads
+                raise ValueError(f"{self.name}: per-head frequencies need n_kv_heads == n_heads")
+            dtype = torch.float64 if cq.dtype == torch.float64 else dtype
+            # [B, H|1, N, R/2] in the compute dtype, as `rotate_qk` takes them without a cast or a view
+            tables = tuple((t if t.dim() == 4 else t[:, None]).to(dtype) for t in (cq, sq, ck, sk))
+            if key is not None:
+                if len(self._pair_tables) >= 4:  # a few: a decode step misses anyway
+                    self._pair_tables.clear()
+                self._pair_tables[key] = tables
+        return rotate_qk(q, k, *tables, self.layout, ctx.mode.compiling)
 
 
 @register("rope", "rotate", "Rotary position embedding: q, k rotated by m*theta_i (Su et al., 2021)")

@@ -16,6 +16,7 @@ Positions may be ``[B, N]`` (read as ``[B, N, 1]``; needs ``n_axes = 1``) or ``[
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -26,7 +27,8 @@ from posenc_lightning.encodings.registry import register
 from posenc_lightning.functional.lie_rotary import (
     DECOMPOSITION_DTYPE,
     canonical_basis,
-    lie_rotate,
+    lie_rotate_pair,
+    lie_tables,
     matrix_exp_rotate,
     relative_spectral_gap,
     skew,
@@ -74,6 +76,9 @@ class MatrixRotary(Encoding):
         self.exact = bool(exact)
         #: the eigenbasis path is in use (a Python bool: decided by `check_spectrum`, never in rotate)
         self.fast_path = False
+        #: ``(ctx weakref, basis, tables_q, tables_k)`` of the last training call, detached: attention's backward
+        #: rotates q and k again with them (`attention.recompute`) instead of decomposing the generators again
+        self._recompute_memo: tuple | None = None
         self.register_load_state_dict_post_hook(_recheck)
 
     @property
@@ -188,10 +193,22 @@ class MatrixRotary(Encoding):
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         if self.fast_path:
-            basis, freq = self.planes(self._dtype(q, k))
-            aq = self._positions(ctx.q_pos).to(freq.dtype) @ freq
-            ak = aq if ctx.k_pos is ctx.q_pos else self._positions(ctx.k_pos).to(freq.dtype) @ freq
-            return lie_rotate(q, basis, aq), lie_rotate(k, basis, ak)
+            memo = None if ctx.mode.compiling else self._recompute_memo
+            if memo is not None and memo[0]() is ctx and not torch.is_grad_enabled():
+                # attention's backward rotating again (`attention.recompute`): this call's basis and tables
+                self._recompute_memo = None
+                return lie_rotate_pair(q, k, *memo[1:])
+            dtype = self._dtype(q, k)
+            basis, freq = self.planes(dtype)
+            tq = lie_tables(self._positions(ctx.q_pos).to(freq.dtype) @ freq, dtype)
+            tk = tq if ctx.k_pos is ctx.q_pos else lie_tables(self._positions(ctx.k_pos).to(freq.dtype) @ freq, dtype)
+            if not ctx.mode.compiling:  # (a traced graph keeps what its backward needs itself)
+                self._recompute_memo = None
+            if torch.is_grad_enabled() and not ctx.mode.compiling:  # kept (parameter-sized and [B, N, D/2]) for the recompute
+                dq = tuple(t.detach() for t in tq)
+                self._recompute_memo = (weakref.ref(ctx), basis.detach(), dq,
+                                        dq if tk is tq else tuple(t.detach() for t in tk))
+            return lie_rotate_pair(q, k, basis, tq, tk)
         gens, chunk = self.generators().to(self._dtype(q, k)), self.exact_chunk_elems
         if ctx.k_pos is ctx.q_pos:
             qr, kr = matrix_exp_rotate((q, k), self._positions(ctx.q_pos), gens, chunk)

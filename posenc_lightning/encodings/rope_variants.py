@@ -11,7 +11,7 @@ from posenc_lightning.encodings.base import AttentionContext
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.encodings.rope import RotaryEncoding
 from posenc_lightning.encodings.rope_scaling import YaRN
-from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin, rope_inv_freq
+from posenc_lightning.functional.rope import rope_cos_sin, rope_inv_freq
 from posenc_lightning.functional.rope_scaling import resonance_inv_freq
 
 Layout = Literal["half", "interleaved"]
@@ -92,13 +92,15 @@ class XPos(RotaryEncoding):
         rel = (positions.to(torch.float64) - center.to(torch.float64)[:, None]).to(torch.float32)
         return torch.exp(rel[..., None] / self.scale_base * self.zeta(positions.device).log())
 
-    def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
+    def rotation_tables(self, ctx: AttentionContext) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """RoPE's cos/sin times ``zeta^((m - c) / scale_base)`` for q, its inverse for k (the
+        rotation and the scale of a pair are one linear map, which `rotate` applies)."""
         cq, sq = self.cos_sin(ctx.q_pos, start=ctx.q_start)
         ck, sk = (cq, sq) if ctx.k_pos is ctx.q_pos else self.cos_sin(ctx.k_pos, start=ctx.k_start)
         kp = ctx.k_pos.to(torch.float64)
         center = torch.floor((kp.amin(-1) + kp.amax(-1)) / 2) if kp.numel() else kp.new_zeros(kp.shape[0])
         zq, zk = self.xpos_scale(ctx.q_pos, center), 1.0 / self.xpos_scale(ctx.k_pos, center)
-        return apply_rotary(q, cq * zq, sq * zq, self.layout), apply_rotary(k, ck * zk, sk * zk, self.layout)
+        return cq * zq, sq * zq, ck * zk, sk * zk
 
 
 @register("rope_2d", "rotate", "Axial 2-D RoPE for [B, N, 2] (row, column) positions (Heo et al., 2024)")

@@ -27,9 +27,10 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from posenc_lightning.autograd.lie import HermitianEigh, LieRotation
+from posenc_lightning.autograd.lie import HermitianEigh, LieRotation, LieRotationPair
 
-__all__ = ["canonical_basis", "lie_rotate", "matrix_exp_rotate", "relative_spectral_gap", "skew"]
+__all__ = ["canonical_basis", "lie_rotate", "lie_rotate_pair", "lie_tables", "matrix_exp_rotate", "relative_spectral_gap",
+           "skew"]
 
 #: dtype of the eigen-decomposition (the generators are tiny): its gradient has
 #: ``1 / (mu_i - mu_j)`` terms, whose rounding float64 keeps at ~1e-16 / relative gap
@@ -66,13 +67,25 @@ def relative_spectral_gap(mu: Tensor) -> Tensor:
     return torch.where(scale > 0, d.amin((-1, -2)) / scale.clamp_min(torch.finfo(mu.dtype).tiny), 0.0)
 
 
+def lie_tables(angles: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(cos - 1, sin)`` of ``angles`` in ``dtype``: ``cos - 1 = -2 sin^2(theta / 2)`` (exact for
+    small angles) and sin, computed in the angles' dtype (float64 from `planes`), then cast."""
+    return (-2.0 * (0.5 * angles).sin().square()).to(dtype), angles.sin().to(dtype)
+
+
 def lie_rotate(x: Tensor, basis: Tensor, angles: Tensor) -> Tensor:
     """``Q R(angles) Q^T x``: x ``[B, H, N, D]``, basis ``Q`` ``[D, D]`` (half-layout columns,
     see `canonical_basis`), angles ``[B, N, D/2]`` (any float dtype); computed in ``basis.dtype``,
     returned in ``x.dtype``."""
-    # cos - 1 = -2 sin^2(theta / 2) and sin in the angles' dtype (float64 from `planes`), then cast
-    cosm1 = -2.0 * (0.5 * angles).sin().square()
-    return LieRotation.apply(x, basis, cosm1.to(basis.dtype), angles.sin().to(basis.dtype))
+    return LieRotation.apply(x, basis, *lie_tables(angles, basis.dtype))
+
+
+def lie_rotate_pair(q: Tensor, k: Tensor, basis: Tensor, tables_q: tuple[Tensor, Tensor],
+                    tables_k: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """`lie_rotate` of q and k in one Function (`autograd.lie.LieRotationPair`), given their
+    `lie_tables` (the same tables for both when q and k are the same tokens)."""
+    shared = tables_k is tables_q
+    return LieRotationPair.apply(q, k, basis, *tables_q, *((None, None) if shared else tables_k))
 
 
 def matrix_exp_rotate(xs: tuple[Tensor, ...], positions: Tensor, generators: Tensor,

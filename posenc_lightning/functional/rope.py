@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from posenc_lightning.autograd.rotary import RotaryHalf, rotary_dtype
+from posenc_lightning.autograd.rotary import RotaryHalf, RotaryPair, rotary_dtype
 
-__all__ = ["apply_rotary", "apply_rotary_reference", "rope_angles", "rope_cos_sin", "rope_inv_freq", "rotate_half"]
+__all__ = ["apply_rotary", "apply_rotary_reference", "rope_angles", "rope_cos_sin", "rope_inv_freq", "rotate_half",
+           "rotate_qk"]
 
 
 def rope_inv_freq(dim: int, base: float = 10000.0, device: torch.device | None = None,
@@ -84,6 +85,27 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "half") -> T
     rot = torch.view_as_complex(xr.unflatten(-1, (-1, 2))) * torch.complex(cos.to(wdt), sin.to(wdt))
     out = torch.view_as_real(rot).flatten(-2).to(x.dtype)
     return torch.cat((out, x[..., r:]), dim=-1) if x.shape[-1] > r else out
+
+
+def rotate_qk(q: Tensor, k: Tensor, cos_q: Tensor, sin_q: Tensor, cos_k: Tensor, sin_k: Tensor,
+              layout: str = "half", compiling: bool = False) -> tuple[Tensor, Tensor]:
+    """q and k rotated together: `apply_rotary` of each, as one operator forward and one backward
+    (`autograd.rotary.RotaryPair`: one Triton launch on CUDA; the inverse rotation of ``dq``, ``dk``
+    in backward, nothing but the tables saved).
+
+    cos/sin ``[B, N, R/2]`` or ``[B, H, N, R/2]``, float32 or float64 (the compute dtype: float64
+    tables only for float64 q, k). ``compiling`` (the call's `Mode`): the plain formula, which the
+    compiler fuses itself; as is a table that needs a gradient (learned frequencies).
+    """
+    if layout not in ("half", "interleaved"):
+        raise ValueError(f"unknown rotary layout {layout!r}; use 'half' or 'interleaved'")
+    if compiling or any(t.requires_grad for t in (cos_q, sin_q, cos_k, sin_k)):
+        return apply_rotary_reference(q, cos_q, sin_q, layout), apply_rotary_reference(k, cos_k, sin_k, layout)
+    if cos_q.dim() == 3:
+        cos_q, sin_q = cos_q[:, None], sin_q[:, None]
+    if cos_k.dim() == 3:
+        cos_k, sin_k = cos_k[:, None], sin_k[:, None]
+    return RotaryPair.apply(q, k, cos_q, sin_q, cos_k, sin_k, layout == "interleaved")
 
 
 def apply_rotary_reference(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "half") -> Tensor:

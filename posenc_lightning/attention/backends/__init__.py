@@ -1,6 +1,6 @@
 """Attention backends, one file each, with one signature:
 
-``attend(q, k, v, *, bias, mask, scale, normalize=None, ctx=None) -> out`` and
+``attend(q, k, v, *, bias, mask, scale, normalizer=None, ctx=None) -> out`` and
 ``supports(encoding, device, requires_grad) -> None | reason``, and the declarations ``NAME`` and
 ``FUSES_ROTARY`` (it rotates q and k in-kernel with ``ctx.rotary``, the encoding's
 `Encoding.fused_rotary`). A backend asks each bias for what it fuses (`posenc_lightning.encodings.bias`).
