@@ -67,7 +67,7 @@ class RotaryTables:
 INTERPRET_BLOCKS = (16, 16)
 
 
-def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False) -> dict:
+def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False, arch: int | None = None) -> dict:
     """Tile sizes per kernel ``kind`` (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, rotate); ``gpu``:
     the GPU sizes even under the interpreter (for the compile report)."""
     if interpreting() and not gpu:
