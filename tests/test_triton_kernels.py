@@ -348,3 +348,23 @@ def test_bad_input_errors_name_the_fix():
         fused_attention(q.half(), q, q)
     with pytest.raises(ValueError, match=r"\[B,H,Nq,D\]"):
         fused_attention(q[0], q, q)
+
+
+def test_positions_as_a_range_equal_loaded_positions():
+    """``bias_q_start``/``bias_k_start`` (distances from the indices, nothing loaded) give what the
+    same positions read from memory give, forward and backward (ALiBi slopes and a relative table)."""
+    g = torch.Generator().manual_seed(7)
+    n, nq = 37, 21
+    q = torch.randn(1, 2, nq, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 1, n, 16, generator=g, requires_grad=True) for _ in range(2))
+    slopes = torch.rand(2, generator=g).requires_grad_()
+    table = torch.randn(2, 17, generator=g).requires_grad_()
+    qpos, kpos = torch.arange(nq)[None] + 3 + n - nq, torch.arange(n)[None] + 3
+    common = {"slopes": slopes, "table": table, "q_offset": n - nq, "bias_q_pos": qpos, "bias_k_pos": kpos}
+    outs = [fused_attention(q, k, v, **common), fused_attention(q, k, v, **common, bias_q_start=3 + n - nq,
+                                                                 bias_k_start=3)]
+    dout = torch.randn(outs[0].shape, generator=g)
+    grads = [torch.autograd.grad(o, (q, k, v, slopes, table), dout) for o in outs]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)

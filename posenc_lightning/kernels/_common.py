@@ -166,6 +166,13 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def log2e(ACC: tl.constexpr):
+    """`LOG2E` as a ``[1]`` tensor of ``ACC`` (a bare float literal would be float32, short of
+    float64's precision for the float64 checks)."""
+    return tl.full([1], LOG2E, ACC)
+
+
+@triton.jit
 def positions(P, offs, mask, start, POS_RANGE: tl.constexpr, ACC: tl.constexpr):
     """The bias positions of tokens ``offs``: ``start + offs`` when the positions are a plain range
     (``POS_RANGE``: nothing loaded), else read from ``P``."""
@@ -188,19 +195,20 @@ def logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QS
     hide in part (every mask), 0 a tile inside both (only segments and padding, which may hide any
     pair), 2 a tile past the causal diagonal whose keys may run past ``Nk`` (bounds on keys only)."""
     ld = m_mask[:, None] & n_mask[None, :]  # a load inside the tensors
+    l2e = log2e(ACC)
     if HAS_LIN or HAS_REL or HAS_TILE:
         dist = qp[:, None] - kp[None, :]
         if HAS_LIN:  # -slope |i - j|, Press et al. 2022 eq. 1
-            s += (-LOG2E * tl.load(SLOPES + h).to(ACC)) * tl.abs(dist)
+            s += (-l2e * tl.load(SLOPES + h).to(ACC)) * tl.abs(dist)
         if HAS_REL:  # table[h, clamp(i - j, -R, R) + R]
             idx = tl.minimum(tl.maximum(dist.to(tl.int32), -RMAX), RMAX) + RMAX
-            s += tl.load(TABLE + h * stride_th + idx, mask=ld, other=0.0).to(ACC) * LOG2E
+            s += tl.load(TABLE + h * stride_th + idx, mask=ld, other=0.0).to(ACC) * l2e
         if HAS_TILE:
-            s += TILE_VALUE(h, qp, kp, TILE, TILE_W, H, tile_eps, BM, BN, ACC) * LOG2E
+            s += TILE_VALUE(h, qp, kp, TILE, TILE_W, H, tile_eps, BM, BN, ACC) * l2e
     if HAS_DEC:  # cumulative decays: c_i - c_j
         s += cq2[:, None] - ck2[None, :]
     if HAS_DENSE:
-        s += tl.load(DENSE + offs_m[:, None] * stride_dm + offs_n[None, :], mask=ld, other=0.0).to(ACC) * LOG2E
+        s += tl.load(DENSE + offs_m[:, None] * stride_dm + offs_n[None, :], mask=ld, other=0.0).to(ACC) * l2e
     if MASKED == 1:
         ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG, KSEG, KVALID, CAUSAL, HAS_SEG, HAS_KVALID)
         s = tl.where(ok, s, float("-inf"))

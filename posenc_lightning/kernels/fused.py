@@ -70,14 +70,22 @@ INTERPRET_BLOCKS = (16, 16)
 #: softmax kernels' (BM, BN, num_warps, num_stages) by (arch, head-dim bucket, operand width, kind):
 #: arch 80 (A100 and other sm8x) or 90 (H100, H200); head dims up to 64 or up to 128; "16" for
 #: fp16/bf16 (tensor-core products), "32" for fp32 (full-precision products on the CUDA cores:
-#: small tiles). Pinned, no autotuning at run time; each entry compiles without register spills
-#: with every feature on (`kernels/resource_report.py`, tests/test_triton_compile.py).
+#: small tiles). Pinned, no autotuning at run time; chosen from the compile report with every
+#: feature on (`kernels/resource_report.py`): the fp16/bf16 entries without register spills but
+#: sm80's dK/dV at head dim 128 (tests/test_triton_compile.py lists it).
 SOFTMAX_CONFIGS: dict[tuple[int, int, str, str], tuple[int, int, int, int]] = {
-    **{(a, 64, "16", "fwd"): (64, 32, 4, 3) for a in (80, 90)},
-    **{(a, 128, "16", "fwd"): (64, 16, 4, 2) for a in (80, 90)},
-    **{(a, d, "16", "bwd_dkdv"): (32, 32, 4, 1) for a in (80, 90) for d in (64, 128)},
+    (80, 64, "16", "fwd"): (64, 32, 4, 3),
+    (80, 128, "16", "fwd"): (32, 32, 4, 2),
+    (80, 64, "16", "bwd_dkdv"): (16, 32, 4, 1),
+    (80, 128, "16", "bwd_dkdv"): (16, 16, 4, 1),
+    (90, 64, "16", "fwd"): (64, 32, 4, 3),
+    (90, 128, "16", "fwd"): (64, 16, 4, 2),
+    (90, 64, "16", "bwd_dkdv"): (16, 32, 4, 1),
+    (90, 128, "16", "bwd_dkdv"): (32, 32, 4, 1),
     **{(a, d, "16", "bwd_dq"): (32, 32, 4, 2) for a in (80, 90) for d in (64, 128)},
-    **{(a, d, "32", k): (32, 32, 4, 1) for a in (80, 90) for d in (64, 128) for k in ("fwd", "bwd_dkdv", "bwd_dq")},
+    **{(a, 64, "32", k): (32, 32, 4, 1) for a in (80, 90) for k in ("fwd", "bwd_dq")},
+    **{(a, 64, "32", "bwd_dkdv"): (16, 16, 4, 1) for a in (80, 90)},
+    **{(a, 128, "32", k): (16, 16, 4, 1) for a in (80, 90) for k in ("fwd", "bwd_dkdv", "bwd_dq")},
 }
 
 
@@ -160,6 +168,7 @@ def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense
     rot = plan.rotary
     a: dict = {"H": h, "GROUP": h // k.shape[1], "Nq": nq, "Nk": nk, "D": d, "scale": float(plan.scale),
                "q_offset": int(plan.q_offset)}
+    a["qk_scale"] = float(plan.scale) * 1.4426950408889634  # log2(e): the softmax kernels' logits are base 2
     a["q_start"], a["k_start"] = plan.pos_start if plan.pos_start is not None else (0, 0)
     if rot is not None:
         for side, cos, sin, idx in (("q", rot.cos_q, rot.sin_q, rot.idx_q), ("k", rot.cos_k, rot.sin_k, rot.idx_k)):
@@ -232,6 +241,12 @@ def _launch(kernel, grid, args: dict, flags: dict, cfg: dict) -> None:
     kernel[grid](**kw, BM=cfg["BM"], BN=cfg["BN"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
+def store_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels write for ``dtype`` inputs: the input dtype, except bf16 under the
+    interpreter, which writes float32 (its bf16 conversion is not round-to-nearest), cast by torch."""
+    return torch.float32 if dtype == torch.bfloat16 and interpreting() else dtype
+
+
 def _arch(x: Tensor) -> int | None:
     return cuda_arch(x.device) if x.is_cuda else None
 
@@ -271,10 +286,11 @@ class _FusedAttention(torch.autograd.Function):
         b, h, nq, d = q.shape
         rot = plan.rotary
         if rot is not None and not plan.stick_breaking:  # rotate once; the softmax kernels take rotated q, k
-            q = rotate(q, rot.cos_q, rot.sin_q, rot.idx_q, rot.layout)
-            k = rotate(k, rot.cos_k, rot.sin_k, rot.idx_k, rot.layout)
+            q = rotate(q, rot.cos_q, rot.sin_q, rot.idx_q, rot.layout, out_dtype=store_dtype(q.dtype)).to(q.dtype)
+            k = rotate(k, rot.cos_k, rot.sin_k, rot.idx_k, rot.layout, out_dtype=store_dtype(k.dtype)).to(k.dtype)
         # softmax: O in the operand dtype; stick-breaking: float32 (rebuilt by a later step)
-        out = torch.empty(b, h, nq, d, dtype=acc_dtype(q.dtype) if plan.stick_breaking else q.dtype, device=q.device)
+        out = torch.empty(b, h, nq, d, dtype=acc_dtype(q.dtype) if plan.stick_breaking else store_dtype(q.dtype),
+                          device=q.device)
         lse = torch.empty(b, h, nq, dtype=acc_dtype(q.dtype), device=q.device)
         args, flags = common_args(q, k, plan, slopes, table, c_q, c_k, dense, tile_params)
         kind = "sb_fwd" if plan.stick_breaking else "fwd"
@@ -321,9 +337,9 @@ class _FusedAttention(torch.autograd.Function):
                     {**flags, "ATOMIC_DENSE": True}, cfg)
         else:
             # gradients in the operand dtype; no program adds into another's
-            dq = torch.empty(b, h, nq, d, dtype=q.dtype, device=q.device)
-            dk = torch.empty(b, hkv, nk, d, dtype=k.dtype, device=q.device)
-            dv = torch.empty(b, hkv, nk, d, dtype=v.dtype, device=q.device)
+            dq = torch.empty(b, h, nq, d, dtype=store_dtype(q.dtype), device=q.device)
+            dk = torch.empty(b, hkv, nk, d, dtype=store_dtype(k.dtype), device=q.device)
+            dv = torch.empty(b, hkv, nk, d, dtype=store_dtype(v.dtype), device=q.device)
             # one dense-bias gradient per batch row (summed below where the bias is shared): plain stores;
             # zeros for the tiles the causal mask skips
             ddense = torch.zeros(b, *dense.shape[1:], **f32) if dense is not None else delta.new_zeros(1)

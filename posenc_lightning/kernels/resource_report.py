@@ -200,7 +200,7 @@ def compile_one(kind: str, head_dim: int, dtype_name: str, cc: int, ptxas: bool 
 
 #: the largest head dim and dtype of every distinct tiling `block_config` picks: a compile test
 #: of these covers every (kernel, tile config) pair at its largest shared-memory footprint
-WORST_CASES = ((64, "float16"), (128, "float16"), (128, "float32"))
+WORST_CASES = ((64, "float16"), (128, "float16"), (64, "float32"), (128, "float32"))
 
 
 def configs(kinds=None, head_dims=HEAD_DIMS, dtypes=DTYPES, targets=tuple(TARGETS), worst_only=False):

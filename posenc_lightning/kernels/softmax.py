@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from posenc_lightning.kernels._common import LOG2E, bias_grads2, logits2, positions
+from posenc_lightning.kernels._common import bias_grads2, log2e, logits2, positions
 
 
 @triton.jit
@@ -44,7 +44,7 @@ def _fwd_tiles(acc, l_i, m_i, q, lo, hi, h, offs_m, m_mask, offs_d, d_mask, qp, 
         kp = positions(KP, offs_n, n_mask, k_start, POS_RANGE, ACC)
         ck2 = cq2  # unused without decays
         if HAS_DEC:
-            ck2 = tl.load(CK + offs_n, mask=n_mask, other=0.0).to(ACC) * LOG2E
+            ck2 = tl.load(CK + offs_n, mask=n_mask, other=0.0).to(ACC) * log2e(ACC)
         s = tl.dot(q, kt, input_precision=PREC, out_dtype=ACC) * qk_scale
         s = logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
                     SLOPES, TABLE, RMAX, s_th, DENSE, s_dm, TILE, TILE_W, H, tile_eps, MASKED, CAUSAL, HAS_SEG,
@@ -75,7 +75,7 @@ def _key_split(m0, Nk, q_offset, CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                H, GROUP, Nq, Nk, D, scale, q_offset, q_start, k_start,
+                H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset, q_start, k_start,
                 QSEG, KSEG, KVALID,
                 QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
                 TILE, TILE_W, tile_eps,
@@ -99,8 +99,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
     qp = positions(QP + b * Nq, offs_m, m_mask, q_start, POS_RANGE, ACC)
     cq2 = tl.zeros((BM,), ACC)
     if HAS_DEC:
-        cq2 = tl.load(CQ + b * s_cqb + h * s_cqh + offs_m, mask=m_mask, other=0.0).to(ACC) * LOG2E
-    qk_scale = scale * LOG2E
+        cq2 = tl.load(CQ + b * s_cqb + h * s_cqh + offs_m, mask=m_mask, other=0.0).to(ACC) * log2e(ACC)
     m_i = tl.full((BM,), float("-inf"), ACC)
     l_i = tl.zeros((BM,), ACC)
     acc = tl.zeros((BM, BD), ACC)
@@ -147,7 +146,7 @@ def _dkdv_tiles(dk, dv, dck, dslope, dtile, k, v, lo, hi, h, offs_n, n_mask, off
         qp = positions(QP, offs_m, m_mask, q_start, POS_RANGE, ACC)
         cq2 = ck2  # unused without decays
         if HAS_DEC:
-            cq2 = tl.load(CQ + offs_m, mask=m_mask, other=0.0).to(ACC) * LOG2E
+            cq2 = tl.load(CQ + offs_m, mask=m_mask, other=0.0).to(ACC) * log2e(ACC)
         s = tl.dot(q, tl.trans(k), input_precision=PREC, out_dtype=ACC) * qk_scale
         s = logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
                     SLOPES, TABLE, RMAX, s_th, DENSE, s_dm, TILE, TILE_W, H, tile_eps, MASKED, CAUSAL, HAS_SEG,
@@ -171,7 +170,7 @@ def _dkdv_tiles(dk, dv, dck, dslope, dtile, k, v, lo, hi, h, offs_n, n_mask, off
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENSE, DTILE,
                      sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sgb, sgh, sgn, n_kblocks,
-                     H, GROUP, Nq, Nk, D, scale, q_offset, q_start, k_start,
+                     H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset, q_start, k_start,
                      QSEG, KSEG, KVALID,
                      QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
                      s_ddb, TILE, TILE_W, tile_eps,
@@ -198,7 +197,6 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
     k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_T)
     v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_T)
     kp = positions(KP + b * Nk, offs_n, n_mask, k_start, POS_RANGE, ACC)
-    qk_scale = scale * LOG2E
     dk = tl.zeros((BN, BD), ACC)
     dv = tl.zeros((BN, BD), ACC)
     lo = 0
@@ -210,7 +208,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
         h = hk * GROUP + g
         ck2 = tl.zeros((BN,), ACC)
         if HAS_DEC:
-            ck2 = tl.load(CK + b * s_ckb + h * s_ckh + offs_n, mask=n_mask, other=0.0).to(ACC) * LOG2E
+            ck2 = tl.load(CK + b * s_ckb + h * s_ckh + offs_n, mask=n_mask, other=0.0).to(ACC) * log2e(ACC)
         dck = tl.zeros((BN,), ACC)
         dslope = tl.zeros((1,), ACC).sum(0)
         dtile = tl.zeros((TILE_GB,), ACC)
@@ -251,7 +249,7 @@ def _dq_tiles(dq, dcq, q, do, lse, delta, lo, hi, h, offs_m, m_mask, offs_d, d_m
         kp = positions(KP, offs_n, n_mask, k_start, POS_RANGE, ACC)
         ck2 = cq2  # unused without decays
         if HAS_DEC:
-            ck2 = tl.load(CK + offs_n, mask=n_mask, other=0.0).to(ACC) * LOG2E
+            ck2 = tl.load(CK + offs_n, mask=n_mask, other=0.0).to(ACC) * log2e(ACC)
         s = tl.dot(q, tl.trans(k), input_precision=PREC, out_dtype=ACC) * qk_scale
         s = logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
                     SLOPES, TABLE, RMAX, s_th, DENSE, s_dm, TILE, TILE_W, H, tile_eps, MASKED, CAUSAL, HAS_SEG,
@@ -268,7 +266,7 @@ def _dq_tiles(dq, dcq, q, do, lse, delta, lo, hi, h, offs_m, m_mask, offs_d, d_m
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DCQ,
                    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sgb, sgh, sgn,
-                   H, GROUP, Nq, Nk, D, scale, q_offset, q_start, k_start,
+                   H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset, q_start, k_start,
                    QSEG, KSEG, KVALID,
                    QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
                    TILE, TILE_W, tile_eps,
@@ -297,8 +295,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DCQ,
     qp = positions(QP + b * Nq, offs_m, m_mask, q_start, POS_RANGE, ACC)
     cq2 = tl.zeros((BM,), ACC)
     if HAS_DEC:
-        cq2 = tl.load(CQ + b * s_cqb + h * s_cqh + offs_m, mask=m_mask, other=0.0).to(ACC) * LOG2E
-    qk_scale = scale * LOG2E
+        cq2 = tl.load(CQ + b * s_cqb + h * s_cqh + offs_m, mask=m_mask, other=0.0).to(ACC) * log2e(ACC)
     dq = tl.zeros((BM, BD), ACC)
     dcq = tl.zeros((BM,), ACC)
     full, end = _key_split(m0, Nk, q_offset, CAUSAL, BM, BN)
