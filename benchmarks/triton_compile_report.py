@@ -1,5 +1,6 @@
 """Compile every Triton kernel configuration for sm80 (A100) and sm90 (H100) without a GPU and
-print shared memory, registers and spills per kernel (ptxas -v), all features on (rotary, packed
+print shared memory, registers and spills per kernel (ptxas -v) and PTX counts (matrix
+instructions, tf32 conversions, global atomics, ex2), all features on (rotary, packed
 documents, padding, the four bias kinds): the worst case for registers; ``<kernel>_fire`` rows add
 FIRE's MLP (width 32) evaluated per tile.
 

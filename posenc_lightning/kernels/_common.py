@@ -155,3 +155,110 @@ def _rotate_kernel(X, Y, sxb, sxh, sxn, syb, syh, syn, H, N, D,
                      COS + b * s_cb + h * s_ch, SIN + b * s_cb + h * s_ch, s_cp, IDX + b * N, R, ROT, SIGN, ACC)
     tl.store(Y + b * syb + h * syh + offs_m[:, None] * syn + offs_d[None, :], x.to(Y.dtype.element_ty),
              mask=m_mask[:, None] & (offs_d < D)[None, :])
+
+
+# ----------------------------------------------------------------------------- the softmax kernels'
+# helpers (FlashAttention-2 structure): logits in base-2 units, bias terms scaled by log2(e) where
+# they are smallest (a slope, a decay vector) or fused into the add (table, dense, tile values).
+
+#: log2(e): ``exp(x) = exp2(x * LOG2E)``, folded into the logit scale and every bias term
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def log2e(ACC: tl.constexpr):
+    """`LOG2E` as a ``[1]`` tensor of ``ACC`` (a bare float literal would be float32, short of
+    float64's precision for the float64 checks)."""
+    return tl.full([1], LOG2E, ACC)
+
+
+@triton.jit
+def positions(P, offs, mask, start, POS_RANGE: tl.constexpr, ACC: tl.constexpr):
+    """The bias positions of tokens ``offs``: ``start + offs`` when the positions are a plain range
+    (``POS_RANGE``: nothing loaded), else read from ``P``."""
+    if POS_RANGE:
+        return (start + offs).to(ACC)
+    else:
+        return tl.load(P + offs, mask=mask, other=0.0).to(ACC)
+
+
+@triton.jit
+def logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
+            SLOPES, TABLE, RMAX, stride_th, DENSE, stride_dm, TILE, TILE_W, H, tile_eps,
+            MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+            HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
+            HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+            ACC: tl.constexpr):
+    """``s`` (``q k^T`` times scale * log2(e)) plus every bias term times log2(e), ``-inf`` where
+    hidden. ``qp``/``kp``: positions, ``cq2``/``ck2``: cumulative decays times log2(e), ``DENSE``
+    pointing at this (batch, head). ``MASKED``: 1 a tile that the causal mask or the bounds may
+    hide in part (every mask), 0 a tile inside both (only segments and padding, which may hide any
+    pair), 2 a tile past the causal diagonal whose keys may run past ``Nk`` (bounds on keys only)."""
+    ld = m_mask[:, None] & n_mask[None, :]  # a load inside the tensors
+    l2e = log2e(ACC)
+    if HAS_LIN or HAS_REL or HAS_TILE:
+        dist = qp[:, None] - kp[None, :]
+        if HAS_LIN:  # -slope |i - j|, Press et al. 2022 eq. 1
+            s += (-l2e * tl.load(SLOPES + h).to(ACC)) * tl.abs(dist)
+        if HAS_REL:  # table[h, clamp(i - j, -R, R) + R]
+            idx = tl.minimum(tl.maximum(dist.to(tl.int32), -RMAX), RMAX) + RMAX
+            s += tl.load(TABLE + h * stride_th + idx, mask=ld, other=0.0).to(ACC) * l2e
+        if HAS_TILE:
+            s += TILE_VALUE(h, qp, kp, TILE, TILE_W, H, tile_eps, BM, BN, ACC) * l2e
+    if HAS_DEC:  # cumulative decays: c_i - c_j
+        s += cq2[:, None] - ck2[None, :]
+    if HAS_DENSE:
+        s += tl.load(DENSE + offs_m[:, None] * stride_dm + offs_n[None, :], mask=ld, other=0.0).to(ACC) * l2e
+    if MASKED == 1:
+        ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG, KSEG, KVALID, CAUSAL, HAS_SEG, HAS_KVALID)
+        s = tl.where(ok, s, float("-inf"))
+    elif HAS_SEG or HAS_KVALID:
+        ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG, KSEG, KVALID, 0, HAS_SEG, HAS_KVALID)
+        s = tl.where(ok, s, float("-inf"))
+    elif MASKED == 2:
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+    return s
+
+
+@triton.jit
+def bias_grads2(ds, h, offs_m, offs_n, m_mask, n_mask, qp, kp, DTABLE, RMAX, stride_th, DDENSE, stride_ddm,
+                TILE, TILE_W, H, tile_eps, HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr,
+                HAS_DENSE: tl.constexpr, HAS_TILE: tl.constexpr, TILE_GRADS: tl.constexpr,
+                TILE_GB: tl.constexpr, ACC: tl.constexpr):
+    """`bias_grads` for the softmax dK/dV kernel: ``dL/dlogits`` (zero where hidden) stored into
+    this (batch, head)'s dense-bias gradient (plain stores: one program owns each element), the
+    relative table's gradient scattered with atomic adds (a later step removes them), and this
+    tile's slope and tile-bias parameter contributions returned for the program's sums."""
+    dslope = 0.0
+    dtile = tl.zeros((TILE_GB,), ACC)
+    ok = m_mask[:, None] & n_mask[None, :]
+    if HAS_LIN or HAS_REL or HAS_TILE:
+        dist = qp[:, None] - kp[None, :]
+        if HAS_LIN:
+            dslope = tl.sum(tl.sum(-ds * tl.abs(dist), axis=1), axis=0)
+        if HAS_REL:
+            idx = tl.minimum(tl.maximum(dist.to(tl.int32), -RMAX), RMAX) + RMAX
+            tl.atomic_add(DTABLE + h * stride_th + idx, ds, mask=ok)
+        if HAS_TILE:
+            dtile = TILE_GRADS(ds, h, qp, kp, ok, TILE, TILE_W, H, tile_eps, TILE_GB, ACC)
+    if HAS_DENSE:
+        tl.store(DDENSE + offs_m[:, None] * stride_ddm + offs_n[None, :], ds, mask=ok)
+    return dslope, dtile
+
+
+@triton.jit
+def _rowdot_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, H, N, D, BM: tl.constexpr, BD: tl.constexpr,
+                   ACC: tl.constexpr):
+    """``DELTA[b, h, i] = sum_d dO[b, h, i, d] O[b, h, i, d]`` in float32 (FlashAttention-2's
+    backward preprocess; the stick-breaking backward's ``dO . o`` too)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    mask = (offs_m < N)[:, None] & (offs_d < D)[None, :]
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(ACC) * do.to(ACC), axis=1)
+    tl.store(DELTA + pid_bh * N + offs_m, delta, mask=offs_m < N)

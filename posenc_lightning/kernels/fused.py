@@ -67,15 +67,49 @@ class RotaryTables:
 INTERPRET_BLOCKS = (16, 16)
 
 
-def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False) -> dict:
-    """Tile sizes per kernel ``kind`` (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, rotate); ``gpu``:
-    the GPU sizes even under the interpreter (for the compile report)."""
+#: softmax kernels' (BM, BN, num_warps, num_stages) by (arch, head-dim bucket, operand width, kind):
+#: arch 80 (A100 and other sm8x) or 90 (H100, H200); head dims up to 64 or up to 128; "16" for
+#: fp16/bf16 (tensor-core products), "32" for fp32 (full-precision products on the CUDA cores:
+#: small tiles). Pinned, no autotuning at run time; chosen from the compile report with every
+#: feature on (`kernels/resource_report.py`): the fp16/bf16 entries without register spills but
+#: sm80's dK/dV at head dim 128 (tests/test_triton_compile.py lists it).
+SOFTMAX_CONFIGS: dict[tuple[int, int, str, str], tuple[int, int, int, int]] = {
+    (80, 64, "16", "fwd"): (64, 32, 4, 3),
+    (80, 128, "16", "fwd"): (32, 32, 4, 2),
+    (80, 64, "16", "bwd_dkdv"): (16, 32, 4, 1),
+    (80, 128, "16", "bwd_dkdv"): (16, 16, 4, 1),
+    (90, 64, "16", "fwd"): (64, 32, 4, 3),
+    (90, 128, "16", "fwd"): (64, 16, 4, 2),
+    (90, 64, "16", "bwd_dkdv"): (16, 32, 4, 1),
+    (90, 128, "16", "bwd_dkdv"): (32, 32, 4, 1),
+    **{(a, d, "16", "bwd_dq"): (32, 32, 4, 2) for a in (80, 90) for d in (64, 128)},
+    **{(a, 64, "32", k): (32, 32, 4, 1) for a in (80, 90) for k in ("fwd", "bwd_dq")},
+    **{(a, 64, "32", "bwd_dkdv"): (16, 16, 4, 1) for a in (80, 90)},
+    **{(a, 128, "32", k): (16, 16, 4, 1) for a in (80, 90) for k in ("fwd", "bwd_dkdv", "bwd_dq")},
+}
+
+
+def cuda_arch(device: torch.device) -> int:
+    """90 on Hopper and later, else 80 (the two tables of `SOFTMAX_CONFIGS`)."""
+    major, _ = torch.cuda.get_device_capability(device)
+    return 90 if major >= 9 else 80
+
+
+def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False, arch: int | None = None) -> dict:
+    """Tile sizes per kernel ``kind`` (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, rotate, rowdot); ``gpu``:
+    the GPU sizes even under the interpreter (for the compile report); ``arch``: 80 or 90 (the
+    softmax kernels' table, `SOFTMAX_CONFIGS`; default 90)."""
     if interpreting() and not gpu:
         return {"BM": INTERPRET_BLOCKS[0], "BN": INTERPRET_BLOCKS[1], "num_warps": 1, "num_stages": 1}
-    big = head_dim > 64 or dtype == torch.float32
-    if kind == "rotate":
+    if kind in ("rotate", "rowdot"):
         return {"BM": 32, "BN": 32, "num_warps": 4, "num_stages": 1}
-    if kind in ("fwd", "sb_fwd"):
+    if kind in ("fwd", "bwd_dkdv", "bwd_dq"):
+        key = (90 if arch is None or arch >= 90 else 80, 64 if head_dim <= 64 else 128,
+               "32" if dtype in (torch.float32, torch.float64) else "16", kind)
+        bm, bn, warps, stages = SOFTMAX_CONFIGS[key]
+        return {"BM": bm, "BN": bn, "num_warps": warps, "num_stages": stages}
+    big = head_dim > 64 or dtype == torch.float32
+    if kind == "sb_fwd":
         return {"BM": 64, "BN": 32 if big else 64, "num_warps": 4, "num_stages": 2 if big else 3}
     return {"BM": 32 if big else 64, "BN": 32 if big else 64, "num_warps": 4, "num_stages": 1 if big else 2}
 
@@ -99,6 +133,9 @@ class Plan:
     bias_k_pos: Tensor | None = None
     stick_breaking: bool = False
     tile: TileBias | None = None  # its functions and sizes; the parameters go through autograd
+    #: (q_start, k_start) when the bias positions are ``start + arange(N)`` in every row: the
+    #: softmax kernels then compute them from the indices instead of loading them
+    pos_start: tuple[int, int] | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -131,6 +168,8 @@ def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense
     rot = plan.rotary
     a: dict = {"H": h, "GROUP": h // k.shape[1], "Nq": nq, "Nk": nk, "D": d, "scale": float(plan.scale),
                "q_offset": int(plan.q_offset)}
+    a["qk_scale"] = float(plan.scale) * 1.4426950408889634  # log2(e): the softmax kernels' logits are base 2
+    a["q_start"], a["k_start"] = plan.pos_start if plan.pos_start is not None else (0, 0)
     if rot is not None:
         for side, cos, sin, idx in (("q", rot.cos_q, rot.sin_q, rot.idx_q), ("k", rot.cos_k, rot.sin_k, rot.idx_k)):
             c, sb, sh, sp = _table4(cos)
@@ -150,8 +189,9 @@ def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense
     a["KVALID"] = plan.k_valid.to(torch.int32).contiguous() if plan.k_valid is not None else idummy
     tile = plan.tile if tile_params is not None else None
     has_pos = slopes is not None or table is not None or tile is not None
-    a["QP"] = plan.bias_q_pos.float().contiguous() if has_pos else dummy
-    a["KP"] = plan.bias_k_pos.float().contiguous() if has_pos else dummy
+    ranged = plan.pos_start is not None and not plan.stick_breaking
+    a["QP"] = plan.bias_q_pos.float().contiguous() if has_pos and not ranged else dummy
+    a["KP"] = plan.bias_k_pos.float().contiguous() if has_pos and not ranged else dummy
     a["SLOPES"] = slopes if slopes is not None else dummy
     a["TABLE"] = table if table is not None else dummy
     a["RMAX"] = (table.shape[-1] - 1) // 2 if table is not None else 0
@@ -178,9 +218,10 @@ def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense
              # the tile's own @triton.jit functions, compile-time constants of the kernels
              "TILE_VALUE": tile.value if tile is not None else None,
              "TILE_GRADS": tile.grads if tile is not None else None,
-             "DOT_T": dot_t, "PREC": "ieee",
-             # dS (gradient of the logits) stays float32 in dQ, dK: 3xTF32 keeps fp32 accuracy on tensor cores
-             "PREC_G": "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32x3", "BD": head_block(d), "ACC": acc_tl(q.dtype)}
+             "POS_RANGE": ranged, "DOT_T": dot_t, "PREC": "ieee",
+             # stick-breaking: dS (gradient of the logits) stays float32 in dQ, dK, 3xTF32 on tensor cores
+             "PREC_G": "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32x3", "BD": head_block(d),
+             "ACC": acc_tl(q.dtype)}
     return a, flags
 
 
@@ -193,8 +234,32 @@ def _contig_last(x: Tensor) -> Tensor:
 
 
 def _launch(kernel, grid, args: dict, flags: dict, cfg: dict) -> None:
-    kernel[grid](**args, **flags, BM=cfg["BM"], BN=cfg["BN"], num_warps=cfg["num_warps"],
-                 num_stages=cfg["num_stages"])
+    """Launch ``kernel`` with the arguments and flags it declares (`common_args` makes them for
+    every kernel: the softmax kernels take no rotary tables, for one)."""
+    names = set(kernel.arg_names)
+    kw = {n: x for n, x in {**args, **flags}.items() if n in names}
+    kernel[grid](**kw, BM=cfg["BM"], BN=cfg["BN"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def store_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels write for ``dtype`` inputs: the input dtype, except bf16 under the
+    interpreter, which writes float32 (its bf16 conversion is not round-to-nearest), cast by torch."""
+    return torch.float32 if dtype == torch.bfloat16 and interpreting() else dtype
+
+
+def _arch(x: Tensor) -> int | None:
+    return cuda_arch(x.device) if x.is_cuda else None
+
+
+def row_dot(o: Tensor, do: Tensor) -> Tensor:
+    """``rowsum(dO * O)`` ``[B, H, N]`` in float32 (float64 for float64 inputs) by one small kernel."""
+    b, h, n, d = o.shape
+    delta = torch.empty(b, h, n, dtype=acc_dtype(o.dtype), device=o.device)
+    cfg = block_config("rowdot", d, o.dtype)
+    _common._rowdot_kernel[(triton.cdiv(n, cfg["BM"]), b * h)](
+        o, do, delta, *o.stride()[:3], *do.stride()[:3], h, n, d, BM=cfg["BM"], BD=head_block(d),
+        ACC=acc_tl(o.dtype), num_warps=cfg["num_warps"])
+    return delta
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor, idx: Tensor, layout: str, inverse: bool = False,
@@ -219,11 +284,17 @@ class _FusedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, slopes, table, c_q, c_k, dense, tile_params, plan: Plan):
         q, k, v = _contig_last(q), _contig_last(k), _contig_last(v)
         b, h, nq, d = q.shape
-        out = torch.empty(b, h, nq, d, dtype=acc_dtype(q.dtype), device=q.device)
+        rot = plan.rotary
+        if rot is not None and not plan.stick_breaking:  # rotate once; the softmax kernels take rotated q, k
+            q = rotate(q, rot.cos_q, rot.sin_q, rot.idx_q, rot.layout, out_dtype=store_dtype(q.dtype)).to(q.dtype)
+            k = rotate(k, rot.cos_k, rot.sin_k, rot.idx_k, rot.layout, out_dtype=store_dtype(k.dtype)).to(k.dtype)
+        # softmax: O in the operand dtype; stick-breaking: float32 (rebuilt by a later step)
+        out = torch.empty(b, h, nq, d, dtype=acc_dtype(q.dtype) if plan.stick_breaking else store_dtype(q.dtype),
+                          device=q.device)
         lse = torch.empty(b, h, nq, dtype=acc_dtype(q.dtype), device=q.device)
         args, flags = common_args(q, k, plan, slopes, table, c_q, c_k, dense, tile_params)
         kind = "sb_fwd" if plan.stick_breaking else "fwd"
-        cfg = block_config(kind, d, q.dtype)
+        cfg = block_config(kind, d, q.dtype, arch=_arch(q))
         grid = (triton.cdiv(nq, cfg["BM"]), b * h)
         head = {"Q": q, "K": k, "V": v, "O": out, **_strides("q", q), **_strides("k", k), **_strides("v", v),
                 **_strides("o", out)}
@@ -242,42 +313,54 @@ class _FusedAttention(torch.autograd.Function):
         b, h, nq, d = q.shape
         hkv, nk = k.shape[1], k.shape[2]
         dout = dout.contiguous()
-        delta = (dout.to(out.dtype) * out).sum(-1).contiguous()
+        delta = row_dot(out, dout)
         args, flags = common_args(q, k, plan, slopes, table, c_q, c_k, dense, tile_params)
         f32 = {"dtype": acc_dtype(q.dtype), "device": q.device}
-        dq = torch.empty(b, h, nq, d, **f32)
-        dk = torch.zeros(b, hkv, nk, d, **f32)
-        dv = torch.zeros(b, hkv, nk, d, **f32)
-        dcq = torch.zeros(b, h, nq, **f32) if c_q is not None else dq.new_zeros(1)
-        dck = torch.zeros(b, h, nk, **f32) if c_k is not None else dq.new_zeros(1)
-        dtable = torch.zeros(table.shape, **f32) if table is not None else dq.new_zeros(1)
-        ddense = torch.zeros(dense.shape, **f32) if dense is not None else dq.new_zeros(1)
-        atomic_dense = dense is not None and dense.shape[0] != b
+        dcq = torch.zeros(b, h, nq, **f32) if c_q is not None else delta.new_zeros(1)
+        dck = torch.zeros(b, h, nk, **f32) if c_k is not None else delta.new_zeros(1)
+        dtable = torch.zeros(table.shape, **f32) if table is not None else delta.new_zeros(1)
         head = {"Q": q, "K": k, "V": v, "DO": dout, **_strides("q", q), **_strides("k", k), **_strides("v", v),
                 **_strides("o", dout)}
+        arch = _arch(q)
         if plan.stick_breaking:
-            cfg = block_config("sb_bwd", d, q.dtype)
+            dq = torch.empty(b, h, nq, d, **f32)
+            dk = torch.zeros(b, hkv, nk, d, **f32)
+            dv = torch.zeros(b, hkv, nk, d, **f32)
+            ddense = torch.zeros(dense.shape, **f32) if dense is not None else delta.new_zeros(1)
+            cfg = block_config("sb_bwd", d, q.dtype, arch=arch)
             nqb = triton.cdiv(nq, cfg["BM"])
             dslope = torch.zeros(b, h, nqb, **f32)
-            dtile = torch.zeros(b, h, nqb, plan.tile_block, **f32) if tile_params is not None else dq.new_zeros(1)
+            dtile = torch.zeros(b, h, nqb, plan.tile_block, **f32) if tile_params is not None else delta.new_zeros(1)
             _launch(stick_breaking._sb_bwd_kernel, (nqb, b * h),
                     {**head, "DELTA": delta, "DQ": dq, "DK": dk, "DV": dv, "DCQ": dcq, "DCK": dck, "DTABLE": dtable,
                      "DSLOPE": dslope, "DDENSE": ddense, "DTILE": dtile, "n_qblocks": nqb, **args},
                     {**flags, "ATOMIC_DENSE": True}, cfg)
         else:
-            cfg = block_config("bwd_dkdv", d, q.dtype)
+            # gradients in the operand dtype; no program adds into another's
+            dq = torch.empty(b, h, nq, d, dtype=store_dtype(q.dtype), device=q.device)
+            dk = torch.empty(b, hkv, nk, d, dtype=store_dtype(k.dtype), device=q.device)
+            dv = torch.empty(b, hkv, nk, d, dtype=store_dtype(v.dtype), device=q.device)
+            # one dense-bias gradient per batch row (summed below where the bias is shared): plain stores;
+            # zeros for the tiles the causal mask skips
+            ddense = torch.zeros(b, *dense.shape[1:], **f32) if dense is not None else delta.new_zeros(1)
+            cfg = block_config("bwd_dkdv", d, q.dtype, arch=arch)
             nkb = triton.cdiv(nk, cfg["BN"])
             dslope = torch.zeros(b, h, nkb, **f32)
-            dtile = torch.zeros(b, h, nkb, plan.tile_block, **f32) if tile_params is not None else dq.new_zeros(1)
+            dtile = torch.zeros(b, h, nkb, plan.tile_block, **f32) if tile_params is not None else delta.new_zeros(1)
+            grad_strides = {"sgb": dk.stride(0), "sgh": dk.stride(1), "sgn": dk.stride(2)}
             _launch(softmax._bwd_dkdv_kernel, (nkb, b * hkv),
                     {**head, "LSE": lse, "DELTA": delta, "DK": dk, "DV": dv, "DCK": dck, "DTABLE": dtable,
-                     "DSLOPE": dslope, "DDENSE": ddense, "DTILE": dtile, "n_kblocks": nkb, **args},
-                    {**flags, "ATOMIC_DENSE": atomic_dense}, cfg)
-            cfg = block_config("bwd_dq", d, q.dtype)
+                     "DSLOPE": dslope, "DDENSE": ddense, "DTILE": dtile, "n_kblocks": nkb, **grad_strides,
+                     "s_ddb": ddense.stride(0) if dense is not None else 0, **args},
+                    {**flags, "EVEN_N": int(nk % cfg["BN"] == 0)}, cfg)
+            cfg = block_config("bwd_dq", d, q.dtype, arch=arch)
             _launch(softmax._bwd_dq_kernel, (triton.cdiv(nq, cfg["BM"]), b * h),
-                    {**head, "LSE": lse, "DELTA": delta, "DQ": dq, "DCQ": dcq, **args}, flags, cfg)
+                    {**head, "LSE": lse, "DELTA": delta, "DQ": dq, "DCQ": dcq,
+                     "sgb": dq.stride(0), "sgh": dq.stride(1), "sgn": dq.stride(2), **args}, flags, cfg)
+            if dense is not None and dense.shape[0] != b:
+                ddense = ddense.sum(0, keepdim=True)
         rot = plan.rotary
-        if rot is not None:
+        if rot is not None:  # back from the rotated q, k: once
             dq = rotate(dq, rot.cos_q, rot.sin_q, rot.idx_q, rot.layout, inverse=True, out_dtype=q.dtype)
             dk = rotate(dk, rot.cos_k, rot.sin_k, rot.idx_k, rot.layout, inverse=True, out_dtype=k.dtype)
         grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
@@ -304,12 +387,15 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = No
                     bias_q_pos: Tensor | None = None, bias_k_pos: Tensor | None = None,
                     c_q: Tensor | None = None, c_k: Tensor | None = None, dense: Tensor | None = None,
                     tile: TileBias | None = None, stick_breaking: bool = False,
-                    attend_current: bool = False) -> Tensor:
+                    attend_current: bool = False, bias_q_start: int | None = None,
+                    bias_k_start: int | None = None) -> Tensor:
     """Attention with rotary / biases / packed documents fused (softmax, or stick-breaking).
 
     ``tile``: a parametric bias the kernels evaluate per tile at ``bias_q_pos``/``bias_k_pos``
     with its own ``@triton.jit`` functions (`TileBias`; a bias kind's `fold_into` makes it), its
-    parameters differentiated through ``tile.params``."""
+    parameters differentiated through ``tile.params``. ``bias_q_start``/``bias_k_start``: given
+    together when every row of ``bias_q_pos``/``bias_k_pos`` is ``start + arange(N)`` (the
+    softmax kernels then compute the distances from the indices; default positions are such)."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"fused_attention wants q [B,H,Nq,D], k = v [B,Hkv,Nk,D]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -326,8 +412,12 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = No
         q_segments = segments_from_cu_seqlens(cu_seqlens, q.shape[2])
     if tile is not None and tile.heads != q.shape[1]:
         raise ValueError(f"tile {tile.name}: parameters for {tile.heads} heads, q has {q.shape[1]}")
+    pos_start = (int(bias_q_start), int(bias_k_start)) if bias_q_start is not None and bias_k_start is not None \
+        else None
     if (slopes is not None or table is not None or tile is not None) and (bias_q_pos is None or bias_k_pos is None):
         b = q.shape[0]
+        if bias_q_pos is None and bias_k_pos is None:
+            pos_start = (q_offset, 0)
         bias_q_pos = torch.arange(q.shape[2], device=q.device).expand(b, -1) + q_offset if bias_q_pos is None \
             else bias_q_pos
         bias_k_pos = torch.arange(k.shape[2], device=q.device).expand(b, -1) if bias_k_pos is None else bias_k_pos
@@ -337,7 +427,7 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = No
         kind = 1 if causal else 0
     plan = Plan(scale=d ** -0.5 if scale is None else float(scale), causal=kind, q_offset=q_offset, rotary=rotary,
                 q_segments=q_segments, k_segments=k_segments, k_valid=k_valid, bias_q_pos=bias_q_pos,
-                bias_k_pos=bias_k_pos, stick_breaking=stick_breaking, tile=tile)
+                bias_k_pos=bias_k_pos, stick_breaking=stick_breaking, tile=tile, pos_start=pos_start)
     c_q = c_q.contiguous() if c_q is not None else None
     c_k = c_k.contiguous() if c_k is not None else None
     dense = dense.contiguous() if dense is not None else None

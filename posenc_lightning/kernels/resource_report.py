@@ -81,10 +81,15 @@ def _kernel(kind: str):
             "rotate": _common._rotate_kernel}[kind]
 
 
-def launch_spec(kind: str, head_dim: int, dtype: torch.dtype):
+#: the features of a launch that ``without`` may switch off
+FEATURES = ("rotary", "segments", "padding", "slopes", "table", "decay", "dense")
+
+
+def launch_spec(kind: str, head_dim: int, dtype: torch.dtype, cc: int = 90, without: tuple[str, ...] = ()):
     """``(kernel, values by argument name, num_warps, num_stages)`` of the GPU launch of ``kind``
-    with every feature on (rotary, packed documents, padding, all four bias kinds; an example
-    tile bias too for the ``<kernel>_<tile>`` variants)."""
+    for compute capability ``cc`` with every feature on (rotary, packed documents, padding, all
+    four bias kinds; an example tile bias too for the ``<kernel>_<tile>`` variants) except those
+    named in ``without`` (`FEATURES`)."""
     from posenc_lightning.kernels.fused import Plan, RotaryTables, block_config, common_args, head_block
 
     kind, tile = _split(kind)
@@ -92,13 +97,20 @@ def launch_spec(kind: str, head_dim: int, dtype: torch.dtype):
     q = torch.zeros(b, h, n, d, dtype=dtype)
     cos = torch.zeros(n, d // 2)
     pos = torch.zeros(b, n, dtype=torch.long)
-    plan = Plan(scale=d ** -0.5, causal=1, rotary=RotaryTables(cos, cos, pos, cos, cos, pos), q_segments=pos,
-                k_valid=pos.bool(), bias_q_pos=pos.float(), bias_k_pos=pos.float(),
-                stick_breaking=kind.startswith("sb"), tile=tile)
+    unknown = set(without) - set(FEATURES)
+    if unknown:
+        raise ValueError(f"unknown features {sorted(unknown)}; known: {', '.join(FEATURES)}")
+    on = {f: f not in without for f in FEATURES}
+    plan = Plan(scale=d ** -0.5, causal=1, rotary=RotaryTables(cos, cos, pos, cos, cos, pos) if on["rotary"] else None,
+                q_segments=pos if on["segments"] else None, k_valid=pos.bool() if on["padding"] else None,
+                bias_q_pos=pos.float(), bias_k_pos=pos.float(), stick_breaking=kind.startswith("sb"), tile=tile)
     z = torch.zeros(h, dtype=torch.float32)
-    args, flags = common_args(q, q, plan, z, torch.zeros(h, 9), torch.zeros(b, h, n), torch.zeros(b, h, n),
-                              torch.zeros(b, h, n, n), tile.params if tile is not None else None)
-    cfg = block_config(kind, d, dtype, gpu=True)  # a tile bias does not change the tiling
+    c = torch.zeros(b, h, n)
+    args, flags = common_args(q, q, plan, z if on["slopes"] else None, torch.zeros(h, 9) if on["table"] else None,
+                              c if on["decay"] else None, c if on["decay"] else None,
+                              torch.zeros(b, h, n, n) if on["dense"] else None,
+                              tile.params if tile is not None else None)
+    cfg = block_config(kind, d, dtype, gpu=True, arch=cc)  # a tile bias does not change the tiling
     kernel = _kernel(kind)
     if kind == "rotate":
         flags = {"ROT": 1, "SIGN": -1, "BD": head_block(d), "ACC": flags["ACC"]}
@@ -106,7 +118,7 @@ def launch_spec(kind: str, head_dim: int, dtype: torch.dtype):
                 "X": torch.zeros(1), "Y": torch.zeros(1, dtype=dtype)}  # float32 gradient -> input dtype
     else:
         vals = dict(args)
-        flags = {**flags, "ATOMIC_DENSE": True}
+        flags = {**flags, "ATOMIC_DENSE": True, "EVEN_N": 1}  # dK/dV: N a multiple of the key block
     vals.update(flags)
     vals.update({"BM": cfg["BM"], "BN": cfg["BN"]})
     for p in kernel.params:
@@ -136,7 +148,24 @@ def _ptxas_usage(ptx: str, cc: int) -> dict:
             "spill_stores": int(spill.group(1)) if spill else -1, "spill_loads": int(spill.group(2)) if spill else -1}
 
 
-def compile_one(kind: str, head_dim: int, dtype_name: str, cc: int, ptxas: bool = True) -> dict:
+#: PTX instruction counts in the report: matrix instructions (``mma.sync``: one warp's
+#: m16n8k16 / m16n8k8 product, ``wgmma.mma_async``: one warpgroup's), the round-to-tf32
+#: conversions that split an fp32 operand into 3xTF32 parts (``cvt.rna.tf32``), global atomics
+#: (``atom.global`` / ``red.global``), and base-2 exponentials (``ex2.approx``: ``tl.exp`` lowers to
+#: a multiply by log2(e) and one, ``tl.exp2`` to one). Static counts: one per instruction in the
+#: PTX text, whatever the number of times a loop runs it.
+PTX_COUNTS = {"mma": r"\b(?:mma\.sync|wgmma\.mma_async)\b", "tf32": r"\bcvt\.rna\.tf32", "atomics": r"\b(?:atom|red)\.global\b",
+              "ex2": r"\bex2\.approx"}
+
+
+def ptx_counts(ptx: str) -> dict:
+    """`PTX_COUNTS` in one kernel's PTX (instruction lines only, comments skipped)."""
+    code = "\n".join(ln.split("//")[0] for ln in ptx.splitlines())
+    return {k: len(re.findall(pat, code)) for k, pat in PTX_COUNTS.items()}
+
+
+def compile_one(kind: str, head_dim: int, dtype_name: str, cc: int, ptxas: bool = True,
+                without: tuple[str, ...] = ()) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -144,7 +173,7 @@ def compile_one(kind: str, head_dim: int, dtype_name: str, cc: int, ptxas: bool 
     dtype = getattr(torch, dtype_name)
     row = {"kernel": kind, "head_dim": head_dim, "dtype": dtype_name, "target": f"sm{cc}"}
     try:
-        kernel, vals, warps, stages = launch_spec(kind, head_dim, dtype)
+        kernel, vals, warps, stages = launch_spec(kind, head_dim, dtype, cc, without)
         sig, consts, attrs = {}, {}, {}
         for i, p in enumerate(kernel.params):
             val = vals[p.name]
@@ -161,6 +190,7 @@ def compile_one(kind: str, head_dim: int, dtype_name: str, cc: int, ptxas: bool 
         c = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "num_stages": stages})
         row.update({"BM": vals["BM"], "BN": vals["BN"], "num_warps": warps, "num_stages": stages,
                     "shared_bytes": int(c.metadata.shared), "shared_limit": TARGETS[cc]})
+        row.update({"threads": 32 * warps, **ptx_counts(c.asm["ptx"])})
         row.update(_ptxas_usage(c.asm["ptx"], cc) if ptxas else {"registers": -1, "spill_stores": -1,
                                                                   "spill_loads": -1})
         row["ok"] = row["shared_bytes"] <= TARGETS[cc]
@@ -173,7 +203,7 @@ def compile_one(kind: str, head_dim: int, dtype_name: str, cc: int, ptxas: bool 
 
 #: the largest head dim and dtype of every distinct tiling `block_config` picks: a compile test
 #: of these covers every (kernel, tile config) pair at its largest shared-memory footprint
-WORST_CASES = ((64, "float16"), (128, "float16"), (128, "float32"))
+WORST_CASES = ((64, "float16"), (128, "float16"), (64, "float32"), (128, "float32"))
 
 
 def configs(kinds=None, head_dims=HEAD_DIMS, dtypes=DTYPES, targets=tuple(TARGETS), worst_only=False):
@@ -187,8 +217,8 @@ def configs(kinds=None, head_dims=HEAD_DIMS, dtypes=DTYPES, targets=tuple(TARGET
                 yield kind, d, dt, cc
 
 
-def run_all(jobs: int = 2, ptxas: bool = True, **sel) -> list[dict]:
-    todo = [(*c, ptxas) for c in configs(**sel)]
+def run_all(jobs: int = 2, ptxas: bool = True, without: tuple[str, ...] = (), **sel) -> list[dict]:
+    todo = [(*c, ptxas, tuple(without)) for c in configs(**sel)]
     if jobs <= 1:
         return [compile_one(*c) for c in todo]
     with ProcessPoolExecutor(jobs) as ex:
@@ -197,14 +227,15 @@ def run_all(jobs: int = 2, ptxas: bool = True, **sel) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     head = f"{'kernel':14} {'D':>4} {'dtype':9} {'target':6} {'BMxBN':>7} {'w/s':>4} {'smem KiB':>9} {'limit':>6} " \
-           f"{'regs':>5} {'spill st/ld':>12}  status"
+           f"{'regs':>5} {'spill st/ld':>12} {'mma':>5} {'tf32':>5} {'atom':>5} {'ex2':>5}  status"
     lines = [head, "-" * len(head)]
     for r in rows:
         if "shared_bytes" in r:
             lines.append(f"{r['kernel']:14} {r['head_dim']:>4} {r['dtype']:9} {r['target']:6} "
                          f"{str(r['BM']) + 'x' + str(r['BN']):>7} {str(r['num_warps']) + '/' + str(r['num_stages']):>4} "
                          f"{r['shared_bytes'] / 1024:9.1f} {r['shared_limit'] // 1024:6d} {r['registers']:5d} "
-                         f"{str(r['spill_stores']) + '/' + str(r['spill_loads']):>12}  "
+                         f"{str(r['spill_stores']) + '/' + str(r['spill_loads']):>12} "
+                         f"{r['mma']:5d} {r['tf32']:5d} {r['atomics']:5d} {r['ex2']:5d}  "
                          f"{'ok' if r['ok'] else 'FAIL ' + r['error']}")
         else:
             lines.append(f"{r['kernel']:14} {r['head_dim']:>4} {r['dtype']:9} {r['target']:6} FAIL {r['error']}")
@@ -222,12 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dims", nargs="*", type=int, default=list(HEAD_DIMS))
     p.add_argument("--dtypes", nargs="*", default=list(DTYPES))
     p.add_argument("--worst-only", action="store_true", help="only the largest config of every tiling")
+    p.add_argument("--without", nargs="*", default=[], choices=FEATURES, help="features switched off")
     p.add_argument("--no-ptxas", action="store_true", help="skip the register/spill figures (ptxas -v is slow)")
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("unset TRITON_INTERPRET: the interpreter cannot compile for GPU targets", file=sys.stderr)
         return 2
-    rows = run_all(a.jobs, not a.no_ptxas, kinds=tuple(a.kinds or all_kinds()), head_dims=tuple(a.head_dims), dtypes=tuple(a.dtypes),
+    rows = run_all(a.jobs, not a.no_ptxas, tuple(a.without), kinds=tuple(a.kinds or all_kinds()), head_dims=tuple(a.head_dims), dtypes=tuple(a.dtypes),
                    worst_only=a.worst_only)
     print(format_table(rows))
     if a.json:

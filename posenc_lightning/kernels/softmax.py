@@ -1,10 +1,22 @@
-"""Flash-attention kernels (Dao et al., 2022, alg. 1-2: tiled online softmax, recomputation in
-the backward) with rotary, structured biases and packed-document masks fused in.
+"""Flash-attention kernels on FlashAttention-2's structure (Dao, 2023, alg. 1-2: tiled online
+softmax, recomputation in the backward) with structured biases and packed-document masks fused in.
 
-Three kernels: `_fwd_kernel` (query blocks; writes O and the log-sum-exp), `_bwd_dkdv_kernel`
-(key blocks over the query blocks of every query head of the kv group; dK, dV, dc_k, the
-relative-table, slope and tile-bias parameter gradients) and `_bwd_dq_kernel` (query blocks; dQ, dc_q). Gradients of
-q and k are produced for the *rotated* q, k and rotated back by `_common._rotate_kernel`.
+Three kernels: `_fwd_kernel` (query blocks; writes O in the operand dtype and the base-2
+log-sum-exp), `_bwd_dkdv_kernel` (one program per key block, over the query blocks of every query
+head of its kv group; dK, dV, dc_k, the dense, relative-table, slope and tile-bias gradients) and
+`_bwd_dq_kernel` (one program per query block; dQ, dc_q); ``delta = rowsum(dO * O)`` comes from
+`_common._rowdot_kernel` first. No program adds into another's dQ, dK or dV.
+
+- q and k arrive rotated (`fused` rotates them once before the launch and the gradients back once
+  after): no rotation inside the loops.
+- Logits are in base 2: ``scale * log2(e)`` multiplies ``q k^T``, every bias term is scaled by
+  log2(e) (`_common.logits2`), and the weights are ``exp2`` of them: one ``ex2`` per score.
+- Causal loops are split: the tiles that the causal diagonal and the bounds cannot touch run
+  without the causal mask (`logits2` ``MASKED=0``; segments and padding, which may hide any pair,
+  still apply), the tiles on the diagonal with every mask (``MASKED=1``).
+- Matrix products take operands in the input dtype (P and dS cast to it, as FlashAttention-2) and
+  accumulate in float32 (float64 for float64 inputs); float32 inputs keep full-precision
+  ("ieee") products.
 """
 
 from __future__ import annotations
@@ -12,204 +24,290 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from posenc_lightning.kernels._common import bias_grads, bias_tile, load_rotated, visible
+from posenc_lightning.kernels._common import bias_grads2, log2e, logits2, positions
+
+
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, lo, hi, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh, skn, svn, Nk,
+               qk_scale, q_offset, QSEG, KSEG, KVALID, KP, k_start, CK, SLOPES, TABLE, RMAX, s_th, DENSE, s_dm,
+               TILE, TILE_W, H, tile_eps,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+               HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
+               HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, POS_RANGE: tl.constexpr, DOT_T: tl.constexpr,
+               PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr):
+    """The online softmax over key tiles ``[lo, hi)``."""
+    for start_n in range(lo, hi, BN):
+        offs_n = start_n + tl.arange(0, BN)
+        n_mask = offs_n < Nk
+        kt = tl.load(Kh + offs_n[None, :] * skn + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None],
+                     other=0.0).to(DOT_T)
+        kp = positions(KP, offs_n, n_mask, k_start, POS_RANGE, ACC)
+        ck2 = cq2  # unused without decays
+        if HAS_DEC:
+            ck2 = tl.load(CK + offs_n, mask=n_mask, other=0.0).to(ACC) * log2e(ACC)
+        s = tl.dot(q, kt, input_precision=PREC, out_dtype=ACC) * qk_scale
+        s = logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
+                    SLOPES, TABLE, RMAX, s_th, DENSE, s_dm, TILE, TILE_W, H, tile_eps, MASKED, CAUSAL, HAS_SEG,
+                    HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(Vh + offs_n[:, None] * svn + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
+                    other=0.0).to(DOT_T)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_T), v, input_precision=PREC, out_dtype=ACC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _key_split(m0, Nk, q_offset, CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """``(full, end)`` for the query block at ``m0``: key tiles ``[0, full)`` lie inside the bounds and
+    are visible to every row of the block by the causal rule; ``[full, end)`` may be hidden in part."""
+    end = Nk
+    full = Nk // BN * BN
+    if CAUSAL != 0:  # keys <= m0 + q_offset are visible to every row
+        end = tl.minimum(Nk, q_offset + m0 + BM)
+        full = tl.minimum(full, tl.maximum(q_offset + m0 + 1, 0) // BN * BN)
+    return full, end
 
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                H, GROUP, Nq, Nk, D, scale, q_offset,
-                QCOS, QSIN, s_qcb, s_qch, s_qcp, QIDX, KCOS, KSIN, s_kcb, s_kch, s_kcp, KIDX, R,
+                H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset, q_start, k_start,
                 QSEG, KSEG, KVALID,
                 QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
                 TILE, TILE_W, tile_eps,
-                ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+                CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                 HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
-                HAS_TILE: tl.constexpr, TILE_GB: tl.constexpr, TILE_VALUE: tl.constexpr, TILE_GRADS: tl.constexpr,
-                DOT_T: tl.constexpr, PREC: tl.constexpr, PREC_G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
+                HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, POS_RANGE: tl.constexpr,
+                DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                ACC: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
-    offs_m = pid_m * BM + tl.arange(0, BM)
+    m0 = pid_m * BM
+    offs_m = m0 + tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
     m_mask = offs_m < Nq
-    q = load_rotated(Q + b * sqb + h * sqh, sqn, offs_m, m_mask, offs_d, D,
-                     QCOS + b * s_qcb + h * s_qch, QSIN + b * s_qcb + h * s_qch, s_qcp, QIDX + b * Nq, R, ROT, 1, ACC)
-    q = q.to(DOT_T)
-    kcos = KCOS + b * s_kcb + hk * s_kch
-    ksin = KSIN + b * s_kcb + hk * s_kch
+    d_mask = offs_d < D
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_T)
+    qp = positions(QP + b * Nq, offs_m, m_mask, q_start, POS_RANGE, ACC)
+    cq2 = tl.zeros((BM,), ACC)
+    if HAS_DEC:
+        cq2 = tl.load(CQ + b * s_cqb + h * s_cqh + offs_m, mask=m_mask, other=0.0).to(ACC) * log2e(ACC)
     m_i = tl.full((BM,), float("-inf"), ACC)
     l_i = tl.zeros((BM,), ACC)
     acc = tl.zeros((BM, BD), ACC)
-    end = Nk
-    if CAUSAL != 0:
-        end = tl.minimum(Nk, q_offset + (pid_m + 1) * BM)
-    for start_n in range(0, end, BN):
-        offs_n = start_n + tl.arange(0, BN)
-        n_mask = offs_n < Nk
-        k = load_rotated(K + b * skb + hk * skh, skn, offs_n, n_mask, offs_d, D, kcos, ksin, s_kcp,
-                         KIDX + b * Nk, R, ROT, 1, ACC)
-        s = tl.dot(q, tl.trans(k.to(DOT_T)), input_precision=PREC, out_dtype=ACC) * scale
-        s += bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, SLOPES, TABLE, RMAX, s_th,
-                       CQ + b * s_cqb + h * s_cqh, CK + b * s_ckb + h * s_ckh, DENSE + b * s_db + h * s_dh, s_dm,
-                       TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
-        ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
-                     CAUSAL, HAS_SEG, HAS_KVALID)
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
-                    mask=n_mask[:, None] & (offs_d < D)[None, :], other=0.0).to(ACC)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_T), v.to(DOT_T), input_precision=PREC, out_dtype=ACC)
-        m_i = m_new
+    full, end = _key_split(m0, Nk, q_offset, CAUSAL, BM, BN)
+    Kh = K + b * skb + hk * skh
+    Vh = V + b * svb + hk * svh
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, 0, full, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
+                               skn, svn, Nk, qk_scale, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th,
+                               DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 0, CAUSAL, HAS_SEG,
+                               HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE,
+                               DOT_T, PREC, BM, BN, ACC)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, full, end, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
+                               skn, svn, Nk, qk_scale, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th,
+                               DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1, CAUSAL, HAS_SEG,
+                               HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE,
+                               DOT_T, PREC, BM, BN, ACC)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out,
-             mask=m_mask[:, None] & (offs_d < D)[None, :])
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), 0.0)
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=m_mask[:, None] & d_mask[None, :])
+    # base 2; +inf for a row that sees no key, so that its weights recompute to 0 in the backward
+    lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("inf"))
     tl.store(LSE + pid_bh * Nq + offs_m, lse, mask=m_mask)
 
 
 @triton.jit
+def _dkdv_tiles(dk, dv, dck, dslope, dtile, k, v, lo, hi, h, offs_n, n_mask, offs_d, d_mask, kp, ck2,
+                Qh, DOh, LSEh, DELTAh, sqn, son, Nq, qk_scale, q_offset, QSEG, KSEG, KVALID, QP, q_start, CQ,
+                SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE, DDENSE, s_dm, TILE, TILE_W, H, tile_eps,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+                HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
+                HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, TILE_GRADS: tl.constexpr, TILE_GB: tl.constexpr,
+                POS_RANGE: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, ACC: tl.constexpr):
+    """dK, dV (and the bias gradients) of one key block over query tiles ``[lo, hi)`` of head ``h``."""
+    for start_m in range(lo, hi, BM):
+        offs_m = start_m + tl.arange(0, BM)
+        m_mask = offs_m < Nq
+        qd_mask = m_mask[:, None] & d_mask[None, :]
+        q = tl.load(Qh + offs_m[:, None] * sqn + offs_d[None, :], mask=qd_mask, other=0.0).to(DOT_T)
+        do = tl.load(DOh + offs_m[:, None] * son + offs_d[None, :], mask=qd_mask, other=0.0).to(DOT_T)
+        lse = tl.load(LSEh + offs_m, mask=m_mask, other=float("inf"))  # rows past Nq: weight 0
+        delta = tl.load(DELTAh + offs_m, mask=m_mask, other=0.0)
+        qp = positions(QP, offs_m, m_mask, q_start, POS_RANGE, ACC)
+        cq2 = ck2  # unused without decays
+        if HAS_DEC:
+            cq2 = tl.load(CQ + offs_m, mask=m_mask, other=0.0).to(ACC) * log2e(ACC)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC, out_dtype=ACC) * qk_scale
+        s = logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
+                    SLOPES, TABLE, RMAX, s_th, DENSE, s_dm, TILE, TILE_W, H, tile_eps, MASKED, CAUSAL, HAS_SEG,
+                    HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
+        p = tl.math.exp2(s - lse[:, None])
+        dv += tl.dot(tl.trans(p.to(DOT_T)), do, input_precision=PREC, out_dtype=ACC)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC, out_dtype=ACC)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(DOT_T)), q, input_precision=PREC, out_dtype=ACC)
+        if HAS_DEC:
+            dck -= tl.sum(ds, 0)
+        if HAS_LIN or HAS_REL or HAS_DENSE or HAS_TILE:
+            dsl, dti = bias_grads2(ds, h, offs_m, offs_n, m_mask, n_mask, qp, kp, DTABLE, RMAX, s_th, DDENSE,
+                                   s_dm, TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL, HAS_DENSE, HAS_TILE,
+                                   TILE_GRADS, TILE_GB, ACC)
+            dslope += dsl
+            dtile += dti
+    return dk, dv, dck, dslope, dtile
+
+
+@triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENSE, DTILE,
-                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, n_kblocks,
-                     H, GROUP, Nq, Nk, D, scale, q_offset,
-                     QCOS, QSIN, s_qcb, s_qch, s_qcp, QIDX, KCOS, KSIN, s_kcb, s_kch, s_kcp, KIDX, R,
+                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sgb, sgh, sgn, n_kblocks,
+                     H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset, q_start, k_start,
                      QSEG, KSEG, KVALID,
                      QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
-                     TILE, TILE_W, tile_eps,
-                     ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+                     s_ddb, TILE, TILE_W, tile_eps,
+                     CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                      HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
-                     HAS_TILE: tl.constexpr, TILE_GB: tl.constexpr, TILE_VALUE: tl.constexpr, TILE_GRADS: tl.constexpr,
-                     ATOMIC_DENSE: tl.constexpr,
-                     DOT_T: tl.constexpr, PREC: tl.constexpr, PREC_G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
-    """dK, dV (rotated space, float32) for one key block of one kv head; ``DO`` has O's strides."""
+                     HAS_TILE: tl.constexpr, TILE_GB: tl.constexpr, TILE_VALUE: tl.constexpr,
+                     TILE_GRADS: tl.constexpr, POS_RANGE: tl.constexpr, EVEN_N: tl.constexpr,
+                     DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                     ACC: tl.constexpr):
+    """dK, dV (of the rotated k; the operand dtype, strides ``sg*``) of one key block of one kv head,
+    summed over its query heads; ``DO`` has O's strides. ``DDENSE``: one gradient per batch row
+    (``s_ddb``), summed after the launch where the dense bias is shared across the batch."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     hkv = H // GROUP
     b = pid_bh // hkv
     hk = pid_bh % hkv
-    offs_n = pid_n * BN + tl.arange(0, BN)
+    n0 = pid_n * BN
+    offs_n = n0 + tl.arange(0, BN)
     offs_d = tl.arange(0, BD)
     n_mask = offs_n < Nk
     d_mask = offs_d < D
-    k = load_rotated(K + b * skb + hk * skh, skn, offs_n, n_mask, offs_d, D,
-                     KCOS + b * s_kcb + hk * s_kch, KSIN + b * s_kcb + hk * s_kch, s_kcp, KIDX + b * Nk, R, ROT, 1, ACC)
-    kd = k.to(DOT_T)
-    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(ACC)
-    vd = v.to(DOT_T)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_T)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_T)
+    kp = positions(KP + b * Nk, offs_n, n_mask, k_start, POS_RANGE, ACC)
     dk = tl.zeros((BN, BD), ACC)
     dv = tl.zeros((BN, BD), ACC)
     lo = 0
-    if CAUSAL != 0:
-        lo = tl.maximum(pid_n * BN - q_offset, 0) // BM * BM
+    mid = 0
+    if CAUSAL != 0:  # query blocks from `mid` on see every key of this block
+        lo = tl.maximum(n0 - q_offset, 0) // BM * BM
+        mid = tl.minimum(tl.maximum(lo, tl.cdiv(tl.maximum(n0 + BN - 1 - q_offset, 0), BM) * BM), Nq)
     for g in range(GROUP):
         h = hk * GROUP + g
-        qcos = QCOS + b * s_qcb + h * s_qch
-        qsin = QSIN + b * s_qcb + h * s_qch
+        ck2 = tl.zeros((BN,), ACC)
+        if HAS_DEC:
+            ck2 = tl.load(CK + b * s_ckb + h * s_ckh + offs_n, mask=n_mask, other=0.0).to(ACC) * log2e(ACC)
         dck = tl.zeros((BN,), ACC)
-        dslope = 0.0
+        dslope = tl.zeros((1,), ACC).sum(0)
         dtile = tl.zeros((TILE_GB,), ACC)
-        for start_m in range(lo, Nq, BM):
-            offs_m = start_m + tl.arange(0, BM)
-            m_mask = offs_m < Nq
-            q = (load_rotated(Q + b * sqb + h * sqh, sqn, offs_m, m_mask, offs_d, D, qcos, qsin, s_qcp,
-                                    QIDX + b * Nq, R, ROT, 1, ACC)).to(DOT_T)
-            do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :],
-                         mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(ACC)
-            dod = do.to(DOT_T)
-            lse = tl.load(LSE + (b * H + h) * Nq + offs_m, mask=m_mask, other=0.0)
-            delta = tl.load(DELTA + (b * H + h) * Nq + offs_m, mask=m_mask, other=0.0)
-            s = tl.dot(q, tl.trans(kd), input_precision=PREC, out_dtype=ACC) * scale
-            s += bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, SLOPES, TABLE, RMAX, s_th,
-                           CQ + b * s_cqb + h * s_cqh, CK + b * s_ckb + h * s_ckh, DENSE + b * s_db + h * s_dh,
-                           s_dm, TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
-            ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
-                         CAUSAL, HAS_SEG, HAS_KVALID)
-            p = tl.exp(tl.where(ok, s - lse[:, None], float("-inf")))
-            dv += tl.dot(tl.trans(p.to(DOT_T)), dod, input_precision=PREC, out_dtype=ACC)
-            dp = tl.dot(dod, tl.trans(vd), input_precision=PREC, out_dtype=ACC)
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds), q.to(ACC), input_precision=PREC_G, out_dtype=ACC)
-            dck += -tl.sum(ds, 0)
-            dsl, dti = bias_grads(ds, h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, DTABLE, RMAX,
-                                  s_th, DDENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL,
-                                  HAS_DENSE, ATOMIC_DENSE, HAS_TILE, TILE_GRADS, TILE_GB, ACC)
-            dslope += dsl
-            dtile += dti
+        dk, dv, dck, dslope, dtile = _dkdv_tiles(
+            dk, dv, dck, dslope, dtile, k, v, lo, mid, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1,
+            CAUSAL, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, TILE_GRADS,
+            TILE_GB, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
+        dk, dv, dck, dslope, dtile = _dkdv_tiles(
+            dk, dv, dck, dslope, dtile, k, v, mid, Nq, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps,
+            2 - 2 * EVEN_N, CAUSAL, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE,
+            TILE_VALUE, TILE_GRADS, TILE_GB, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
         if HAS_DEC:
             tl.store(DCK + (b * H + h) * Nk + offs_n, dck, mask=n_mask)
         if HAS_LIN:
             tl.store(DSLOPE + (b * H + h) * n_kblocks + pid_n, dslope)
         if HAS_TILE:  # this program's partial sums, reduced after the launch
             tl.store(DTILE + ((b * H + h) * n_kblocks + pid_n) * TILE_GB + tl.arange(0, TILE_GB), dtile)
-    out_mask = n_mask[:, None] & d_mask[None, :]
-    kv_off = (b * hkv + hk) * Nk * D + offs_n[:, None] * D + offs_d[None, :]
-    tl.store(DK + kv_off, dk * scale, mask=out_mask)
-    tl.store(DV + kv_off, dv, mask=out_mask)
+    out = b * sgb + hk * sgh + offs_n[:, None] * sgn + offs_d[None, :]
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_tiles(dq, dcq, q, do, lse, delta, lo, hi, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh, skn, svn,
+              Nk, qk_scale, q_offset, QSEG, KSEG, KVALID, KP, k_start, CK, SLOPES, TABLE, RMAX, s_th, DENSE, s_dm,
+              TILE, TILE_W, H, tile_eps,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+              HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
+              HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, POS_RANGE: tl.constexpr, DOT_T: tl.constexpr,
+              PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr):
+    """dQ of one query block over key tiles ``[lo, hi)``."""
+    for start_n in range(lo, hi, BN):
+        offs_n = start_n + tl.arange(0, BN)
+        n_mask = offs_n < Nk
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(Kh + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_T)
+        v = tl.load(Vh + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_T)
+        kp = positions(KP, offs_n, n_mask, k_start, POS_RANGE, ACC)
+        ck2 = cq2  # unused without decays
+        if HAS_DEC:
+            ck2 = tl.load(CK + offs_n, mask=n_mask, other=0.0).to(ACC) * log2e(ACC)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC, out_dtype=ACC) * qk_scale
+        s = logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
+                    SLOPES, TABLE, RMAX, s_th, DENSE, s_dm, TILE, TILE_W, H, tile_eps, MASKED, CAUSAL, HAS_SEG,
+                    HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
+        p = tl.math.exp2(s - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC, out_dtype=ACC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(DOT_T), k, input_precision=PREC, out_dtype=ACC)
+        if HAS_DEC:
+            dcq += tl.sum(ds, 1)
+    return dq, dcq
 
 
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DCQ,
-                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                   H, GROUP, Nq, Nk, D, scale, q_offset,
-                   QCOS, QSIN, s_qcb, s_qch, s_qcp, QIDX, KCOS, KSIN, s_kcb, s_kch, s_kcp, KIDX, R,
+                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sgb, sgh, sgn,
+                   H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset, q_start, k_start,
                    QSEG, KSEG, KVALID,
                    QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
                    TILE, TILE_W, tile_eps,
-                   ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+                   CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                    HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
-                   HAS_TILE: tl.constexpr, TILE_GB: tl.constexpr, TILE_VALUE: tl.constexpr, TILE_GRADS: tl.constexpr,
-                   DOT_T: tl.constexpr, PREC: tl.constexpr, PREC_G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
-    """dQ (rotated space, float32) and dc_q for one query block."""
+                   HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, POS_RANGE: tl.constexpr,
+                   DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                   ACC: tl.constexpr):
+    """dQ (of the rotated q; the operand dtype, strides ``sg*``) and dc_q of one query block."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
-    offs_m = pid_m * BM + tl.arange(0, BM)
+    m0 = pid_m * BM
+    offs_m = m0 + tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
     m_mask = offs_m < Nq
     d_mask = offs_d < D
-    q = (load_rotated(Q + b * sqb + h * sqh, sqn, offs_m, m_mask, offs_d, D,
-                            QCOS + b * s_qcb + h * s_qch, QSIN + b * s_qcb + h * s_qch, s_qcp, QIDX + b * Nq,
-                            R, ROT, 1, ACC)).to(DOT_T)
-    do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :],
-                 mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(ACC)
-    dod = do.to(DOT_T)
-    lse = tl.load(LSE + pid_bh * Nq + offs_m, mask=m_mask, other=0.0)
+    qd_mask = m_mask[:, None] & d_mask[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=qd_mask, other=0.0).to(DOT_T)
+    do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], mask=qd_mask,
+                 other=0.0).to(DOT_T)
+    lse = tl.load(LSE + pid_bh * Nq + offs_m, mask=m_mask, other=float("inf"))
     delta = tl.load(DELTA + pid_bh * Nq + offs_m, mask=m_mask, other=0.0)
-    kcos = KCOS + b * s_kcb + hk * s_kch
-    ksin = KSIN + b * s_kcb + hk * s_kch
+    qp = positions(QP + b * Nq, offs_m, m_mask, q_start, POS_RANGE, ACC)
+    cq2 = tl.zeros((BM,), ACC)
+    if HAS_DEC:
+        cq2 = tl.load(CQ + b * s_cqb + h * s_cqh + offs_m, mask=m_mask, other=0.0).to(ACC) * log2e(ACC)
     dq = tl.zeros((BM, BD), ACC)
     dcq = tl.zeros((BM,), ACC)
-    end = Nk
-    if CAUSAL != 0:
-        end = tl.minimum(Nk, q_offset + (pid_m + 1) * BM)
-    for start_n in range(0, end, BN):
-        offs_n = start_n + tl.arange(0, BN)
-        n_mask = offs_n < Nk
-        kd = (load_rotated(K + b * skb + hk * skh, skn, offs_n, n_mask, offs_d, D, kcos, ksin, s_kcp,
-                                 KIDX + b * Nk, R, ROT, 1, ACC)).to(DOT_T)
-        vd = (tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
-                            mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(ACC)).to(DOT_T)
-        s = tl.dot(q, tl.trans(kd), input_precision=PREC, out_dtype=ACC) * scale
-        s += bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, SLOPES, TABLE, RMAX, s_th,
-                       CQ + b * s_cqb + h * s_cqh, CK + b * s_ckb + h * s_ckh, DENSE + b * s_db + h * s_dh, s_dm,
-                       TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
-        ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
-                     CAUSAL, HAS_SEG, HAS_KVALID)
-        p = tl.exp(tl.where(ok, s - lse[:, None], float("-inf")))
-        dp = tl.dot(dod, tl.trans(vd), input_precision=PREC, out_dtype=ACC)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds, kd.to(ACC), input_precision=PREC_G, out_dtype=ACC)
-        dcq += tl.sum(ds, 1)
-    tl.store(DQ + pid_bh * Nq * D + offs_m[:, None] * D + offs_d[None, :], dq * scale,
-             mask=m_mask[:, None] & d_mask[None, :])
+    full, end = _key_split(m0, Nk, q_offset, CAUSAL, BM, BN)
+    Kh = K + b * skb + hk * skh
+    Vh = V + b * svb + hk * svh
+    dq, dcq = _dq_tiles(dq, dcq, q, do, lse, delta, 0, full, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
+                        skn, svn, Nk, qk_scale, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 0, CAUSAL, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL,
+                        HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
+    dq, dcq = _dq_tiles(dq, dcq, q, do, lse, delta, full, end, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
+                        skn, svn, Nk, qk_scale, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1, CAUSAL, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL,
+                        HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
+    tl.store(DQ + b * sgb + h * sgh + offs_m[:, None] * sgn + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=qd_mask)
     if HAS_DEC:
         tl.store(DCQ + pid_bh * Nq + offs_m, dcq, mask=m_mask)

@@ -113,10 +113,14 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
     if tables is not None and tables.cos_q.dim() == 4 and tables.cos_q.shape[1] > 1 and k.shape[1] != q.shape[1]:
         raise ValueError(f"{rot.name}: per-head frequencies need n_kv_heads == n_heads")
     kb = split_bias(bias, q.shape[1])
+    starts = {}
+    if (ctx is not None and kb.q_pos is not None and kb.q_pos is ctx.q_pos and kb.k_pos is ctx.k_pos
+            and ctx.q_start is not None and ctx.k_start is not None):  # a plain range: distances from indices
+        starts = {"bias_q_start": ctx.q_start, "bias_k_start": ctx.k_start}
     seg = mask.q_segments
     out = fused_attention(
         q, k, v, scale=scale, causal=mask.causal, q_offset=mask.q_offset, rotary=tables,
         q_segments=seg, k_segments=mask.k_segments if seg is not None else None, k_valid=mask.k_valid,
         slopes=kb.slopes, table=kb.table, bias_q_pos=kb.q_pos, bias_k_pos=kb.k_pos, c_q=kb.c_q, c_k=kb.c_k,
-        dense=kb.dense, tile=kb.tile, stick_breaking=sb, attend_current=attend_current)
+        dense=kb.dense, tile=kb.tile, stick_breaking=sb, attend_current=attend_current, **starts)
     return out.to(q.dtype)
