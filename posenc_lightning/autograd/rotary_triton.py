@@ -79,20 +79,19 @@ def _table_strides(t: Tensor) -> tuple[int, int, int, int]:
     return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(4))  # type: ignore[return-value]
 
 
-#: token rows per program (a power of two; tests set it smaller to cover partial blocks)
-BLOCK_ROWS = 16
-
-
 def rotate_pair_triton(q: Tensor, k: Tensor, cos_q: Tensor, sin_q: Tensor, cos_k: Tensor, sin_k: Tensor,
-                       interleaved: bool, inverse: bool) -> tuple[Tensor, Tensor]:
+                       interleaved: bool, inverse: bool, block_rows: int = 16) -> tuple[Tensor, Tensor]:
     """`autograd.rotary.rotate_pair` in one launch: q ``[B, H, Nq, D]``, k ``[B, Hkv, Nk, D]``,
-    tables ``[B|1, H|1, N, R/2]`` (float32 or float64)."""
+    tables ``[B|1, H|1, N, R/2]`` (float32 or float64); ``block_rows`` token rows per program (a
+    power of two)."""
+    if block_rows < 1 or block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows={block_rows} must be a power of two, e.g. 16")
     d = q.shape[-1]
     half = cos_q.shape[-1]
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     rows_q, rows_k = q.shape[0] * q.shape[1] * q.shape[2], k.shape[0] * k.shape[1] * k.shape[2]
-    br = BLOCK_ROWS
+    br = block_rows
     progs_q, progs_k = triton.cdiv(rows_q, br), triton.cdiv(rows_k, br)
     if progs_q + progs_k == 0:
         return qo, ko
