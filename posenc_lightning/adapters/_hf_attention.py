@@ -39,6 +39,7 @@ from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.attention.mask import AttentionMask
 from posenc_lightning.attention.pipeline import context, run_stages
 from posenc_lightning.encodings.base import Bias, DenseBias
+from posenc_lightning.functional.mode import Mode
 from posenc_lightning.parallel.group import CONTEXT_PARALLEL
 
 FUSED = "posenc_fused"
@@ -193,7 +194,7 @@ def _segments(padding: Tensor | None, q_pos: Tensor, seen: int, first: int, n_q:
         restart = (q_pos[:, 1:] - q_pos[:, :-1]) != 1
         # a compiled graph cannot branch on the values: it keeps the segment ids (all 0 when nothing
         # is packed: the same attention), as transformers' own packed-sequence mask does when traced
-        if torch.compiler.is_compiling() or bool(restart.any()):
+        if Mode.tracing() or bool(restart.any()):
             seg = torch.nn.functional.pad(restart.long().cumsum(-1), (1, 0))
             return seg, seg
     return None, None

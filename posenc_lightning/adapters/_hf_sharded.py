@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.attention.sharded import sharded_attend
+from posenc_lightning.functional.mode import Mode
 from posenc_lightning.parallel.group import ContextParallelGroup
 
 
@@ -23,7 +24,7 @@ def _document_ids(group: ContextParallelGroup, q_pos: Tensor) -> Tensor | None:
     starts one), as this rank's segment ids; None when nothing is packed."""
     pos_all = group.gather(q_pos, 1)
     restart = (pos_all[:, 1:] - pos_all[:, :-1]) != 1
-    if not torch.compiler.is_compiling() and not bool(restart.any()):
+    if not Mode.tracing() and not bool(restart.any()):
         return None
     seg_all = torch.nn.functional.pad(restart.long().cumsum(-1), (1, 0))
     return group.layout(q_pos.shape[1]).shard(seg_all, 1)

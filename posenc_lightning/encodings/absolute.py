@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 from posenc_lightning.encodings.registry import register
+from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.positions import arange_offset, max_position
 from posenc_lightning.functional.sinusoidal import sinusoidal_table
 
@@ -59,7 +60,7 @@ class Sinusoidal(Encoding):
         alpha = math.sqrt(self.d_model) if self.scale_input else 1.0
         a = arange_offset(positions, start)
         size = max_position(positions, a) if not positions.dtype.is_floating_point else None
-        if size is None or (torch.compiler.is_compiling() and self._table.shape[0] < size):
+        if size is None or (Mode.tracing() and self._table.shape[0] < size):
             # float positions, or values not known without a read, or a table too small to grow
             # inside a traced graph: the formula at these positions
             pe = sinusoidal_table(positions, self.d_model, self.base)

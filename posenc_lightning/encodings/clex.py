@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.encodings.rope import RotaryEncoding
+from posenc_lightning.functional.mode import Mode
 
 
 def clex_ntk_log_freq(t: float, dim: int, base: float, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
@@ -116,7 +117,7 @@ class CLEX(RotaryEncoding):
 
     def frequencies_key(self, seq_len: int | None) -> Any:
         if (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())) \
-                or torch.compiler.is_compiling():
+                or Mode.tracing():
             # trained frequencies: recompute every call so gradients flow; compiled: in the graph
             # (a parameter's storage and version are no traceable cache key)
             return None

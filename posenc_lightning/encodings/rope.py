@@ -17,6 +17,7 @@ from torch import Tensor
 
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 from posenc_lightning.encodings.registry import register
+from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.positions import arange_offset, max_position
 from posenc_lightning.functional.rope import rope_cos_sin, rope_inv_freq, rotate_qk
 
@@ -96,7 +97,7 @@ class RotaryEncoding(Encoding):
         have = self._cos.shape[-2] if self._cos.dim() >= 2 else 0
         full_key = (key, device)
         if full_key != self._table_key or need is None or need > have:
-            if need is None or torch.compiler.is_compiling():
+            if need is None or Mode.tracing():
                 # values not known without a read, or a table that would have to grow inside a
                 # traced graph (`reserve` sizes it beforehand): the formula at these positions
                 return self.cos_sin_of(positions, seq_len)

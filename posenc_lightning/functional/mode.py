@@ -23,6 +23,12 @@ class Mode:
     #: the block budgets and switches of this call (`functional.tunables.Tunables`)
     tunables: Tunables = DEFAULT_TUNABLES
 
+    @staticmethod
+    def tracing() -> bool:
+        """Inside a ``torch.compile`` trace now: the package's one call of ``is_compiling``. Code
+        outside attention (a table's growth, a model's compiled forward) asks here too."""
+        return torch.compiler.is_compiling()
+
     @classmethod
     def of(cls, t: Tensor, tunables: Tunables | None = None) -> Mode:
         """The mode of a call on ``t``'s device, now, with ``tunables`` (None: the defaults)."""
@@ -32,7 +38,7 @@ class Mode:
     def now(cls, device: str, tunables: Tunables | None = None) -> Mode:
         """The mode of work on ``device`` (a device type) now: the one place ``is_compiling`` is asked
         for attention and the encodings' attention-time code."""
-        return cls(torch.compiler.is_compiling(), device, DEFAULT_TUNABLES if tunables is None else tunables)
+        return cls(cls.tracing(), device, DEFAULT_TUNABLES if tunables is None else tunables)
 
     @property
     def host_reads(self) -> bool:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from posenc_lightning.functional.mode import Mode
+
 
 def host_reads_ok(t: Tensor) -> bool:
     """Reading ``t``'s values on the host is free: a CPU tensor outside a traced (compiled)
     region. Elsewhere a read is a device sync (GPU) or a graph break (``torch.compile``), so code
     that would look at values to pick a faster path takes the general one instead."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+    return Mode.of(t).host_reads
 
 
 def arange_offset(pos: Tensor, known: int | None = None) -> int | None:

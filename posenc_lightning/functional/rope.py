@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.autograd.rotary import RotaryHalf, RotaryPair, rotary_dtype
+from posenc_lightning.functional.mode import Mode
 
 __all__ = ["apply_rotary", "apply_rotary_reference", "rope_angles", "rope_cos_sin", "rope_inv_freq", "rotate_half",
            "rotate_qk"]
@@ -69,7 +70,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "half") -> T
     """
     if layout not in ("half", "interleaved"):
         raise ValueError(f"unknown rotary layout {layout!r}; use 'half' or 'interleaved'")
-    if torch.compiler.is_compiling():  # the compiler fuses the formula itself (out= views and
+    if Mode.tracing():  # the compiler fuses the formula itself (out= views and
         return apply_rotary_reference(x, cos, sin, layout)  # storage offsets do not trace)
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]

@@ -12,6 +12,7 @@ from posenc_lightning.attention.denormals import call_flushing_denormals
 from posenc_lightning.attention.kv_cache import KVCache
 from posenc_lightning.attention.mixin import PosEncAttentionMixin, PosEncEmbeddingMixin
 from posenc_lightning.encodings.base import Encoding
+from posenc_lightning.functional.mode import Mode
 from posenc_lightning.inject import inject
 from posenc_lightning.models.lm import CausalLMSteps
 
@@ -152,7 +153,7 @@ class TinyGPT(CausalLMSteps, pl.LightningModule):
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, cache: KVCache | None = None,
                 segment_ids: Tensor | None = None) -> Tensor:
-        if self.compile_forward and cache is None and not torch.compiler.is_compiling():
+        if self.compile_forward and cache is None and not Mode.tracing():
             # flush-to-zero is set around the compiled graph (it cannot be set inside it)
             return call_flushing_denormals(self._compiled_forward(), input_ids, positions, None, segment_ids)
         return self._forward(input_ids, positions, cache, segment_ids)

@@ -24,6 +24,7 @@ from posenc_lightning.encodings.bias.forms import (
     ValueDependentForm,
 )
 from posenc_lightning.encodings.bias.windows import Index, cut, span
+from posenc_lightning.functional.mode import Mode
 
 __all__ = ["Bias", "BiasSum", "HandRows", "HeadScaled", "KernelBias", "KeyOnly", "OpaqueOperands", "ScaledBias",
            "ValueDependentForm", "cut", "span"]
@@ -343,7 +344,7 @@ class BiasSum(Bias):
 
     @property
     def _group(self) -> DistanceTable | None:
-        return None if torch.compiler.is_compiling() else self._table
+        return None if Mode.tracing() else self._table
 
     @cached_property
     def _table(self) -> DistanceTable | None:

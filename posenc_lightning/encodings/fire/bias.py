@@ -20,6 +20,7 @@ from posenc_lightning.encodings.bias.tile import TileBias, register_tile_kind
 from posenc_lightning.encodings.bias.windows import same_positions
 from posenc_lightning.encodings.fire import by_distance, compiled, template
 from posenc_lightning.encodings.fire.rows import fire_rows
+from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.positions import arange_offset
 
 __all__ = ["FireBias", "FireTableSum"]
@@ -92,7 +93,7 @@ class FireBias(Bias):
         c, l_mult, w1, b1 = views[:4]
         w2, b2 = self._mlp_out(views)
         qp, kp = self._positions(start, stop, k_stop)
-        if torch.compiler.is_compiling():  # the traced formula (`fire_rows` inside a traced
+        if Mode.tracing():  # the traced formula (`fire_rows` inside a traced
             # torch.func.vjp failed functorch's level check)
             return compiled.traced_rows(qp, kp, c, l_mult * self.init_L, w1, b1, w2, b2, self.eps)
         arange = self.q_start is not None and self.k_start is not None  # psi(i - j) then by distance
@@ -119,7 +120,7 @@ class FireBias(Bias):
         ``need``; ``diagonal``: as `causal_rows`' (and ``d_rows`` 0 past it). None elsewhere (the
         engine differentiates `rows_from`)."""
         if self.q_start is None or self.k_start is None or not self._one_row or stop <= start or k_stop <= 0 \
-                or torch.compiler.is_compiling():
+                or Mode.tracing():
             return None
         c, l_mult, w1, b1, w2, b2 = views[:6]
         weight = views[6] if len(views) == 7 else None

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.functional.fire import fire_mlp_piecewise, fire_psi
+from posenc_lightning.functional.mode import Mode
 
 #: columns of ``x`` per step of `fire_mlp` (the hidden activations of one step stay in cache)
 FIRE_MLP_CHUNK = 16384
@@ -35,7 +36,7 @@ def fire_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tenso
     """
     dt = torch.promote_types(x.dtype, w2.dtype)
     x, w1, b1, w2, b2 = (t.to(dt) for t in (x, w1, b1, w2, b2))
-    if torch.compiler.is_compiling():  # the unit selection below has a data-dependent shape; the
+    if Mode.tracing():  # the unit selection below has a data-dependent shape; the
         return fire_mlp_piecewise(x, w1, b1, w2, b2)  # compiler fuses the segment lookup per element
     if x.numel() == 0:
         return x.new_zeros(x.shape[0], w2.shape[0], x.shape[1]) + 0 * b2.sum()

@@ -9,6 +9,7 @@ from torch import Tensor
 from posenc_lightning.encodings.fire.by_distance import Memo, _FireDiagonalRows, _forward
 from posenc_lightning.encodings.fire.functions import _FireRows, fire_mlp
 from posenc_lightning.functional.fire import fire_normalized_distance
+from posenc_lightning.functional.mode import Mode
 
 
 def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Tensor, b1: Tensor, w2: Tensor,
@@ -31,9 +32,9 @@ def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Te
     shows, past which the rows need only be finite (`FireBias.causal_rows`).
     """
     diagonal = shift is not None and q_pos.shape[0] == k_pos.shape[0] == 1 and q_pos.shape[1] and k_pos.shape[1]
-    if table is not None and (not diagonal or torch.compiler.is_compiling()):
+    if table is not None and (not diagonal or Mode.tracing()):
         raise ValueError("fire_rows: a table is added by distance only (known arange positions, eagerly)")
-    if torch.compiler.is_compiling():  # data-dependent unit selection: `fire_mlp`'s compiled form
+    if Mode.tracing():  # data-dependent unit selection: `fire_mlp`'s compiled form
         x = fire_normalized_distance(q_pos, k_pos, c, threshold, eps)
         return fire_mlp(x.flatten(1), w1, b1, w2, b2).unflatten(-1, x.shape[1:])
     if diagonal:
