@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.encodings.fire.functions import _distances, _runs
-from posenc_lightning.functional.fire import fire_psi
+from posenc_lightning.functional.fire import fire_mlp_fold, fire_psi, fire_unit_states
 from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
 # Rows at ``start + arange`` positions, by distance: ``x[r, j] = p[R - 1 - r + j] / n[r]`` with ``p``
@@ -49,11 +49,10 @@ def _diagonal_select(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tens
     pg = torch.nn.functional.pad(p, (0, groups * g - nc), value=float(p[-1])).view(groups, g)  # repeats: no new extremes
     # x's extremes per group: p's, divided by n's (a positive divisor keeps the order)
     ends = torch.stack(torch.aminmax(pg, dim=1)) / torch.stack(torch.aminmax(n)).flip(0)[:, None]  # [2, groups]
-    pos = w1 * ends.to(dt)[:, :, None] + b1 > 0  # [2, groups, W]: at the min, at the max
-    edges = torch.nn.functional.pad((pos[0] ^ pos[1]).t().to(torch.int8), (1, 1)).diff(dim=1)  # [W, groups + 1]
+    on, straddling = fire_unit_states(*ends.to(dt), w1, b1)  # [groups, W]
+    edges = torch.nn.functional.pad(straddling.t().to(torch.int8), (1, 1)).diff(dim=1)  # [W, groups + 1]
     flips = edges.nonzero().tolist()  # (unit, group) where a span starts, then where it stops
     runs = _merge_spans([[u, f, e] for (u, f), (_, e) in zip(flips[::2], flips[1::2])], n.shape[0], g, slack)
-    on = pos[0] & pos[1]
     if runs:  # evaluated per element there: folded nowhere in the run (one indexing for all runs)
         w = on.shape[1]
         on.view(-1)[torch.tensor([q * w + u for units, a, z in runs for q in range(a, z) for u in units])] = False
@@ -88,8 +87,8 @@ def _merge_spans(spans: list[list[int]], rows: int, group: int, slack: int) -> l
 
 def _group_coef(on: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, nc: int, group: int) -> Tensor:
     """``[2H, C]``: per column, the slope ``A`` and the intercept ``B - b2`` of the units folded there
-    (``on`` per group of ``group`` columns)."""
-    return (torch.cat((w2 * w1, w2 * b1)) @ on.t()).repeat_interleave(group, 1)[:, :nc]
+    (``on`` per group of ``group`` columns, `fire_mlp_fold`)."""
+    return fire_mlp_fold(on, w1, b1, w2).repeat_interleave(group, 1)[:, :nc]
 
 
 def _run_budget(size: int) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from posenc_lightning.functional.fire import fire_mlp_piecewise, fire_psi
+from posenc_lightning.functional.fire import fire_mlp_fold, fire_mlp_piecewise, fire_psi, fire_unit_states
 from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
@@ -43,16 +43,16 @@ def fire_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
 
 def _fold(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The units that switch inside ``[min x, max x]`` ``[K]``, those on throughout (0/1 ``[W]``) and
-    ``w_aug = [w2 of the switching ones, A, B]`` ``[H, K + 2]`` (`fire_mlp`)."""
+    ``w_aug = [w2 of the switching ones, A, B]`` ``[H, K + 2]`` (`fire_mlp`; `fire_unit_states`,
+    `fire_mlp_fold`: the same arithmetic as per element below)."""
     with torch.no_grad():
         lo, hi = torch.aminmax(x.detach())
-        pre_lo, pre_hi = w1 * lo + b1, w1 * hi + b1  # the same arithmetic as per element below
-        on = (pre_lo > 0) & (pre_hi > 0)
-        switching = torch.nonzero(~on & ((pre_lo > 0) | (pre_hi > 0))).squeeze(1)
+        on, straddling = fire_unit_states(lo, hi, w1, b1)
+        switching = torch.nonzero(straddling).squeeze(1)
     on = on.to(w2.dtype)
-    a = (w2 * (w1 * on)).sum(1)  # slope of the always-on units  [H]
-    b = b2 + (w2 * (b1 * on)).sum(1)  # their intercept, plus b2  [H]
-    return switching, on, torch.cat((w2.index_select(1, switching), a[:, None], b[:, None]), 1)
+    h = w2.shape[0]
+    ab = fire_mlp_fold(on, w1, b1, w2)  # the always-on units' slope and intercept  [2H]
+    return switching, on, torch.cat((w2.index_select(1, switching), ab[:h, None], (b2 + ab[h:])[:, None]), 1)
 
 
 def _hidden(x: Tensor, w1: Tensor, b1: Tensor, out: Tensor) -> Tensor:
@@ -220,8 +220,7 @@ def _select(x: Tensor, w1: Tensor, b1: Tensor, group: int, slack: int) -> tuple[
     pad = -nc % g  # a ragged last group: padded with values that move neither min nor max
     lo = torch.nn.functional.pad(x.amin((0, 1)), (0, pad), value=float("inf")).view(-1, g).amin(1)
     hi = torch.nn.functional.pad(x.amax((0, 1)), (0, pad), value=float("-inf")).view(-1, g).amax(1)
-    pos_lo, pos_hi = w1 * lo[:, None] + b1 > 0, w1 * hi[:, None] + b1 > 0  # [groups, W]
-    switching = pos_lo ^ pos_hi
+    on_both, switching = fire_unit_states(lo, hi, w1, b1)  # [groups, W]
     groups = switching.shape[0]
     idx = torch.arange(groups, device=x.device)[:, None]
     first = torch.where(switching, idx, groups).amin(0)
@@ -234,7 +233,7 @@ def _select(x: Tensor, w1: Tensor, b1: Tensor, group: int, slack: int) -> tuple[
     for u, f, e in merged:
         bounds[0][u], bounds[1][u] = f, e
     first, last = torch.tensor(bounds, device=x.device)
-    on = (pos_lo & pos_hi & ((idx < first) | (idx > last))).to(x.dtype)  # folded: outside the spans
+    on = (on_both & ((idx < first) | (idx > last))).to(x.dtype)  # folded: outside the spans
     return on, spans
 
 
@@ -271,8 +270,8 @@ def _runs(spans: Tensor) -> list[tuple[list[int], int, int]]:
 
 def _column_slopes(on: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, nc: int, group: int) -> Tensor:
     """``[2H, C]``: per key, the slope ``A`` and the intercept ``B - b2`` of the units folded there
-    (``on`` per group of ``group`` keys)."""
-    return (torch.cat((w2 * w1, w2 * b1)) @ on.t()).repeat_interleave(group, 1)[:, :nc]
+    (``on`` per group of ``group`` keys, `fire_mlp_fold`)."""
+    return fire_mlp_fold(on, w1, b1, w2).repeat_interleave(group, 1)[:, :nc]
 
 
 def _span_hidden(x: Tensor, w1: Tensor, b1: Tensor, units: list[int], a: int,
