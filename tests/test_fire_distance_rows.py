@@ -17,7 +17,6 @@ from posenc_lightning.encodings.base import AttentionContext
 from posenc_lightning.encodings.bias import DenseBias
 from posenc_lightning.encodings.fire import FireBias
 from posenc_lightning.encodings.fire import by_distance as bdist
-from posenc_lightning.encodings.fire import functions as ffire
 from posenc_lightning.encodings.fire.bias import FireTableSum
 from posenc_lightning.functional.tunables import Tunables
 
@@ -53,15 +52,13 @@ def test_long_rows_by_distance_equal_the_formula(offset):
             assert (a.double() - b).abs().max() <= 1e-4 * b.abs().max() + 1e-4, (a, b)
 
 
-def test_spans_merge_into_disjoint_runs(monkeypatch):
-    monkeypatch.setattr(ffire, "FIRE_COLUMN_GROUP", 1)
-    monkeypatch.setattr(ffire, "FIRE_SPAN_SLACK", 0)
+def test_spans_merge_into_disjoint_runs():
     # overlapping spans share a run over their union; a unit with two spans in it is listed once
-    runs = bdist._merge_spans([[0, 0, 4], [1, 2, 6], [0, 5, 7], [2, 9, 10]], rows=8)
+    runs = bdist._merge_spans([[0, 0, 4], [1, 2, 6], [0, 5, 7], [2, 9, 10]], rows=8, group=1, slack=0)
     assert runs == [([0, 1], 0, 7), ([2], 9, 10)]
-    monkeypatch.setattr(ffire, "FIRE_SPAN_SLACK", 10**9)  # a disjoint span joins within the slack
-    assert bdist._merge_spans([[0, 0, 4], [2, 9, 10]], rows=8) == [([0, 2], 0, 10)]
-    assert bdist._merge_spans([], rows=8) == []
+    # a disjoint span joins within the slack
+    assert bdist._merge_spans([[0, 0, 4], [2, 9, 10]], rows=8, group=1, slack=10**9) == [([0, 2], 0, 10)]
+    assert bdist._merge_spans([], rows=8, group=1, slack=0) == []
 
 
 @pytest.mark.parametrize("members", [("alibi", "relative_bias", "fire"), ("alibi", "fire")])

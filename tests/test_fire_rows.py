@@ -13,7 +13,8 @@ import torch
 from posenc_lightning import build_encoding
 from posenc_lightning.encodings.base import AttentionContext
 from posenc_lightning.encodings.fire import FireBias
-from posenc_lightning.encodings.fire import functions as ffire
+from posenc_lightning.functional.mode import Mode
+from posenc_lightning.functional.tunables import Tunables
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 BLOCKS = [(0, 53, 53), (10, 83, 150), (83, 150, 160), (150, 151, 7)]  # ragged, past the queries, k_stop < rows
@@ -28,6 +29,11 @@ def _fire(dtype: torch.dtype = torch.float32):
         enc.mlp[0].weight[0] = 0.0
         enc.L_multiplier.fill_(1.0)  # L = 100 exactly: the query at position 100 ties with it
     return enc
+
+
+def _mode(**tunables) -> Mode:
+    """An eager CPU call's mode with these tunables (the groups of keys, the runs' slack)."""
+    return Mode.now("cpu", Tunables(**tunables))
 
 
 def _grads(out: torch.Tensor, g: torch.Tensor, leaves: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -60,26 +66,26 @@ def _check(enc, bias: FireBias, qp: torch.Tensor, kp: torch.Tensor, shared: bool
 
 @pytest.mark.parametrize("group", [1, 5, 32])  # keys per unit selection (no grad); 150 keys: ragged
 @pytest.mark.parametrize("offset", [37, 5000, 60])  # 60: rows below and beyond L = 100 in one block
-def test_rows_at_arange_positions_use_one_distance_table(offset, group, monkeypatch):
-    monkeypatch.setattr(ffire, "FIRE_COLUMN_GROUP", group)
+def test_rows_at_arange_positions_use_one_distance_table(offset, group):
+    mode = _mode(fire_column_group=group)
     enc = _fire()
     pos = (torch.arange(151) + offset).expand(2, -1)
     kp = (torch.arange(160) + offset - 9).expand(2, -1)  # 9 keys before the first query (a cache)
-    bias = enc.bias(None, None, AttentionContext(pos, kp, q_start=offset, k_start=offset - 9))
+    bias = enc.bias(None, None, AttentionContext(pos, kp, q_start=offset, k_start=offset - 9, mode=mode))
+    assert bias.tunables is mode.tunables
     assert type(bias) is FireBias and (bias.q_start, bias.k_start) == (offset, offset - 9)
     _check(enc, bias, pos, kp, shared=True)
     # positions not declared: read on CPU (`arange_offset`), the same table
-    read = enc.bias(None, None, AttentionContext(pos.clone(), kp.clone()))
+    read = enc.bias(None, None, AttentionContext(pos.clone(), kp.clone(), mode=mode))
     assert (read.q_start, read.k_start) == (offset, offset - 9)
 
 
 @pytest.mark.parametrize("group", [3, 32])
-def test_rows_at_per_batch_positions(group, monkeypatch):
-    monkeypatch.setattr(ffire, "FIRE_COLUMN_GROUP", group)
+def test_rows_at_per_batch_positions(group):
     enc = _fire()
     qp = torch.stack([torch.arange(151) + 30, torch.arange(151) * 2, torch.cat([torch.arange(70), torch.arange(81)])])
     kp = torch.cat([qp, qp[:, :9] + 400], 1)  # keys beyond the queries: negative distances too
-    bias = enc.bias(None, None, AttentionContext(qp, kp))
+    bias = enc.bias(None, None, AttentionContext(qp, kp, mode=_mode(fire_column_group=group)))
     assert bias.q_start is None and bias.k_start is None
     _check(enc, bias, qp, kp, shared=False)
 
@@ -131,13 +137,12 @@ def test_empty_rows():
 
 @pytest.mark.parametrize("slack", [0, 10**9])  # every span its own run / every span in one run
 @pytest.mark.parametrize("group", [4, 32])
-def test_runs_of_switching_units_forward_and_backward(slack, group, monkeypatch):
+def test_runs_of_switching_units_forward_and_backward(slack, group):
     """The units that switch within a block are evaluated per element in runs over the union of
     their spans (`functions._merged`); a unit evaluated over keys where it does not switch, and
     not folded there, gives the same rows and gradients whatever the runs."""
-    monkeypatch.setattr(ffire, "FIRE_COLUMN_GROUP", group)
-    monkeypatch.setattr(ffire, "FIRE_SPAN_SLACK", slack)
     enc = _fire()
     pos = (torch.arange(151) + 60).expand(2, -1)
-    bias = enc.bias(None, None, AttentionContext(pos, pos, q_start=60, k_start=60))
+    mode = _mode(fire_column_group=group, fire_span_slack=slack)
+    bias = enc.bias(None, None, AttentionContext(pos, pos, q_start=60, k_start=60, mode=mode))
     _check(enc, bias, pos, pos, shared=True)

@@ -10,8 +10,8 @@ from torch import nn
 from posenc_lightning import inject
 from posenc_lightning.encodings.base import AttentionContext, DenseBias, RelativeBias
 from posenc_lightning.encodings.fire import FireBias
-from posenc_lightning.encodings.fire import functions as ffire
 from posenc_lightning.encodings.fire.functions import fire_mlp
+from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.tunables import Tunables
 from tests.helpers import Attn
 
@@ -62,15 +62,15 @@ def _mlp(width, heads, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_fire_mlp_equals_the_mlp_forward_and_backward(dtype, monkeypatch):
-    monkeypatch.setattr(ffire, "FIRE_MLP_CHUNK", 64)  # several chunks, a ragged last one
+def test_fire_mlp_equals_the_mlp_forward_and_backward(dtype):
+    chunks = Tunables(fire_mlp_chunk=64)  # several chunks, a ragged last one
     torch.manual_seed(0)
     mlp = _mlp(12, 3, dtype)
     kinks = torch.tensor([0.25, 0.375, 0.0, 1.0, -0.5], dtype=dtype)  # at breakpoints and ends
     x = torch.cat([torch.rand(2, 150, dtype=dtype) * 1.5 - 0.5, kinks.expand(2, -1)], 1)
     x_ref, x_new = x.clone().requires_grad_(), x.clone().requires_grad_()
     ref = mlp(x_ref[..., None]).permute(0, 2, 1)  # [B, H, M]
-    out = fire_mlp(x_new, mlp[0].weight[:, 0], mlp[0].bias, mlp[2].weight, mlp[2].bias)
+    out = fire_mlp(x_new, mlp[0].weight[:, 0], mlp[0].bias, mlp[2].weight, mlp[2].bias, chunks)
     tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
     torch.testing.assert_close(out, ref, **tol)
     g = torch.randn_like(ref)
@@ -144,15 +144,14 @@ def test_fire_lazy_bias_equals_the_dense_formula():
 
 @pytest.mark.parametrize("chunk", [1, 2**20])  # sub-blocks of one row (checkpointed), or none
 @pytest.mark.parametrize("causal", [True, False])
-def test_cope_lazy_bias_equals_the_dense_formula(causal, chunk, monkeypatch):
+def test_cope_lazy_bias_equals_the_dense_formula(causal, chunk):
     from posenc_lightning import build_encoding
-    from posenc_lightning.encodings.cope import CoPE
 
-    monkeypatch.setattr(CoPE, "CHUNK_BYTES", chunk)
+    mode = Mode.now("cpu", Tunables(cope_chunk_bytes=chunk, cope_grad_chunk_bytes=chunk))
     enc = build_encoding("cope", max_position=5, per_head=True, init_std=0.5).bind(n_heads=2, head_dim=4)
     q = torch.randn(2, 2, 9, 4, requires_grad=True)
     k = torch.randn(2, 2, 14, 4, requires_grad=True)  # 5 cached keys first: query i at key i + 5
-    bias = enc.bias(q, k, AttentionContext(None, None, causal))
+    bias = enc.bias(q, k, AttentionContext(None, None, causal, mode=mode))
     assert isinstance(bias, DenseBias) and bias.is_lazy
     leaves = [q, k, enc.pos_emb]
     for s, e, ke in [(0, 9, 14), (2, 6, 11), (6, 9, 14), (3, 7, 2)]:  # any k_stop, even inside the rows
@@ -194,10 +193,10 @@ def _dense_reference(enc, name):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", list(ENCODINGS))
 def test_blockwise_sdpa_equals_eager_dense_formula_fwd_bwd(name, layout, monkeypatch):
-    monkeypatch.setattr(Attn, "posenc_tunables", Tunables(bias_block_bytes=1))  # the minimum block: 16 query rows
-    from posenc_lightning.encodings.cope import CoPE
-
-    monkeypatch.setattr(CoPE, "CHUNK_BYTES", 4 * B * H * N * 10)  # cope: sub-blocks of 10 rows
+    # the minimum block: 16 query rows; cope: sub-blocks of 10 rows
+    rows10 = 4 * B * H * N * 10
+    monkeypatch.setattr(Attn, "posenc_tunables", Tunables(bias_block_bytes=1, cope_chunk_bytes=rows10,
+                                                          cope_grad_chunk_bytes=rows10))
     causal, pos, seg = LAYOUTS[layout]
     torch.manual_seed(2)
     attn = Attn(n_heads=H, head_dim=D)

@@ -64,6 +64,21 @@ class Tunables:
     #: than ``torch.func.vjp``, whose per-call overhead can be most of a cheap block's backward
     #: (under compile always ``torch.func.vjp``, which traces)
     eager_autograd: bool = True
+    #: FIRE: the columns of ``x`` per step of `encodings.fire.functions.fire_mlp` (the hidden
+    #: activations of one step stay in cache)
+    fire_mlp_chunk: int = 16384
+    #: FIRE: the keys (columns, by distance) per unit selection of a block of rows: larger groups
+    #: share a selection's cost (``W`` per group), smaller ones fold more units and switch fewer
+    fire_column_group: int = 32
+    #: FIRE: the most elements a unit's span may widen by to join a run of units evaluated together
+    #: (one product for the run instead of a few dozen operations per run, over a few more elements)
+    fire_span_slack: int = 32768
+    #: CoPE: the bytes of one sub-block of rows of its bias rows without gradients (its gates, counts
+    #: and lookup indices are several such blocks at once); as large as sdpa's blocks: smaller ones
+    #: make the gates' matmul cost more than they save
+    cope_chunk_bytes: int = 4 * 2**20
+    #: CoPE: the same with gradients, where each sub-block is checkpointed (recomputed in backward)
+    cope_grad_chunk_bytes: int = 4 * 2**20
 
     def as_floats(self) -> list[float]:
         """The values in field order, as floats: for a custom operator, which takes no Python object

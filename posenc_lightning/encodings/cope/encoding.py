@@ -17,6 +17,7 @@ from posenc_lightning.functional.cope import (
     cope_positions,
 )
 from posenc_lightning.functional.positions import host_reads_ok
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
 
 @register("cope", "bias", "Contextual position encoding: gated counts of keys, interpolated position embeddings (Golovneva et al., 2024)")
@@ -76,16 +77,18 @@ class CoPE(Encoding):
         return cope_interpolate(z, pos)
 
     def bias_rows(self, q: Tensor, k: Tensor, causal: bool, q_offset: int, pos_emb: Tensor | None = None,
-                  clamped: int = 0, counted: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                  clamped: int = 0, counted: tuple[Tensor, Tensor] | None = None,
+                  tunables: Tunables = DEFAULT_TUNABLES) -> Tensor:
         """`bias_tensor` by a faster route, same values and gradients (``pos_emb``: a stand-in for
         the parameter; causal: `cope_causal_rows`, ``k`` the keys from index ``clamped`` on, see
         `clamped_keys`; ``counted``: the rows' gates and counts over ``k`` if already computed,
-        `cope_counts`). Computed by sub-blocks of about `CHUNK_BYTES` of rows, each recomputed in
-        backward (checkpoint), so that the gates and counts of a whole block never coexist."""
+        `cope_counts`). Computed by sub-blocks of about ``tunables.cope_chunk_bytes`` of rows
+        (``cope_grad_chunk_bytes`` with gradients), each recomputed in backward (checkpoint), so
+        that the gates and counts of a whole block never coexist."""
         pos_emb = self.pos_emb if pos_emb is None else pos_emb
         grad = torch.is_grad_enabled()
         per_row = 4 * q.shape[0] * q.shape[1] * k.shape[-2]
-        step = max(1, (self.GRAD_CHUNK_BYTES if grad else self.CHUNK_BYTES) // max(per_row, 1))
+        step = max(1, (tunables.cope_grad_chunk_bytes if grad else tunables.cope_chunk_bytes) // max(per_row, 1))
         if q.shape[-2] <= step:
             return self._rows(q, k, causal, q_offset, pos_emb, clamped, counted)
         pieces = []
@@ -100,11 +103,6 @@ class CoPE(Encoding):
                 pieces.append(self._rows(*args))
         return torch.cat(pieces, dim=-2)
 
-    #: bytes of one sub-block of rows in `bias_rows` (its gates, counts and lookup indices are
-    #: several such blocks at once); with gradients, a sub-block is checkpointed. As large as
-    #: the SDPA backend's blocks: smaller ones make the gates' matmul cost more than they save
-    CHUNK_BYTES = 4 * 2**20
-    GRAD_CHUNK_BYTES = 4 * 2**20
     #: the share of the engine's backward blocks of rows these rows take (`Bias.backward_share`):
     #: recomputed from q and k, they keep the gates, counts and q/k windows' gradients alive too
     BACKWARD_SHARE = 0.75
@@ -247,7 +245,8 @@ class CoPE(Encoding):
             if found is not None and found[0].shape[-2:] != (q_rows.shape[-2], k_keys.shape[-2]):
                 found = None  # not the window the search was for
             # query s at key n_k - n_q + s; the rows' first column is key k0
-            out = self.bias_rows(q_rows, k_keys, causal, n_k - n_q + s - k0, pos_emb, clamped, found)
+            out = self.bias_rows(q_rows, k_keys, causal, n_k - n_q + s - k0, pos_emb, clamped, found,
+                                 ctx.mode.tunables)
             # a view only where keys are cut: new rows take sdpa's mask in place (`owned_rows`)
             return out if out.shape[-1] == ke - k0 else out[..., :ke - k0]
 

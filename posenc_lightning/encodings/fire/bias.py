@@ -22,6 +22,7 @@ from posenc_lightning.encodings.fire import by_distance, compiled, template
 from posenc_lightning.encodings.fire.rows import fire_rows
 from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.positions import arange_offset
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
 __all__ = ["FireBias", "FireTableSum"]
 
@@ -59,6 +60,8 @@ class FireBias(Bias):
     weight: Tensor | None = None
     q_start: int | None = None  # every row of q_pos / k_pos is start + arange (`AttentionContext`)
     k_start: int | None = None
+    #: the call's tunables (`Mode.tunables`): the rows' unit selection (`fire_rows`)
+    tunables: Tunables = DEFAULT_TUNABLES
     recomputable = True
     fused_in: ClassVar[frozenset[str]] = frozenset({"kernel", "score_mod"})
     # inductor's flex backward does not lower its per-unit MLP: flex refuses it for training
@@ -101,7 +104,7 @@ class FireBias(Bias):
         last = _last_column(start, stop, diagonal)
         return fire_rows(qp, kp, c, (l_mult * self.init_L).abs(), w1[:, 0], b1, w2, b2, self.eps, shift,
                          table, self._memo(start, stop, k_stop, views, last)
-                         if arange and not torch.is_grad_enabled() else None, last).float()
+                         if arange and not torch.is_grad_enabled() else None, last, self.tunables).float()
 
     def causal_rows(self, start: int, stop: int, k_stop: int, diagonal: int) -> Tensor:
         """`rows`; at known ``start + arange`` positions (by distance) the switching units are not
@@ -130,7 +133,8 @@ class FireBias(Bias):
         last = _last_column(start, stop, diagonal)
         rows, pullback = by_distance.rows_and_pullback(c, t.abs(), w1[:, 0], b1, w2s, b2s, table, qp, kp, self.eps,
                                                        self.q_start + start - self.k_start, need[0] or need[1],
-                                                       self._memo(start, stop, k_stop, views, last), last)
+                                                       self._memo(start, stop, k_stop, views, last), last,
+                                                       self.tunables)
 
         def grads(d_rows: Tensor) -> tuple[Tensor, ...]:
             gc, gthr, gw1, gb1, gw2, gb2, gt = pullback(d_rows)
@@ -171,7 +175,7 @@ class FireBias(Bias):
             return None
         starts = tuple(-1 if s is None else s for s in (self.q_start, self.k_start))
         operands = OpaqueOperands(KIND, (self.q_pos, self.k_pos, self.init_L, *self.grad_inputs()), starts,
-                                  (self.eps,))
+                                  (self.eps, *self.tunables.as_floats()))
         return ValueDependentForm(operands, self.distance_shift, self.distance_table, self.compiled_rows_from)
 
     def hand_rows(self) -> HandRows:
@@ -179,10 +183,12 @@ class FireBias(Bias):
 
     @classmethod
     def from_operands(cls, tensors: Sequence[Tensor], ints: Sequence[int], floats: Sequence[float]) -> FireBias:
-        """The bias again from its operands (`value_dependent`; registered, `register_opaque_kind`)."""
+        """The bias again from its operands (`value_dependent`; registered, `register_opaque_kind`):
+        ``floats`` are ``eps`` and the tunables (`Tunables.as_floats`)."""
         q_pos, k_pos, init_L, c, l_mult, w1, b1, w2, b2 = tensors
         q_start, k_start = (None if s < 0 else s for s in ints)
-        return cls(q_pos, k_pos, c, l_mult, init_L, w1, b1, w2, b2, eps=floats[0], q_start=q_start, k_start=k_start)
+        return cls(q_pos, k_pos, c, l_mult, init_L, w1, b1, w2, b2, eps=floats[0], q_start=q_start, k_start=k_start,
+                   tunables=Tunables.from_floats(list(floats[1:])))
 
     def distance_shift(self) -> int | None:
         """Every query below ``L`` (`template.below_threshold`) at integer ``start + arange`` positions."""
@@ -221,7 +227,8 @@ class FireBias(Bias):
     def scaled(self, w: Tensor) -> Bias:
         """Still a FIRE bias: the scale is folded into ``w2``, ``b2`` where it is used."""
         return FireBias(self.q_pos, self.k_pos, self.c, self.l_mult, self.init_L, self.w1, self.b1, self.w2, self.b2,
-                        self.eps, w if self.weight is None else self.weight * w, self.q_start, self.k_start)
+                        self.eps, w if self.weight is None else self.weight * w, self.q_start, self.k_start,
+                        self.tunables)
 
     def score_term(self, b_size: int, n_heads: int) -> ScoreTerm:
         """The MLP per (b, h, q_idx, kv_idx), one hidden unit at a time (no tensor beyond scalars)."""

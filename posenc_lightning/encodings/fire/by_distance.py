@@ -1,6 +1,7 @@
 """FIRE's rows at known ``start + arange`` positions, computed by distance (`_FireDiagonalRows`, called
-by `rows.fire_rows`), forward and backward written out (Li et al., 2024, eq. 3); the tuning knobs
-and the helpers it shares with the rows by key are in `functions`."""
+by `rows.fire_rows`), forward and backward written out (Li et al., 2024, eq. 3); the helpers it
+shares with the rows by key are in `functions`, its tuning knobs in the call's `Tunables`
+(``fire_column_group``, ``fire_span_slack``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-import posenc_lightning.encodings.fire.functions as keyed
 from posenc_lightning.encodings.fire.functions import _distances, _runs
-from posenc_lightning.functional.fire import fire_psi
+from posenc_lightning.functional.fire import fire_mlp_fold, fire_psi, fire_unit_states
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
 # Rows at ``start + arange`` positions, by distance: ``x[r, j] = p[R - 1 - r + j] / n[r]`` with ``p``
 # the block's ``R + C - 1`` values of ``psi(i - j)`` (descending distances) and ``n`` the rows'
@@ -30,9 +31,9 @@ def _distance_x(p: Tensor, n: Tensor, dt: torch.dtype) -> Tensor:
     return (p[None, :] / n[:, None]).to(dt)
 
 
-def _diagonal_select(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
+def _diagonal_select(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor, group: int, slack: int
                      ) -> tuple[Tensor, list[tuple[list[int], int, int]]]:
-    """The units selected per group of `FIRE_COLUMN_GROUP` columns of ``x = p / n`` (distance
+    """The units selected per group of ``group`` columns of ``x = p / n`` (distance
     layout, `_distance_x`): ``on`` ``[groups, W]`` (0/1, folded into ``A x + B`` there) and the
     runs ``(units, first column, column past the last)`` where units are evaluated per element.
 
@@ -40,32 +41,31 @@ def _diagonal_select(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tens
     A unit switches in a group where its pre-activation (the per-element arithmetic, monotone in
     ``x``) has different signs at the group's min and max of ``x``. Each maximal run of groups
     where a unit switches is a span (``p`` is V-shaped about distance 0: a unit may switch twice);
-    spans are merged into runs of units evaluated together (`_merge_spans`), and a unit is folded
-    nowhere inside a run of its own."""
+    spans are merged into runs of units evaluated together (`_merge_spans`, within ``slack``), and
+    a unit is folded nowhere inside a run of its own."""
     nc = p.shape[-1]
-    g = keyed.FIRE_COLUMN_GROUP
+    g = group
     groups = -(-nc // g)
     pg = torch.nn.functional.pad(p, (0, groups * g - nc), value=float(p[-1])).view(groups, g)  # repeats: no new extremes
     # x's extremes per group: p's, divided by n's (a positive divisor keeps the order)
     ends = torch.stack(torch.aminmax(pg, dim=1)) / torch.stack(torch.aminmax(n)).flip(0)[:, None]  # [2, groups]
-    pos = w1 * ends.to(dt)[:, :, None] + b1 > 0  # [2, groups, W]: at the min, at the max
-    edges = torch.nn.functional.pad((pos[0] ^ pos[1]).t().to(torch.int8), (1, 1)).diff(dim=1)  # [W, groups + 1]
+    on, straddling = fire_unit_states(*ends.to(dt), w1, b1)  # [groups, W]
+    edges = torch.nn.functional.pad(straddling.t().to(torch.int8), (1, 1)).diff(dim=1)  # [W, groups + 1]
     flips = edges.nonzero().tolist()  # (unit, group) where a span starts, then where it stops
-    runs = _merge_spans([[u, f, e] for (u, f), (_, e) in zip(flips[::2], flips[1::2])], n.shape[0])
-    on = pos[0] & pos[1]
+    runs = _merge_spans([[u, f, e] for (u, f), (_, e) in zip(flips[::2], flips[1::2])], n.shape[0], g, slack)
     if runs:  # evaluated per element there: folded nowhere in the run (one indexing for all runs)
         w = on.shape[1]
         on.view(-1)[torch.tensor([q * w + u for units, a, z in runs for q in range(a, z) for u in units])] = False
     return on.to(dt), [(units, a * g, min(z * g, nc)) for units, a, z in runs]
 
 
-def _merge_spans(spans: list[list[int]], rows: int) -> list[tuple[list[int], int, int]]:
+def _merge_spans(spans: list[list[int]], rows: int, group: int, slack: int) -> list[tuple[list[int], int, int]]:
     """Spans ``(unit, first group, group past the last)`` merged into runs ``(units, first, past
     the last)`` that cover disjoint groups (so no unit is evaluated twice on a column): spans
     that overlap share a run over their union; one that starts past a run joins it when the
-    elements this adds (``rows`` per column of each widened span) stay under `FIRE_SPAN_SLACK` (a
-    run costs a fixed number of operations). A unit is listed once per run."""
-    g = keyed.FIRE_COLUMN_GROUP
+    elements this adds (``rows`` per column of each widened span, ``group`` columns a group) stay
+    under ``slack`` (a run costs a fixed number of operations). A unit is listed once per run."""
+    g = group
     out: list[tuple[list[int], int, int]] = []
     units: list[int] = []
     lo = hi = 0
@@ -73,7 +73,7 @@ def _merge_spans(spans: list[list[int]], rows: int) -> list[tuple[list[int], int
         if units and f >= hi:  # disjoint from the run: join it only within the slack
             new = u not in units
             extra = ((max(hi, e) - hi) * len(units) + ((max(hi, e) - lo) - (e - f) if new else 0)) * g * rows
-            if extra > keyed.FIRE_SPAN_SLACK:
+            if extra > slack:
                 out.append((units, lo, hi))
                 units = []
         if not units:
@@ -85,9 +85,10 @@ def _merge_spans(spans: list[list[int]], rows: int) -> list[tuple[list[int], int
     return out + ([(units, lo, hi)] if units else [])
 
 
-def _group_coef(on: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, nc: int) -> Tensor:
-    """``[2H, C]``: per column, the slope ``A`` and the intercept ``B - b2`` of the units folded there."""
-    return (torch.cat((w2 * w1, w2 * b1)) @ on.t()).repeat_interleave(keyed.FIRE_COLUMN_GROUP, 1)[:, :nc]
+def _group_coef(on: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, nc: int, group: int) -> Tensor:
+    """``[2H, C]``: per column, the slope ``A`` and the intercept ``B - b2`` of the units folded there
+    (``on`` per group of ``group`` columns, `fire_mlp_fold`)."""
+    return fire_mlp_fold(on, w1, b1, w2).repeat_interleave(group, 1)[:, :nc]
 
 
 def _run_budget(size: int) -> int:
@@ -137,7 +138,7 @@ def _step_x(p: Tensor, n_col: Tensor, a: int, z: int, dt: torch.dtype) -> Tensor
 
 
 def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
-                   on: Tensor, runs: list[tuple[list[int], int, int]], n_keys: int,
+                   on: Tensor, runs: list[tuple[list[int], int, int]], n_keys: int, group: int,
                    table: Tensor | None = None, keep: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
     """The block ``[1, H, R, C]`` of ``x = p / n`` and the folded units' per-column slope and
     intercept ``[2H, T]``: computed in the distance layout ``[H, R, T]`` of its own buffer
@@ -154,7 +155,7 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
     nr, nt = n.shape[0], p.shape[0]
     h = w2.shape[0]
     rows, dist = _padded(h, nr, n_keys, dt, p.device)
-    ab = _group_coef(on, w1, b1, w2, nt)
+    ab = _group_coef(on, w1, b1, w2, nt, group)
     b = ab[h:] + b2[:, None] if table is None else ab[h:] + b2[:, None] + table.to(dt)  # a table: per column
     if dt == p.dtype:
         torch.addcmul(b[:, None], (ab[:h] * p)[:, None], (1 / n)[:, None], out=dist)
@@ -296,8 +297,10 @@ Memo = tuple[dict, tuple]
 
 
 def _selection(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, q_pos: Tensor, k_pos: Tensor, eps: float,
-               shift: int, dt: torch.dtype, memo: Memo | None = None, last: int | None = None) -> tuple:
-    """``(n, p, on, runs, spans)`` of a block (`_diagonal_inputs`, `_diagonal_select`); ``memo``: a
+               shift: int, dt: torch.dtype, tunables: Tunables, memo: Memo | None = None,
+               last: int | None = None) -> tuple:
+    """``(n, p, on, runs, spans)`` of a block (`_diagonal_inputs`, `_diagonal_select` with the groups
+    and slack of ``tunables``); ``memo``: a
     dict and the key of this block's inputs there (the bias's, `FireBias`): computed once per key.
     ``last``: the last column the caller's causal mask shows (`FireBias.causal_rows`): the runs stop
     there, and the columns past it hold the folded units only (finite, masked by the caller)."""
@@ -305,7 +308,7 @@ def _selection(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, q_pos: Tensor, k_
         return memo[0][memo[1]]
     n, p = _diagonal_inputs(c, thr, q_pos, k_pos, shift)
     n = n + eps
-    on, runs = _diagonal_select(p, n, dt, w1, b1)
+    on, runs = _diagonal_select(p, n, dt, w1, b1, tunables.fire_column_group, tunables.fire_span_slack)
     if last is not None:
         runs = [(units, a, min(z, last + 1)) for units, a, z in runs if a <= last]
     spans = torch.tensor([(u, a, z) for units, a, z in runs for u in units], dtype=torch.long).view(-1, 3)
@@ -317,17 +320,19 @@ def _selection(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, q_pos: Tensor, k_
 
 def _forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, table: Tensor | None,
              q_pos: Tensor, k_pos: Tensor, eps: float, shift: int, keep: list[Tensor | None] | None = None,
-             memo: Memo | None = None, last: int | None = None) -> tuple[Tensor, ...]:
-    """`_FireDiagonalRows`'s outputs; ``keep``: `_diagonal_rows`' (the runs' hidden units); ``memo``
-    and ``last``: `_selection`'s."""
+             memo: Memo | None = None, last: int | None = None,
+             tunables: Tunables = DEFAULT_TUNABLES) -> tuple[Tensor, ...]:
+    """`_FireDiagonalRows`'s outputs; ``keep``: `_diagonal_rows`' (the runs' hidden units); ``memo``,
+    ``last`` and ``tunables``: `_selection`'s."""
     dt = torch.promote_types(torch.promote_types(torch.float32, c.dtype), w2.dtype)  # n's, p's and w2's
     w1, b1, w2, b2 = (t if t.dtype == dt else t.to(dt) for t in (w1, b1, w2, b2))
-    n, p, on, runs, spans = _selection(c, thr, w1, b1, q_pos, k_pos, eps, shift, dt, memo, last)
+    n, p, on, runs, spans = _selection(c, thr, w1, b1, q_pos, k_pos, eps, shift, dt, tunables, memo, last)
+    group = tunables.fire_column_group
     if not _below(q_pos, thr):
-        rows, ab = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], table, keep)
+        rows, ab = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], group, table, keep)
         return rows, n, p, on, spans, ab
     # every row the same (one normalizer): its one row of the distance layout, then copied to each
-    one, ab = _diagonal_rows(p, n[:1], dt, w1, b1, w2, b2, on, runs, p.shape[0], table, keep)
+    one, ab = _diagonal_rows(p, n[:1], dt, w1, b1, w2, b2, on, runs, p.shape[0], group, table, keep)
     rows, dist = _padded(w2.shape[0], n.shape[0], k_pos.shape[1], dt, p.device)
     dist.copy_(one[0].expand_as(dist))
     return rows, n, p, on, spans, ab
@@ -344,16 +349,17 @@ def _below(q_pos: Tensor, thr: Tensor) -> bool:
 class _FireDiagonalRows(torch.autograd.Function):
     """`fire_rows` at ``start + arange`` positions (one row of positions), in the distance layout:
     outputs ``(rows, n, p, on, spans, ab)``, all but rows for backward (the selection of
-    `_diagonal_select`, the same forward and backward)."""
+    `_diagonal_select`, the same forward and backward, by ``tunables``)."""
 
     @staticmethod
     def forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,  # type: ignore[override]
-                table: Tensor | None, q_pos: Tensor, k_pos: Tensor, eps: float, shift: int):
-        return _forward(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift)
+                table: Tensor | None, q_pos: Tensor, k_pos: Tensor, eps: float, shift: int, tunables: Tunables):
+        return _forward(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, tunables=tunables)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
-        c, thr, _w1, _b1, _w2, _b2, table, q_pos, k_pos, ctx.eps, ctx.shift = inputs
+        c, thr, _w1, _b1, _w2, _b2, table, q_pos, k_pos, ctx.eps, ctx.shift, tunables = inputs
+        ctx.group = tunables.fire_column_group
         _, n, p, on, spans, ab = output
         ctx.mark_non_differentiable(*output[1:])
         ctx.set_materialize_grads(False)  # no zeros for the outputs kept for backward
@@ -365,32 +371,37 @@ class _FireDiagonalRows(torch.autograd.Function):
     def backward(ctx, grad: Tensor, *_):
         c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table = ctx.saved_tensors
         if grad is None:
-            return (None,) * 11
+            return (None,) * 12
         grads = _pullback(grad, (c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table), ctx.shift,
-                          ctx.needs_input_grad[0] or ctx.needs_input_grad[1], ctx.table and ctx.needs_input_grad[6])
-        return (*grads, None, None, None, None)
+                          ctx.needs_input_grad[0] or ctx.needs_input_grad[1], ctx.table and ctx.needs_input_grad[6],
+                          ctx.group)
+        return (*grads, None, None, None, None, None)
 
 
 def rows_and_pullback(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, table: Tensor | None,
                       q_pos: Tensor, k_pos: Tensor, eps: float, shift: int, need_x: bool, memo: Memo | None = None,
-                      last: int | None = None) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor | None, ...]]]:
+                      last: int | None = None, tunables: Tunables = DEFAULT_TUNABLES
+                      ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor | None, ...]]]:
     """`_FireDiagonalRows`'s rows and its backward as a pullback, with no autograd Function (no
     recording, no ``autograd.grad``: a fixed cost of each of the engine's backward blocks,
     `FireBias.rows_and_pullback`). ``pullback(grad [1, H, R, C])`` gives the Function's
     gradients ``(c, thr, w1, b1, w2, b2, table)`` (``c``'s and ``thr``'s zeros unless ``need_x``;
     ``table``'s None without a table). The runs' hidden units of the rows are kept for the
     pullback (`_diagonal_rows`' ``keep``), not recomputed; ``memo``: `_selection`'s; ``last``: as
-    `_selection`'s, ``grad`` then 0 past it (the caller's mask)."""
+    `_selection`'s, ``grad`` then 0 past it (the caller's mask); ``tunables``: the call's."""
     hids: list[Tensor | None] = []
-    rows, n, p, on, spans, ab = _forward(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, hids, memo, last)
+    rows, n, p, on, spans, ab = _forward(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, hids, memo, last,
+                                         tunables)
     saved = (c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table)
-    return rows, lambda grad: _pullback(grad, saved, shift, need_x, table is not None, hids)
+    group = tunables.fire_column_group
+    return rows, lambda grad: _pullback(grad, saved, shift, need_x, table is not None, group, hids)
 
 
-def _pullback(grad: Tensor, saved: tuple, shift: int, need_x: bool, need_table: bool,
+def _pullback(grad: Tensor, saved: tuple, shift: int, need_x: bool, need_table: bool, group: int,
               hids: list[Tensor | None] | None = None) -> tuple[Tensor | None, ...]:
     """`_FireDiagonalRows`'s gradients ``(c, thr, w1, b1, w2, b2, table)`` from ``grad`` and its
-    saved tensors (`rows_and_pullback`, the Function's backward); ``hids``: the forward's hidden
+    saved tensors (`rows_and_pullback`, the Function's backward; ``group``: the forward's columns per
+    selection); ``hids``: the forward's hidden
     units of the run steps (`_diagonal_rows`' ``keep``), recomputed where None or absent."""
     c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table = saved
     dt = on.dtype
@@ -402,7 +413,7 @@ def _pullback(grad: Tensor, saved: tuple, shift: int, need_x: bool, need_table: 
         n, qp = n[:1], qp[:1]
     gw1, gb1, gw2, gb2, gcx, gn, s0 = _diagonal_grads(
         g, p, n, w1d, b1d, w2d, on, ab, spans, _distances(q_pos, k_pos, shift).to(dt) if need_x else None, c.to(dt),
-        hids)
+        group, hids)
     gc, gthr = torch.zeros_like(c), torch.zeros_like(thr)
     if need_x:
         gc, gthr = _normalizer_grads(gcx, gn, c, thr, qp)
@@ -411,7 +422,7 @@ def _pullback(grad: Tensor, saved: tuple, shift: int, need_x: bool, need_table: 
 
 
 def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, on: Tensor, ab: Tensor,
-                    spans: Tensor, dist: Tensor | None, c: Tensor, hids: list[Tensor | None] | None = None
+                    spans: Tensor, dist: Tensor | None, c: Tensor, group: int, hids: list[Tensor | None] | None = None
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor]:
     """The gradients of `_diagonal_rows` (``d rows = g`` ``[H, R, C]``) to ``(w1, b1, w2, b2)``, and
     with ``dist`` (the block's descending distances) the direct part of ``c``'s (through ``p``),
@@ -431,7 +442,7 @@ def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2:
     nt = nr + nk - 1
     pd, inv_n = p.to(dt), 1 / n.to(dt)
     s0, sn = gd.matmul_left(torch.stack((torch.ones_like(inv_n), inv_n))).unbind(1)  # [H, T] each
-    grp = keyed.FIRE_COLUMN_GROUP
+    grp = group
     s01 = torch.nn.functional.pad(torch.stack((s0, sn * pd)), (0, -nt % grp))  # [2, H, groups * grp]
     p0, p1 = s01.view(2, h, -1, grp).sum(-1) @ on  # [H, W] each: sum of g, of g x over the folded
     gw2 = w1 * p1 + b1 * p0

@@ -108,4 +108,5 @@ class FIRE(Encoding):
         # positions (known, or read where free) let rows share one Toeplitz table of psi(i - j)
         return FireBias(qp, kp, self.c, self.L_multiplier, self.init_L, *self.bias_params()[2:], eps=self.eps,
                         q_start=ctx.q_start if ctx.q_start is not None else arange_offset(qp),
-                        k_start=ctx.k_start if ctx.k_start is not None else arange_offset(kp))
+                        k_start=ctx.k_start if ctx.k_start is not None else arange_offset(kp),
+                        tunables=ctx.mode.tunables)

@@ -9,20 +9,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from posenc_lightning.functional.fire import fire_mlp_piecewise, fire_psi
+from posenc_lightning.functional.fire import fire_mlp_fold, fire_mlp_piecewise, fire_psi, fire_unit_states
 from posenc_lightning.functional.mode import Mode
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
-#: columns of ``x`` per step of `fire_mlp` (the hidden activations of one step stay in cache)
-FIRE_MLP_CHUNK = 16384
-#: keys per unit selection in `fire_rows`'s forward (a selection costs ``W`` per group: larger groups
-#: share it, smaller ones select fewer units)
-FIRE_COLUMN_GROUP = 32
-#: the most elements a unit's span may widen by to join a run of units evaluated together (one
-#: product for the run instead of a few dozen operations per run, over a few more elements)
-FIRE_SPAN_SLACK = 32768
+# The tuning knobs (columns per step of `fire_mlp`, keys per unit selection, a run's span slack) are
+# `Tunables.fire_mlp_chunk`, `fire_column_group` and `fire_span_slack`, passed in by the call.
 
 
-def fire_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
+def fire_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
+             tunables: Tunables = DEFAULT_TUNABLES) -> Tensor:
     """``f_theta(x) = W2 relu(w1 x + b1) + b2`` for scalar inputs ``x`` ``[B, M]``: ``[B, H, M]``.
 
     The same function, forward and backward, as ``nn.Sequential(Linear(1, W), ReLU(), Linear(W, H))``
@@ -31,8 +27,8 @@ def fire_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tenso
     whose pre-activation has the same sign at both ends (it is monotone in x) is either always
     off (dropped) or always on (folded into one linear term ``A x + B``, exact since
     ``relu(u) = u`` there). Only the units that switch inside the range are evaluated per element,
-    in chunks, head-major (the layout attention wants), and recomputed in backward, so the saved
-    state is ``x`` alone.
+    in chunks of ``tunables.fire_mlp_chunk`` columns, head-major (the layout attention wants), and
+    recomputed in backward, so the saved state is ``x`` alone.
     """
     dt = torch.promote_types(x.dtype, w2.dtype)
     x, w1, b1, w2, b2 = (t.to(dt) for t in (x, w1, b1, w2, b2))
@@ -41,21 +37,22 @@ def fire_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tenso
     if x.numel() == 0:
         return x.new_zeros(x.shape[0], w2.shape[0], x.shape[1]) + 0 * b2.sum()
     switching, _, w_aug = _fold(x, w1, b1, w2, b2)
-    return _SwitchingReluMLP.apply(x, w1.index_select(0, switching), b1.index_select(0, switching), w_aug)
+    return _SwitchingReluMLP.apply(x, w1.index_select(0, switching), b1.index_select(0, switching), w_aug,
+                                   tunables.fire_mlp_chunk)
 
 
 def _fold(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The units that switch inside ``[min x, max x]`` ``[K]``, those on throughout (0/1 ``[W]``) and
-    ``w_aug = [w2 of the switching ones, A, B]`` ``[H, K + 2]`` (`fire_mlp`)."""
+    ``w_aug = [w2 of the switching ones, A, B]`` ``[H, K + 2]`` (`fire_mlp`; `fire_unit_states`,
+    `fire_mlp_fold`: the same arithmetic as per element below)."""
     with torch.no_grad():
         lo, hi = torch.aminmax(x.detach())
-        pre_lo, pre_hi = w1 * lo + b1, w1 * hi + b1  # the same arithmetic as per element below
-        on = (pre_lo > 0) & (pre_hi > 0)
-        switching = torch.nonzero(~on & ((pre_lo > 0) | (pre_hi > 0))).squeeze(1)
+        on, straddling = fire_unit_states(lo, hi, w1, b1)
+        switching = torch.nonzero(straddling).squeeze(1)
     on = on.to(w2.dtype)
-    a = (w2 * (w1 * on)).sum(1)  # slope of the always-on units  [H]
-    b = b2 + (w2 * (b1 * on)).sum(1)  # their intercept, plus b2  [H]
-    return switching, on, torch.cat((w2.index_select(1, switching), a[:, None], b[:, None]), 1)
+    h = w2.shape[0]
+    ab = fire_mlp_fold(on, w1, b1, w2)  # the always-on units' slope and intercept  [2H]
+    return switching, on, torch.cat((w2.index_select(1, switching), ab[:h, None], (b2 + ab[h:])[:, None]), 1)
 
 
 def _hidden(x: Tensor, w1: Tensor, b1: Tensor, out: Tensor) -> Tensor:
@@ -68,30 +65,30 @@ def _hidden(x: Tensor, w1: Tensor, b1: Tensor, out: Tensor) -> Tensor:
     return out
 
 
-def _mlp_rows(x: Tensor, w1: Tensor, b1: Tensor, w_aug: Tensor) -> Tensor:
-    """``out[b] = w_aug @ [relu(w1 x_b + b1); x_b; 1]`` ``[B, H, M]``, chunk by chunk."""
+def _mlp_rows(x: Tensor, w1: Tensor, b1: Tensor, w_aug: Tensor, chunk: int) -> Tensor:
+    """``out[b] = w_aug @ [relu(w1 x_b + b1); x_b; 1]`` ``[B, H, M]``, ``chunk`` columns at a time."""
     nb, m = x.shape
     out = x.new_empty(nb, w_aug.shape[0], m)
-    hid = x.new_empty(w1.shape[0] + 2, min(m, FIRE_MLP_CHUNK))
+    hid = x.new_empty(w1.shape[0] + 2, min(m, chunk))
     for i in range(nb):
-        for s in range(0, m, FIRE_MLP_CHUNK):
-            xc = x[i, s:s + FIRE_MLP_CHUNK]
+        for s in range(0, m, chunk):
+            xc = x[i, s:s + chunk]
             h = _hidden(xc, w1, b1, hid[:, :xc.shape[0]])
             torch.mm(w_aug, h, out=out[i, :, s:s + xc.shape[0]])
     return out
 
 
-def _mlp_grads(x: Tensor, w1: Tensor, b1: Tensor, w_aug: Tensor, grad: Tensor,
-               need_x: bool) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:
+def _mlp_grads(x: Tensor, w1: Tensor, b1: Tensor, w_aug: Tensor, grad: Tensor, need_x: bool,
+               chunk: int) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:
     """The gradients of `_mlp_rows` to ``(x, w1, b1, w_aug)``, the hidden units recomputed."""
     nb, m = x.shape
     k = w1.shape[0]
     gx = torch.empty_like(x) if need_x else None
     gw1, gb1, gw = torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w_aug)
-    hid = x.new_empty(k + 2, min(m, FIRE_MLP_CHUNK))
+    hid = x.new_empty(k + 2, min(m, chunk))
     for i in range(nb):
-        for s in range(0, m, FIRE_MLP_CHUNK):
-            xc = x[i, s:s + FIRE_MLP_CHUNK]
+        for s in range(0, m, chunk):
+            xc = x[i, s:s + chunk]
             g = grad[i, :, s:s + xc.shape[0]]  # [H, C]
             h = _hidden(xc, w1, b1, hid[:, :xc.shape[0]])
             gw.addmm_(g, h.t())
@@ -108,18 +105,19 @@ class _SwitchingReluMLP(torch.autograd.Function):
     """`_mlp_rows`; backward recomputes."""
 
     @staticmethod
-    def forward(x: Tensor, w1: Tensor, b1: Tensor, w_aug: Tensor) -> Tensor:  # type: ignore[override]
-        return _mlp_rows(x, w1, b1, w_aug)
+    def forward(x: Tensor, w1: Tensor, b1: Tensor, w_aug: Tensor, chunk: int) -> Tensor:  # type: ignore[override]
+        return _mlp_rows(x, w1, b1, w_aug, chunk)
 
     @staticmethod
-    def setup_context(ctx, inputs: tuple[Tensor, ...], output: Tensor) -> None:  # functorch-compatible (vjp)
-        ctx.save_for_backward(*inputs)
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:  # functorch-compatible (vjp)
+        ctx.save_for_backward(*inputs[:4])
+        ctx.chunk = inputs[4]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
         x, w1, b1, w_aug = ctx.saved_tensors
-        return _mlp_grads(x, w1, b1, w_aug, grad, ctx.needs_input_grad[0])
+        return (*_mlp_grads(x, w1, b1, w_aug, grad, ctx.needs_input_grad[0], ctx.chunk), None)
 
 
 def _toeplitz(table: Tensor, rows: int, keys: int) -> Tensor:
@@ -139,11 +137,11 @@ def _distances(q_pos: Tensor, k_pos: Tensor, shift: int | None) -> Tensor:
 class _FireRows(torch.autograd.Function):
     """`fire_rows`: outputs ``(rows, x, n, on, spans)``, all but rows for backward: the units
     selected per group of keys (`_select`), the same selection forward (`_column_rows`) and
-    backward (`_column_grads`)."""
+    backward (`_column_grads`); the groups and the runs' slack from ``tunables``."""
 
     @staticmethod
     def forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,  # type: ignore[override]
-                q_pos: Tensor, k_pos: Tensor, eps: float, shift: int | None):
+                q_pos: Tensor, k_pos: Tensor, eps: float, shift: int | None, tunables: Tunables):
         qf = q_pos.to(torch.float32)
         n = fire_psi(torch.maximum(qf, thr.to(torch.float32).abs()), c) + eps  # [B, Nq]
         p = fire_psi(_distances(q_pos, k_pos, shift), c)
@@ -154,12 +152,14 @@ class _FireRows(torch.autograd.Function):
         if x.numel() == 0:  # nothing switches, nothing is on
             return x.new_zeros(nb, w2.shape[0], nq, nk), x, n, x.new_zeros(0, w1.shape[0]), \
                 torch.zeros(0, 3, dtype=torch.long)
-        on, spans = _select(x, w1, b1)
-        return _column_rows(x, w1, b1, w2, b2, on, spans), x, n, on, spans
+        group = tunables.fire_column_group
+        on, spans = _select(x, w1, b1, group, tunables.fire_span_slack)
+        return _column_rows(x, w1, b1, w2, b2, on, spans, group), x, n, on, spans
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # functorch-compatible (vjp)
-        c, thr, _w1, _b1, _w2, _b2, q_pos, k_pos, ctx.eps, ctx.shift = inputs
+        c, thr, _w1, _b1, _w2, _b2, q_pos, k_pos, ctx.eps, ctx.shift, tunables = inputs
+        ctx.group = tunables.fire_column_group
         _, x, n, on, spans = output
         ctx.mark_non_differentiable(*output[1:])
         ctx.save_for_backward(c, thr, q_pos, k_pos, x, n, on, spans, *inputs[2:6])
@@ -174,12 +174,13 @@ class _FireRows(torch.autograd.Function):
             gx, gw1, gb1, gw2, gb2 = None, torch.zeros_like(w1d), torch.zeros_like(b1d), torch.zeros_like(w2d), \
                 torch.zeros_like(b2, dtype=x.dtype)
         else:
-            gx, gw1, gb1, gw2, gb2 = _column_grads(x, grad.to(x.dtype), w1d, b1d, w2d, on, spans, need_x)
+            gx, gw1, gb1, gw2, gb2 = _column_grads(x, grad.to(x.dtype), w1d, b1d, w2d, on, spans, ctx.group,
+                                                   need_x)
         gc, gthr = torch.zeros_like(c), torch.zeros_like(thr)
         if gx is not None:
             gc, gthr = _ratio_grads(gx, x, n, c, thr, q_pos, k_pos, ctx.shift)
         return gc, gthr, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb2.to(b2.dtype), \
-            None, None, None, None
+            None, None, None, None, None
 
 
 def _ratio_grads(gx: Tensor, x: Tensor, n: Tensor, c: Tensor, thr: Tensor, q_pos: Tensor, k_pos: Tensor,
@@ -203,8 +204,8 @@ def _ratio_grads(gx: Tensor, x: Tensor, n: Tensor, c: Tensor, thr: Tensor, q_pos
     return gc.reshape(c.shape).to(c.dtype), gthr.reshape(thr.shape).to(thr.dtype)
 
 
-def _select(x: Tensor, w1: Tensor, b1: Tensor) -> tuple[Tensor, Tensor]:
-    """The units selected per group of `FIRE_COLUMN_GROUP` keys of a block of rows ``x`` ``[B, R, C]``:
+def _select(x: Tensor, w1: Tensor, b1: Tensor, group: int, slack: int) -> tuple[Tensor, Tensor]:
+    """The units selected per group of ``group`` keys of a block of rows ``x`` ``[B, R, C]``:
     ``on`` ``[groups, W]`` (0/1: folded into ``A x + B`` there) and ``spans`` ``[S, 3]`` (unit, first
     key, key past the last) where a unit is evaluated per element.
 
@@ -213,42 +214,42 @@ def _select(x: Tensor, w1: Tensor, b1: Tensor) -> tuple[Tensor, Tensor]:
     over the span of groups from the first to the last where it switches (and folded nowhere in
     that span). The selection is `fire_mlp`'s: the per-element arithmetic at the group's min and
     max (monotone). Overlapping spans are merged (`_merged`): their units are evaluated together,
-    a few products for all of them instead of several passes per unit."""
+    a few products for all of them instead of several passes per unit (within ``slack``)."""
     nc = x.shape[-1]
-    g = FIRE_COLUMN_GROUP
+    g = group
     pad = -nc % g  # a ragged last group: padded with values that move neither min nor max
     lo = torch.nn.functional.pad(x.amin((0, 1)), (0, pad), value=float("inf")).view(-1, g).amin(1)
     hi = torch.nn.functional.pad(x.amax((0, 1)), (0, pad), value=float("-inf")).view(-1, g).amax(1)
-    pos_lo, pos_hi = w1 * lo[:, None] + b1 > 0, w1 * hi[:, None] + b1 > 0  # [groups, W]
-    switching = pos_lo ^ pos_hi
+    on_both, switching = fire_unit_states(lo, hi, w1, b1)  # [groups, W]
     groups = switching.shape[0]
     idx = torch.arange(groups, device=x.device)[:, None]
     first = torch.where(switching, idx, groups).amin(0)
     last = torch.where(switching, idx, -1).amax(0)
     fl = torch.stack((first, last)).tolist()  # read on the host once: the spans are a few lists
-    merged = _merged([[u, f, e] for u, (f, e) in enumerate(zip(*fl)) if e >= 0], x.shape[0] * x.shape[1])
+    merged = _merged([[u, f, e] for u, (f, e) in enumerate(zip(*fl)) if e >= 0], x.shape[0] * x.shape[1], g,
+                     slack)
     spans = torch.tensor([(u, f * g, min((e + 1) * g, nc)) for u, f, e in merged], dtype=torch.long).view(-1, 3)
     bounds = [[groups] * len(fl[0]), [-1] * len(fl[0])]
     for u, f, e in merged:
         bounds[0][u], bounds[1][u] = f, e
     first, last = torch.tensor(bounds, device=x.device)
-    on = (pos_lo & pos_hi & ((idx < first) | (idx > last))).to(x.dtype)  # folded: outside the spans
+    on = (on_both & ((idx < first) | (idx > last))).to(x.dtype)  # folded: outside the spans
     return on, spans
 
 
-def _merged(spans: list[list[int]], rows: int) -> list[tuple[int, int, int]]:
+def _merged(spans: list[list[int]], rows: int, group: int, slack: int) -> list[tuple[int, int, int]]:
     """``(unit, first group, last group)`` with spans widened to their union, in runs of equal spans
     (a unit evaluated per element over more groups is still exact): a span joins the run before it
-    when the elements this adds (``rows`` per key of each widened span) stay under
-    `FIRE_SPAN_SLACK`, as a run costs a fixed number of operations."""
-    g = FIRE_COLUMN_GROUP
+    when the elements this adds (``rows`` per key of each widened span, ``group`` keys a group)
+    stay under ``slack``, as a run costs a fixed number of operations."""
+    g = group
     out: list[tuple[int, int, int]] = []
     run: list[int] = []
     lo = hi = -1
     for u, f, e in sorted(spans, key=lambda s: (s[1], -s[2])):
         top = max(hi, e)
         extra = ((top - hi) * len(run) + (top - lo) - (e - f)) * g * rows
-        if run and extra > FIRE_SPAN_SLACK:
+        if run and extra > slack:
             out += [(v, lo, hi) for v in run]
             run = []
         lo, hi = (f, e) if not run else (lo, top)
@@ -267,10 +268,10 @@ def _runs(spans: Tensor) -> list[tuple[list[int], int, int]]:
     return out
 
 
-def _column_slopes(on: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, nc: int) -> Tensor:
-    """``[2H, C]``: per key, the slope ``A`` and the intercept ``B - b2`` of the units folded there."""
-    g = FIRE_COLUMN_GROUP
-    return (torch.cat((w2 * w1, w2 * b1)) @ on.t()).repeat_interleave(g, 1)[:, :nc]
+def _column_slopes(on: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, nc: int, group: int) -> Tensor:
+    """``[2H, C]``: per key, the slope ``A`` and the intercept ``B - b2`` of the units folded there
+    (``on`` per group of ``group`` keys, `fire_mlp_fold`)."""
+    return fire_mlp_fold(on, w1, b1, w2).repeat_interleave(group, 1)[:, :nc]
 
 
 def _span_hidden(x: Tensor, w1: Tensor, b1: Tensor, units: list[int], a: int,
@@ -282,13 +283,14 @@ def _span_hidden(x: Tensor, w1: Tensor, b1: Tensor, units: list[int], a: int,
     return torch.addmm(b1.index_select(0, us)[:, None], w1.index_select(0, us)[:, None], xs[None]).relu_(), us, xs
 
 
-def _column_rows(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, on: Tensor, spans: Tensor) -> Tensor:
+def _column_rows(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, on: Tensor, spans: Tensor,
+                 group: int) -> Tensor:
     """``f_theta(x)`` ``[B, H, R, C]`` for a block of rows ``x`` ``[B, R, C]``, the units selected per
     group of keys (`_select`) instead of over the block (`fire_mlp`): per group the on units fold
     into ``A x + B`` (one pass over the output), the units that switch are evaluated per element
     over their span, one product for a run of them, by chunks of keys whose hidden units and product
     stay within 1/16 of the output (the forward's peak memory stays the output's)."""
-    ab = _column_slopes(on, w1, b1, w2, x.shape[-1])  # [2H, C]: A; B - b2
+    ab = _column_slopes(on, w1, b1, w2, x.shape[-1], group)  # [2H, C]: A; B - b2
     nb, nr = x.shape[:2]
     h = w2.shape[0]
     out = torch.addcmul((ab[h:] + b2[:, None])[:, None], ab[:h, None], x[:, None])  # one pass
@@ -302,14 +304,14 @@ def _column_rows(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, on: 
     return out
 
 
-def _column_grads(x: Tensor, g: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, on: Tensor, spans: Tensor,
+def _column_grads(x: Tensor, g: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, on: Tensor, spans: Tensor, group: int,
                   need_x: bool) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor]:
     """The gradients of `_column_rows` (``d rows = g`` ``[B, H, R, C]``) to ``(x, w1, b1, w2, b2)``,
     by the same selection: a folded unit's terms are sums over its groups of keys (column sums of
     ``g`` and ``g x``, then one small product with ``on``), a switching unit's per element over its
     span (``relu'(u) = 1`` where ``u > 0``, 0 at ``u = 0``, as torch)."""
     nb, nr, nc = x.shape
-    grp = FIRE_COLUMN_GROUP
+    grp = group
     pad = -nc % grp
     h = w2.shape[0]
     s0 = g.sum((0, 2))  # [H, C]
@@ -319,7 +321,7 @@ def _column_grads(x: Tensor, g: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, on: 
     gw1, gb1 = (w2 * p1).sum(0), (w2 * p0).sum(0)
     gx = None
     if need_x:
-        slope = _column_slopes(on, w1, b1, w2, nc)[:h]  # [H, C]
+        slope = _column_slopes(on, w1, b1, w2, nc, grp)[:h]  # [H, C]
         gx = g[:, 0] * slope[0]
         for i in range(1, h):
             gx.addcmul_(g[:, i], slope[i])

@@ -10,11 +10,12 @@ from posenc_lightning.encodings.fire.by_distance import Memo, _FireDiagonalRows,
 from posenc_lightning.encodings.fire.functions import _FireRows, fire_mlp
 from posenc_lightning.functional.fire import fire_normalized_distance
 from posenc_lightning.functional.mode import Mode
+from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
 
 def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Tensor, b1: Tensor, w2: Tensor,
               b2: Tensor, eps: float = 1e-6, shift: int | None = None, table: Tensor | None = None,
-              memo: Memo | None = None, last: int | None = None) -> Tensor:
+              memo: Memo | None = None, last: int | None = None, tunables: Tunables = DEFAULT_TUNABLES) -> Tensor:
     """FIRE's bias ``[B, H, Nq, Nk]`` (eq. 3): `fire_mlp` of `fire_normalized_distance`, the same
     arithmetic, as one autograd Function. The units are selected per group of keys (`_select`): the
     forward folds those on throughout a group into ``A x + B`` (`_column_rows`), the backward (eq. 3
@@ -29,16 +30,18 @@ def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Te
     distance-only term added to the rows, ``table[h, Nq - 1 - r + j]`` at row r, key j. ``memo``:
     where the rows by distance keep their selection without grad (`by_distance._selection`); ``last``
     (with ``shift``, without grad): the last column of the distance layout a caller's causal mask
-    shows, past which the rows need only be finite (`FireBias.causal_rows`).
+    shows, past which the rows need only be finite (`FireBias.causal_rows`). ``tunables``: the
+    call's (`Mode.tunables`): the keys per unit selection, the runs' slack, the MLP's chunks.
     """
     diagonal = shift is not None and q_pos.shape[0] == k_pos.shape[0] == 1 and q_pos.shape[1] and k_pos.shape[1]
     if table is not None and (not diagonal or Mode.tracing()):
         raise ValueError("fire_rows: a table is added by distance only (known arange positions, eagerly)")
     if Mode.tracing():  # data-dependent unit selection: `fire_mlp`'s compiled form
         x = fire_normalized_distance(q_pos, k_pos, c, threshold, eps)
-        return fire_mlp(x.flatten(1), w1, b1, w2, b2).unflatten(-1, x.shape[1:])
+        return fire_mlp(x.flatten(1), w1, b1, w2, b2, tunables).unflatten(-1, x.shape[1:])
     if diagonal:
         if not torch.is_grad_enabled():  # nothing to record: the Function's forward, no `apply` (binding)
-            return _forward(c, threshold, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, None, memo, last)[0]
-        return _FireDiagonalRows.apply(c, threshold, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift)[0]
-    return _FireRows.apply(c, threshold, w1, b1, w2, b2, q_pos, k_pos, eps, shift)[0]
+            return _forward(c, threshold, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, None, memo, last,
+                            tunables)[0]
+        return _FireDiagonalRows.apply(c, threshold, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, tunables)[0]
+    return _FireRows.apply(c, threshold, w1, b1, w2, b2, q_pos, k_pos, eps, shift, tunables)[0]
