@@ -108,6 +108,9 @@ def run_case(case: Case, device: torch.device, a: argparse.Namespace, memo: dict
     except Unsupported as e:
         case.status = f"unsupported: {e}"
         return
+    except Exception as e:  # noqa: BLE001 - a case that cannot be built is reported, the others still run
+        case.status = f"error: building it: {type(e).__name__}: {e}"[:300]
+        return
     case.ran = runner.ran
     same = memo.get((case.label, case.ran, case.n, case.d)) if case.section in ("auto", "triton", "flex") else None
     if same is not None and same.fwd_bwd_ms is not None:
@@ -140,6 +143,10 @@ def run_case(case: Case, device: torch.device, a: argparse.Namespace, memo: dict
     except torch.cuda.OutOfMemoryError:
         case.status = "out of memory"
         too_slow[_slow_key(case)] = f"not timed: out of memory at N={case.n}"
+    except RuntimeError as e:
+        # SDPA refusing a forced kernel on this device/build (cuDNN attention absent) is no failure of ours
+        word = "unsupported" if "No available kernel" in str(e) else "error"
+        case.status = f"{word}: {type(e).__name__}: {e}"[:300]
     except Exception as e:  # noqa: BLE001 - a failing case is reported, the others still run
         case.status = f"error: {type(e).__name__}: {e}"[:300]
     finally:

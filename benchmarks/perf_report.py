@@ -68,7 +68,7 @@ def render(cases: list[Case], info: dict, dry: bool = False) -> str:
                          f"| {_ms(c.fwd_ms)} | {_ms(fl['fwd']['floor_ms'])} | {_over(c.fwd_ms, fl['fwd']['floor_ms'])} "
                          f"| {_ms(c.fwd_bwd_ms)} | {_ms(fl['fwd_bwd']['floor_ms'])} "
                          f"| {_over(c.fwd_bwd_ms, fl['fwd_bwd']['floor_ms'])} "
-                         f"| {'-' if c.first_s is None else f'{c.first_s:.1f}'} | {c.status} |")
+                         f"| {'-' if c.first_s is None else f'{c.first_s:.1f}'} | {c.status}{f' ({c.note})' if c.note else ''} |")
         lines.append("")
     return "\n".join(lines)
 
