@@ -98,8 +98,9 @@ def _slow_key(c: Case) -> tuple:
     return c.section, c.label, c.backend, c.variant, c.d, c.batch
 
 
-def run_case(case: Case, device: torch.device, a: argparse.Namespace, memo: dict, too_slow: dict) -> None:
-    """Time ``case`` on the device; fills its times and status."""
+def run_case(case: Case, device: torch.device, a: argparse.Namespace, memo: dict, too_slow: dict,
+             timer: Callable[[Callable[[], object]], tuple[float, float, float]] = bench) -> None:
+    """Time ``case`` on the device with ``timer`` (`bench`); fills its times and status."""
     if _slow_key(case) in too_slow:
         case.status = too_slow[_slow_key(case)]
         return
@@ -131,9 +132,9 @@ def run_case(case: Case, device: torch.device, a: argparse.Namespace, memo: dict
             case.status = f"timed once: {once:.0f} ms > --max-ms {a.max_ms:g}"
             too_slow[_slow_key(case)] = f"not timed: {once:.0f} ms fwd+bwd at N={case.n} (> --max-ms {a.max_ms:g})"
         else:
-            med, lo, hi = bench(runner.fwd)
+            med, lo, hi = timer(runner.fwd)
             case.fwd_ms, case.spread["fwd"] = med, (lo, hi)
-            med, lo, hi = bench(runner.fwd_bwd)
+            med, lo, hi = timer(runner.fwd_bwd)
             case.fwd_bwd_ms, case.spread["fwd_bwd"] = med, (lo, hi)
             case.status = "timed"
         if case.section == "baseline":
@@ -206,7 +207,10 @@ def section_deadlines(t0: float, budget: float) -> dict[str, float]:
     return out
 
 
-def run_all(cases: list[Case], device: torch.device, a: argparse.Namespace, write: Callable[[], None]) -> None:
+def run_all(cases: list[Case], device: torch.device, a: argparse.Namespace, write: Callable[[], None],
+            timer: Callable[[Callable[[], object]], tuple[float, float, float]] = bench) -> None:
+    """Run ``cases`` in order within ``a.budget_s`` (``a.elapsed_s`` of it already spent), calling
+    ``write`` after each; what the budget leaves out is marked skipped with the reason."""
     t0 = time.monotonic() - a.elapsed_s
     deadlines, memo, too_slow = section_deadlines(t0, a.budget_s), {}, {}
     for case in cases:
@@ -220,7 +224,7 @@ def run_all(cases: list[Case], device: torch.device, a: argparse.Namespace, writ
         elif left < first:
             case.status = f"skipped: {left:.0f} s left, its first call may take {first:.0f} s"
         else:
-            run_case(case, device, a, memo, too_slow)
+            run_case(case, device, a, memo, too_slow, timer)
         print(f"{time.monotonic() - t0:6.1f}s {case.section:8s} {case.label:16s} {case.backend:8s} N={case.n:<6d} "
               f"D={case.d:<4d} {case.variant:30s} {case.status[:60]} {case.fwd_bwd_ms or ''}", flush=True)
         write()

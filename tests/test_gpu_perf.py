@@ -6,14 +6,17 @@ record become `proven_on_gpu.Proven` entries (`gpu_proven.py --times`)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from benchmarks import gpu_proven, perf_cases, perf_report
+from benchmarks import gpu_perf, gpu_proven, perf_cases, perf_report
 from posenc_lightning.encodings.proven_on_gpu import Proven
 from posenc_lightning.encodings.registry import available_encodings
 
@@ -101,3 +104,47 @@ def test_recorded_times_become_proven_entries(tmp_path):
     # flex/alibi was timed but its conformance tests did not prove it: no entry for a custom kernel
     assert table == {("triton", "alibi"): Proven("r.md (GPU)", 2.0), ("triton", "rope"): "r.md (GPU)",
                      ("sdpa", "rope"): Proven("r.md (GPU)", 1.5)}
+
+
+def _host_timer(fn):
+    """(median, lowest, highest) ms of three calls on the host clock: the CPU stand-in of `gpu_perf.bench`."""
+    ts = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        ts.append(1e3 * (time.perf_counter() - t))
+    ts.sort()
+    return ts[1], ts[0], ts[2]
+
+
+def _small_cases():
+    cases = perf_cases.plan(["nope", "rope", "cope"], lengths=(48, 96), head_dims=(16,))
+    cases = [c for c in cases if c.section in ("baseline", "auto") and c.label != "sdpa-cudnn"]
+    for c in cases:
+        c.batch, c.heads = 1, 2
+    return cases
+
+
+@pytest.mark.parametrize("spent, want", [(0.0, "timed"), (40.0, "section"), (100.0, "budget")])
+def test_the_run_stops_itself_within_its_budget(spent, want):
+    """budget 100 s: baseline's share ends at 5 s, auto's at 30 s; ``spent`` of it gone before the first case."""
+    cases, writes = _small_cases(), []
+    a = argparse.Namespace(budget_s=100.0, max_ms=1e4, elapsed_s=spent)
+    gpu_perf.run_all(cases, torch.device("cpu"), a, lambda: writes.append(1), timer=_host_timer)
+    assert len(writes) == len(cases)  # the results are rewritten after every case
+    for c in cases:
+        if want == "timed":
+            assert c.status.startswith("timed") and c.fwd_ms > 0 and c.fwd_bwd_ms > 0, (c.label, c.status)
+        elif want == "section":
+            assert c.status == f"skipped: section {c.section}'s share of the budget ran out" and c.fwd_ms is None
+        else:
+            assert c.status == "skipped: the 100 s budget ran out" and c.fwd_ms is None
+
+
+def test_a_case_slower_than_max_ms_is_timed_once_and_not_at_the_longer_length():
+    cases = [c for c in _small_cases() if c.section == "auto" and c.label == "cope"]
+    assert [c.n for c in cases] == [48, 96]
+    a = argparse.Namespace(budget_s=100.0, max_ms=1e-6, elapsed_s=0.0)
+    gpu_perf.run_all(cases, torch.device("cpu"), a, lambda: None, timer=_host_timer)
+    assert cases[0].status.startswith("timed once: ") and cases[0].fwd_bwd_ms > 0 and cases[0].fwd_ms is None
+    assert cases[1].status.startswith("not timed: ") and "N=48" in cases[1].status and cases[1].fwd_bwd_ms is None
