@@ -7,12 +7,18 @@ in none; a pair with any failure, with a case the report lacks (a suite cut at i
 with a dtype or scenario it never passed, is left out.
 
     python benchmarks/gpu_proven.py benchmarks/results/gpu-<device>-<date>.junit.xml [<rerun>.junit.xml] \\
-        --record "benchmarks/results/gpu-<device>-<date>.md (<GPU name>)"
+        --record "benchmarks/results/gpu-<device>-<date>.md (<GPU name>)" \\
+        [--times benchmarks/results/gpu-<device>-<date>-perf.json]
+
+``--times``: the JSON of benchmarks/gpu_perf.sh on the same GPU; each proven pair then carries its
+forward+backward time at `proven_on_gpu.REFERENCE_CASE` (`proven_on_gpu.Proven`), and the paths that
+need no proof (sdpa, blockwise) get entries with their times, so that ``auto`` takes the fastest.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import xml.etree.ElementTree as ET
 from collections import defaultdict
@@ -64,10 +70,36 @@ def proven_pairs(*junits: Path) -> list[tuple[str, str]]:
                   and {d for d, _ in seen} == DTYPES and {s for _, s in seen} == SCENARIOS)
 
 
+def with_times(pairs: list[tuple[str, str]], record: str, times_json: Path | None) -> dict[tuple[str, str], object]:
+    """`PROVEN`'s entries: the proven ``pairs`` with their times from ``times_json`` where it has
+    them, and the timed paths that need no proof (not in `proven.CUSTOM_KERNELS`).
+
+    Args:
+        pairs: (backend, encoding) pairs the conformance tests proved (`proven_pairs`).
+        record: the results page and GPU the entries name.
+        times_json: benchmarks/gpu_perf.py's JSON (its ``cases``), or None.
+
+    Returns:
+        (backend, encoding) -> ``record``, or `proven_on_gpu.Proven` ``(record, ms)`` where timed.
+    """
+    from benchmarks.perf_report import path_times
+    from posenc_lightning.attention.backends.proven import CUSTOM_KERNELS
+    from posenc_lightning.encodings.proven_on_gpu import Proven
+
+    times = path_times(json.loads(times_json.read_text())["cases"]) if times_json is not None else {}
+    table: dict[tuple[str, str], object] = {p: Proven(record, times[p]) if p in times else record for p in pairs}
+    for (backend, encoding), ms in sorted(times.items()):
+        if backend not in CUSTOM_KERNELS:
+            table[(backend, encoding)] = Proven(record, ms)
+    return table
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("junit", type=Path, nargs="+",
                    help="the run's JUnit reports (gpu-<device>-<date>.junit.xml), a rerun's after the first")
+    p.add_argument("--times", type=Path, default=None,
+                   help="benchmarks/gpu_perf.py's JSON of the same GPU: entries carry their measured ms")
     p.add_argument("--record", default="<results page> (<GPU>)",
                    help="what each entry records: the results page and the GPU it ran on")
     return p.parse_args(argv)
@@ -76,11 +108,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     pairs = proven_pairs(*a.junit)
-    print("PROVEN: dict[tuple[str, str], str] = {")
-    for backend, encoding in pairs:
-        print(f"    ({backend!r}, {encoding!r}): {a.record!r},")
+    table = with_times(pairs, a.record, a.times)
+    print("PROVEN: dict[tuple[str, str], str | Proven] = {")
+    for (backend, encoding), entry in sorted(table.items()):
+        value = repr(entry) if isinstance(entry, str) else f"Proven({entry.record!r}, {entry.ms:.3f})"
+        print(f"    ({backend!r}, {encoding!r}): {value},")
     print("}")
-    print(f"# {len(pairs)} pairs", file=sys.stderr)
+    print(f"# {len(pairs)} proven pairs, {len(table) - len(pairs)} timed paths that need no proof", file=sys.stderr)
     return 0
 
 

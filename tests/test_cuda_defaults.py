@@ -53,11 +53,14 @@ def test_the_triton_kernels_stay_available_by_name_on_cuda(monkeypatch):
 
 
 def test_every_proven_entry_names_a_recorded_run_and_a_real_pair():
-    for (backend, name), record in proven_on_gpu.PROVEN.items():
-        assert backend in proven.CUSTOM_KERNELS, backend
+    for (backend, name), entry in proven_on_gpu.PROVEN.items():
+        # a path that needs no proof has an entry only to carry its time
+        assert backend in proven.CUSTOM_KERNELS or proven_on_gpu.ms_of(entry) is not None, backend
         assert name in available_encodings(), name
         assert get_backend(backend).supports(_bound(name), CUDA, True) is None, (backend, name)
-        page = record.split()[0]
+        ms = proven_on_gpu.ms_of(entry)
+        assert ms is None or ms > 0, (backend, name, ms)
+        page = proven_on_gpu.record_of(entry).split()[0]
         assert (ROOT / page).is_file(), f"{backend}/{name}: its record {page} is not in the repository"
 
 
@@ -77,3 +80,46 @@ def test_compiled_flex_refuses_a_small_head_dim_it_was_not_told_of_before_compil
     q = torch.empty(1, 2, 13, 8, device="meta")
     with pytest.raises(ValueError, match=r"head_dim >= 16.*got head_dim 8; use backend=.sdpa."):
         get_backend("flex").attend(q, q, q, bias=None, mask=AttentionMask(True, 0, 13, 13), scale=8 ** -0.5)
+
+
+def _picks(table, names=("fire", "alibi", "rope", "fox", "sba")):
+    return {n: resolve_backend("auto", _bound(n), CUDA, True, table=table).NAME for n in names}
+
+
+def test_entries_without_times_keep_the_fixed_order_in_either_form():
+    pytest.importorskip("triton")
+    pairs = [("triton", "fire"), ("flex", "alibi"), ("triton", "rope"), ("sdpa", "fox")]
+    bare = {p: "r.md" for p in pairs}
+    untimed = {p: proven_on_gpu.Proven("r.md") for p in pairs}
+    want = {"fire": "triton", "alibi": "flex", "rope": "sdpa", "fox": "sdpa", "sba": "blockwise"}
+    assert _picks(bare) == _picks(untimed) == want
+
+
+def test_auto_takes_the_fastest_recorded_path():
+    pytest.importorskip("triton")
+    timed = proven_on_gpu.Proven
+    table = {("triton", "alibi"): timed("r.md", 3.0), ("flex", "alibi"): timed("r.md", 2.5),
+             ("sdpa", "alibi"): timed("r.md", 2.0),
+             ("triton", "fire"): timed("r.md", 1.0), ("sdpa", "fire"): timed("r.md", 9.0),
+             # rope has nothing to fuse, but a run measured the kernel faster: the time wins
+             ("triton", "rope"): timed("r.md", 1.5), ("sdpa", "rope"): timed("r.md", 1.6),
+             # flex cannot run a normalizer: the next fastest with a time
+             ("flex", "sba"): timed("r.md", 0.1), ("triton", "sba"): timed("r.md", 5.0),
+             ("blockwise", "sba"): timed("r.md", 7.0)}
+    assert _picks(table) == {"fire": "triton", "alibi": "sdpa", "rope": "triton", "fox": "sdpa", "sba": "triton"}
+    # one time compares with nothing: the fixed order (the proven kernel first)
+    one = {("triton", "fire"): timed("r.md", 50.0), ("flex", "alibi"): "r.md", ("sdpa", "alibi"): timed("r.md", 1.0)}
+    assert _picks(one, ("fire", "alibi")) == {"fire": "triton", "alibi": "flex"}
+    assert resolve_backend("auto", _bound("alibi"), CPU, True, table=table).NAME == "sdpa"  # CPU reads no times
+
+
+def test_fastest_first_sorts_by_time_and_keeps_the_order_on_ties():
+    timed = proven_on_gpu.Proven
+    enc = _bound("alibi")
+    order = ("triton", "flex", "sdpa")
+    table = {("sdpa", "alibi"): timed("r", 1.0), ("flex", "alibi"): timed("r", 1.0), ("triton", "alibi"): timed("r", 4.0),
+             ("sdpa", "rope"): timed("r", 0.5)}
+    assert proven.fastest_first(order, enc, table) == ["flex", "sdpa", "triton"]
+    assert proven.fastest_first(order, enc, {("sdpa", "alibi"): timed("r", 1.0)}) == []
+    assert enc.gpu_record("sdpa", table) == "r" and enc.gpu_ms("triton", table) == 4.0
+    assert enc.gpu_ms("triton", {("triton", "alibi"): "r"}) is None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -229,16 +229,30 @@ class Encoding(nn.Module):
             out[f"posenc/{k}"] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
         return out
 
-    def gpu_record(self, backend: str) -> str | None:
+    def gpu_record(self, backend: str, table: Mapping[tuple[str, str], Any] | None = None) -> str | None:
         """The recorded GPU run that validated ``backend`` (a custom kernel) for this encoding.
 
         Args:
             backend: a backend name, e.g. ``"triton"``.
+            table: a table of `proven_on_gpu.PROVEN`'s form to read instead of it.
 
         Returns:
             The results page and GPU of that run (`proven_on_gpu.PROVEN`), or None.
         """
-        return proven_on_gpu.PROVEN.get((backend, self.name))
+        entry = (proven_on_gpu.PROVEN if table is None else table).get((backend, self.name))
+        return None if entry is None else proven_on_gpu.record_of(entry)
+
+    def gpu_ms(self, backend: str, table: Mapping[tuple[str, str], Any] | None = None) -> float | None:
+        """The time a recorded GPU run measured for this encoding through ``backend``.
+
+        Args:
+            backend: a backend name, e.g. ``"sdpa"``.
+            table: a table of `proven_on_gpu.PROVEN`'s form to read instead of it.
+
+        Returns:
+            Milliseconds of `proven_on_gpu.REFERENCE_CASE`, or None where no time was recorded.
+        """
+        return proven_on_gpu.ms_of((proven_on_gpu.PROVEN if table is None else table).get((backend, self.name)))
 
     def bind(self, *, n_heads: int | None = None, head_dim: int | None = None,
              d_model: int | None = None) -> Encoding:

@@ -1,15 +1,49 @@
 """The (custom kernel, encoding) pairs a recorded GPU run has validated: the data that
 `posenc_lightning.attention.backends.proven` reads (docs/guides/gpu.md says how an entry is earned).
 
-It lives with the encodings, whose names it holds; the backends name none."""
+It lives with the encodings, whose names it holds; the backends name none.
+
+An entry's value is the record alone (a string: the pair passed, no time kept) or a `Proven`
+that also carries the path's measured time: ``benchmarks/gpu_perf.sh`` times every path at
+`REFERENCE_CASE`, and `auto` takes the fastest of the paths with a time (`attention/backends/proven.py`).
+A path that needs no proof (``sdpa``, ``blockwise``) may have an entry too, to carry its time."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
+
+#: the case whose time a `Proven` entry records: forward+backward, causal, bf16, B 4, 16 heads,
+#: N 4096, head_dim 128 (`benchmarks/gpu_perf.py`, ``--proven``)
+REFERENCE_CASE = "fwd+bwd, causal, bf16, B=4, H=16, N=4096, D=128"
+
+
+class Proven(NamedTuple):
+    """A path a recorded run validated or timed, with its time.
+
+    Attributes:
+        record: the benchmarks/results page and the GPU of the run.
+        ms: median milliseconds of `REFERENCE_CASE` on that GPU (None: not timed).
+    """
+
+    record: str
+    ms: float | None = None
+
+
+def record_of(entry: str | Proven) -> str:
+    """The record (results page and GPU) of a `PROVEN` value of either form."""
+    return entry if isinstance(entry, str) else entry.record
+
+
+def ms_of(entry: str | Proven | None) -> float | None:
+    """The measured time of a `PROVEN` value, None for a bare record or a missing entry."""
+    return entry.ms if isinstance(entry, Proven) else None
 
 _H100_RUN = "benchmarks/results/gpu-h100-80gb-hbm3-20261127-1745.md (NVIDIA H100 80GB HBM3)"
 
 #: (backend, encoding name) -> the recorded run that validated it (a benchmarks/results page and
-#: the GPU it ran on): `benchmarks/gpu_proven.py` of that run's report and its rerun's.
-PROVEN: dict[tuple[str, str], str] = {
+#: the GPU it ran on): `benchmarks/gpu_proven.py` of that run's report and its rerun's; a `Proven`
+#: where the run also timed the path (`gpu_proven.py --times`).
+PROVEN: dict[tuple[str, str], str | Proven] = {
     ("flex", "alibi"): _H100_RUN,
     ("flex", "clex"): _H100_RUN,
     ("flex", "comrope"): _H100_RUN,

@@ -136,7 +136,15 @@ class Plan:
     #: (q_start, k_start) when the bias positions are ``start + arange(N)`` in every row: the
     #: softmax kernels then compute them from the indices instead of loading them
     pos_start: tuple[int, int] | None = None
+    #: kernel kind -> {BM, BN, num_warps, num_stages} replacing `block_config`'s pinned tiles (ablations)
+    tiles: dict | None = None
     extra: dict = field(default_factory=dict)
+
+    def config(self, kind: str, head_dim: int, dtype: torch.dtype, arch: int | None) -> dict:
+        """The tiles of kernel ``kind``: the given ones (`tiles`), else the pinned `block_config`."""
+        if self.tiles is not None and kind in self.tiles:
+            return dict(self.tiles[kind])
+        return block_config(kind, head_dim, dtype, arch=arch)
 
     @property
     def tile_block(self) -> int:
@@ -294,7 +302,7 @@ class _FusedAttention(torch.autograd.Function):
         lse = torch.empty(b, h, nq, dtype=acc_dtype(q.dtype), device=q.device)
         args, flags = common_args(q, k, plan, slopes, table, c_q, c_k, dense, tile_params)
         kind = "sb_fwd" if plan.stick_breaking else "fwd"
-        cfg = block_config(kind, d, q.dtype, arch=_arch(q))
+        cfg = plan.config(kind, d, q.dtype, _arch(q))
         grid = (triton.cdiv(nq, cfg["BM"]), b * h)
         head = {"Q": q, "K": k, "V": v, "O": out, **_strides("q", q), **_strides("k", k), **_strides("v", v),
                 **_strides("o", out)}
@@ -327,7 +335,7 @@ class _FusedAttention(torch.autograd.Function):
             dk = torch.zeros(b, hkv, nk, d, **f32)
             dv = torch.zeros(b, hkv, nk, d, **f32)
             ddense = torch.zeros(dense.shape, **f32) if dense is not None else delta.new_zeros(1)
-            cfg = block_config("sb_bwd", d, q.dtype, arch=arch)
+            cfg = plan.config("sb_bwd", d, q.dtype, arch)
             nqb = triton.cdiv(nq, cfg["BM"])
             dslope = torch.zeros(b, h, nqb, **f32)
             dtile = torch.zeros(b, h, nqb, plan.tile_block, **f32) if tile_params is not None else delta.new_zeros(1)
@@ -343,7 +351,7 @@ class _FusedAttention(torch.autograd.Function):
             # one dense-bias gradient per batch row (summed below where the bias is shared): plain stores;
             # zeros for the tiles the causal mask skips
             ddense = torch.zeros(b, *dense.shape[1:], **f32) if dense is not None else delta.new_zeros(1)
-            cfg = block_config("bwd_dkdv", d, q.dtype, arch=arch)
+            cfg = plan.config("bwd_dkdv", d, q.dtype, arch)
             nkb = triton.cdiv(nk, cfg["BN"])
             dslope = torch.zeros(b, h, nkb, **f32)
             dtile = torch.zeros(b, h, nkb, plan.tile_block, **f32) if tile_params is not None else delta.new_zeros(1)
@@ -353,7 +361,7 @@ class _FusedAttention(torch.autograd.Function):
                      "DSLOPE": dslope, "DDENSE": ddense, "DTILE": dtile, "n_kblocks": nkb, **grad_strides,
                      "s_ddb": ddense.stride(0) if dense is not None else 0, **args},
                     {**flags, "EVEN_N": int(nk % cfg["BN"] == 0)}, cfg)
-            cfg = block_config("bwd_dq", d, q.dtype, arch=arch)
+            cfg = plan.config("bwd_dq", d, q.dtype, arch)
             _launch(softmax._bwd_dq_kernel, (triton.cdiv(nq, cfg["BM"]), b * h),
                     {**head, "LSE": lse, "DELTA": delta, "DQ": dq, "DCQ": dcq,
                      "sgb": dq.stride(0), "sgh": dq.stride(1), "sgn": dq.stride(2), **args}, flags, cfg)
@@ -374,6 +382,21 @@ class _FusedAttention(torch.autograd.Function):
         return tuple(grads)
 
 
+_TILE_KEYS = {"BM", "BN", "num_warps", "num_stages"}
+
+
+def _checked_tiles(tiles: dict[str, dict] | None) -> dict[str, dict] | None:
+    if tiles is None:
+        return None
+    for kind, cfg in tiles.items():
+        if kind not in ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd") or set(cfg) != _TILE_KEYS:
+            raise ValueError(f"tiles[{kind!r}] = {cfg}: give a kernel kind (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd) "
+                             f"-> a dict of exactly {sorted(_TILE_KEYS)}")
+        if any(cfg[b] < 16 or cfg[b] & (cfg[b] - 1) for b in ("BM", "BN")):
+            raise ValueError(f"tiles[{kind!r}]: BM and BN must be powers of two >= 16 (tl.dot), got {cfg}")
+    return dict(tiles)
+
+
 def segments_from_cu_seqlens(cu_seqlens: Tensor, n: int) -> Tensor:
     """Document ids ``[1, n]`` from cumulative lengths ``[0, l0, l0 + l1, ..., n]`` (varlen APIs)."""
     pos = torch.arange(n, device=cu_seqlens.device)
@@ -388,14 +411,17 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = No
                     c_q: Tensor | None = None, c_k: Tensor | None = None, dense: Tensor | None = None,
                     tile: TileBias | None = None, stick_breaking: bool = False,
                     attend_current: bool = False, bias_q_start: int | None = None,
-                    bias_k_start: int | None = None) -> Tensor:
+                    bias_k_start: int | None = None, tiles: dict[str, dict] | None = None) -> Tensor:
     """Attention with rotary / biases / packed documents fused (softmax, or stick-breaking).
 
     ``tile``: a parametric bias the kernels evaluate per tile at ``bias_q_pos``/``bias_k_pos``
     with its own ``@triton.jit`` functions (`TileBias`; a bias kind's `fold_into` makes it), its
     parameters differentiated through ``tile.params``. ``bias_q_start``/``bias_k_start``: given
     together when every row of ``bias_q_pos``/``bias_k_pos`` is ``start + arange(N)`` (the
-    softmax kernels then compute the distances from the indices; default positions are such)."""
+    softmax kernels then compute the distances from the indices; default positions are such).
+    ``tiles``: kernel kind (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd) -> ``{"BM", "BN", "num_warps",
+    "num_stages"}`` in place of the pinned `block_config` (the tile ablation of benchmarks/gpu_perf.py);
+    a result changes by rounding only."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"fused_attention wants q [B,H,Nq,D], k = v [B,Hkv,Nk,D]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -427,7 +453,8 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = No
         kind = 1 if causal else 0
     plan = Plan(scale=d ** -0.5 if scale is None else float(scale), causal=kind, q_offset=q_offset, rotary=rotary,
                 q_segments=q_segments, k_segments=k_segments, k_valid=k_valid, bias_q_pos=bias_q_pos,
-                bias_k_pos=bias_k_pos, stick_breaking=stick_breaking, tile=tile, pos_start=pos_start)
+                bias_k_pos=bias_k_pos, stick_breaking=stick_breaking, tile=tile, pos_start=pos_start,
+                tiles=_checked_tiles(tiles))
     c_q = c_q.contiguous() if c_q is not None else None
     c_k = c_k.contiguous() if c_k is not None else None
     dense = dense.contiguous() if dense is not None else None

@@ -12,11 +12,13 @@ A fused backend also declares ``FUSED_BIAS``, the form it computes biases in ("k
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from types import ModuleType
+from typing import Any
 
 import torch
 
-from posenc_lightning.attention.backends.proven import CUSTOM_KERNELS, unproven
+from posenc_lightning.attention.backends.proven import CUSTOM_KERNELS, fastest_first, unproven
 from posenc_lightning.encodings.base import Encoding
 
 BACKENDS = ("eager", "sdpa", "flex", "triton", "blockwise")
@@ -79,13 +81,31 @@ def _why_not(name: str, encoding: Encoding, device: torch.device, requires_grad:
     return mod.supports(encoding, device, requires_grad)
 
 
-def resolve_backend(name: str, encoding: Encoding, device: torch.device, requires_grad: bool) -> ModuleType:
-    """The backend module to run ``encoding`` on ``device``; ``auto`` picks the fastest that can."""
+def resolve_backend(name: str, encoding: Encoding, device: torch.device, requires_grad: bool,
+                    table: Mapping[tuple[str, str], Any] | None = None) -> ModuleType:
+    """The backend module to run ``encoding`` on ``device``; ``auto`` picks the fastest that can.
+
+    Args:
+        name: a backend name or ``"auto"``.
+        encoding: the bound encoding.
+        device: the device of q, k, v.
+        requires_grad: whether the call must be differentiable.
+        table: the proven table to read (`proven_on_gpu.PROVEN`'s form; default that table).
+
+    Returns:
+        The backend module.
+    """
     if name == "auto":
-        for cand in _AUTO_ORDER.get(device.type, _AUTO_ORDER["cpu"]):
+        order = _AUTO_ORDER.get(device.type, _AUTO_ORDER["cpu"])
+        if device.type == "cuda":  # measured times, where a run recorded two or more, beat the fixed order
+            for cand in fastest_first(order, encoding, table):
+                if not unproven(cand, encoding, device.type, table) \
+                        and _why_not(cand, encoding, device, requires_grad) is None:
+                    return get_backend(cand)
+        for cand in order:
             if cand in CUSTOM_KERNELS and not {"bias", "normalize"} & set(encoding.stages):
                 continue  # nothing to fuse: SDPA's flash kernels are faster (benchmarks/results/gpu-*.md)
-            if unproven(cand, encoding, device.type):
+            if unproven(cand, encoding, device.type, table):
                 continue
             if _why_not(cand, encoding, device, requires_grad) is None:
                 return get_backend(cand)

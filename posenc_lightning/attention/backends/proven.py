@@ -14,9 +14,18 @@ benchmarks/gpu_proven.py <that report>`` prints the pairs whose every case passe
 scenario of tests/gpu/test_conformance_cuda.py, forward and backward), which are
 pasted into `PROVEN` in `posenc_lightning/encodings/proven_on_gpu.py` with the results page as
 their record.
+
+Times: an entry may carry the path's measured milliseconds (`proven_on_gpu.Proven`, written by
+``benchmarks/gpu_proven.py --times`` from the JSON of ``benchmarks/gpu_perf.sh``), and ``sdpa`` or
+``blockwise`` may have entries that carry only a time. Where at least two of the paths ``auto`` may
+take for an encoding have a time, it takes the fastest of them (`fastest_first`); otherwise the fixed
+order, as before.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from posenc_lightning.encodings.base import Encoding
 
@@ -24,7 +33,8 @@ from posenc_lightning.encodings.base import Encoding
 CUSTOM_KERNELS = ("triton", "flex")
 
 
-def unproven(backend: str, encoding: Encoding, device_type: str) -> bool:
+def unproven(backend: str, encoding: Encoding, device_type: str,
+             table: Mapping[tuple[str, str], Any] | None = None) -> bool:
     """Whether ``auto`` must pass over ``backend`` for ``encoding`` on ``device_type``: a custom
     kernel on CUDA that no recorded run has validated.
 
@@ -32,8 +42,26 @@ def unproven(backend: str, encoding: Encoding, device_type: str) -> bool:
         backend: a backend name (`posenc_lightning.attention.backends.BACKENDS`).
         encoding: the bound encoding.
         device_type: ``torch.device.type`` of the inputs.
+        table: a table of `proven_on_gpu.PROVEN`'s form to read instead of it.
 
     Returns:
         True when ``auto`` may not choose it.
     """
-    return device_type == "cuda" and backend in CUSTOM_KERNELS and encoding.gpu_record(backend) is None
+    return device_type == "cuda" and backend in CUSTOM_KERNELS and encoding.gpu_record(backend, table) is None
+
+
+def fastest_first(order: Sequence[str], encoding: Encoding,
+                  table: Mapping[tuple[str, str], Any] | None = None) -> list[str]:
+    """The backends of ``order`` with a recorded time for ``encoding``, fastest first, when at least
+    two have one (one time alone compares with nothing: ``auto`` keeps its fixed order).
+
+    Args:
+        order: the candidates, in ``auto``'s fixed order for the device (ties keep this order).
+        encoding: the bound encoding.
+        table: a table of `proven_on_gpu.PROVEN`'s form to read instead of it.
+
+    Returns:
+        Backend names sorted by their recorded milliseconds, or ``[]``.
+    """
+    timed = [(ms, i, b) for i, b in enumerate(order) if (ms := encoding.gpu_ms(b, table)) is not None]
+    return [b for *_, b in sorted(timed)] if len(timed) >= 2 else []
