@@ -213,12 +213,12 @@ def logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QS
         if HAS_LIN:  # -slope |i - j|, Press et al. 2022 eq. 1
             s += (-l2e * tl.load(SLOPES + h).to(ACC)) * tl.abs(dist)
         if HAS_REL:  # table[h, clamp(i - j, -R, R) + R]
+            # a tile wholly past the clamp adds one entry (`table_side`): its gather is masked off, no
+            # load issued (a select, not a branch: a branch here duplicated the loop body in the PTX)
             side = table_side(qp, kp, m_mask, n_mask, RMAX)
-            if side == 0:
-                idx = tl.minimum(tl.maximum(dist.to(tl.int32), -RMAX), RMAX) + RMAX
-                s += tl.load(TABLE + h * stride_th + idx, mask=ld, other=0.0).to(ACC) * l2e
-            else:  # the whole tile past the clamp: one entry, no gather
-                s += tl.load(TABLE + h * stride_th + RMAX + side * RMAX).to(ACC) * l2e
+            idx = tl.minimum(tl.maximum(dist.to(tl.int32), -RMAX), RMAX) + RMAX
+            edge = tl.load(TABLE + h * stride_th + RMAX + side * RMAX).to(ACC)
+            s += tl.load(TABLE + h * stride_th + idx, mask=ld & (side == 0), other=edge).to(ACC) * l2e
         if HAS_TILE:
             s += TILE_VALUE(h, qp, kp, TILE, TILE_W, H, tile_eps, BM, BN, ACC) * l2e
     if HAS_DEC:  # cumulative decays: c_i - c_j
@@ -258,13 +258,11 @@ def bias_grads2(ds, h, offs_m, offs_n, m_mask, n_mask, qp, kp, DTABLE, RMAX, str
             dslope = tl.sum(tl.sum(-ds * tl.abs(dist), axis=1), axis=0)
         if HAS_REL:
             side = table_side(qp, kp, m_mask, n_mask, RMAX)
-            if side == 0:
-                idx = tl.minimum(tl.maximum(dist.to(tl.int32), -RMAX), RMAX) + RMAX
-                tl.atomic_add(DTABLE + h * stride_th + idx, ds, mask=ok)
-            else:
-                tot = tl.sum(tl.sum(tl.where(ok, ds, 0.0), axis=1), axis=0)
-                dhi = tl.where(side > 0, tot, 0.0)
-                dlo = tl.where(side < 0, tot, 0.0)
+            idx = tl.minimum(tl.maximum(dist.to(tl.int32), -RMAX), RMAX) + RMAX
+            tl.atomic_add(DTABLE + h * stride_th + idx, ds, mask=ok & (side == 0))  # none issued past the clamp
+            tot = tl.sum(tl.sum(tl.where(ok & (side != 0), ds, 0.0), axis=1), axis=0)
+            dhi = tl.where(side > 0, tot, 0.0)
+            dlo = tl.where(side < 0, tot, 0.0)
         if HAS_TILE:
             dtile = TILE_GRADS(ds, h, qp, kp, ok, TILE, TILE_W, H, tile_eps, TILE_GB, ACC)
     if HAS_DENSE:
