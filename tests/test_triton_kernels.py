@@ -368,3 +368,34 @@ def test_positions_as_a_range_equal_loaded_positions():
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal,pos_kind", [(True, "offset"), (False, "arange"), (True, "cache")])
+def test_t5_table_past_max_distance_equals_reference(causal, pos_kind):
+    """T5's table (Raffel et al., 2020: distances past ``max_distance`` share the last bucket) with
+    N = 75 (not a multiple of the 16 x 16 tiles) and ``max_distance`` 8: most tiles lie wholly past
+    the clamp, where the kernels add one entry per head and sum its gradient in the program; the
+    tiles on the diagonal band gather and scatter per score. Forward and every gradient, the
+    bucket table's included, against the float64 reference from the formula."""
+    from posenc_lightning.encodings.relative_bias import T5RelativeBias
+
+    g = torch.Generator().manual_seed(11)
+    n, h, d, rmax = 75, 2, 16, 8
+    t5 = T5RelativeBias(num_buckets=8, max_distance=rmax, bidirectional=not causal)
+    weights = torch.randn(8, h, generator=g)  # [buckets, H], as T5's nn.Embedding
+    table = weights[t5.buckets()].t().contiguous()  # [H, 2R + 1], distance -R first
+    assert torch.equal(table[:, -1], weights[t5.buckets()[-1]])  # the last bucket at i - j >= R
+    nq, q_offset = (40, n - 40) if pos_kind == "cache" else (n, 0)
+    kpos = torch.arange(n)[None] + (1000 if pos_kind == "offset" else 0)
+    case = {"q": torch.randn(1, h, nq, d, generator=g), "k": torch.randn(1, 1, n, d, generator=g),
+            "v": torch.randn(1, 1, n, d, generator=g), "table": table, "scale": d ** -0.5, "causal": causal,
+            "q_offset": q_offset, "q_seg": None, "k_seg": None, "k_valid": None, "sb": False,
+            "attend_current": False, "dtype": torch.float32, "qpos": kpos[:, n - nq:], "kpos": kpos}
+    far = (case["qpos"][0, :, None] - kpos[0, None, :]).abs() >= rmax
+    assert far.float().mean() > 0.7  # most scores past the clamp: whole tiles are
+    out, ref, grads, ref_grads, mass = run_both(case, (16, 16))
+    assert_match(out, ref, 1e-5, "forward")
+    for name in ("q", "k", "v", "table"):
+        assert_match(grads[name], ref_grads[name], 1e-5, f"d{name}", mass.get(name, 0.0))
+    # the edge entries collect the far tiles' gradient: not zero, so the per-program sum is checked
+    assert ref_grads["table"][:, -1].abs().min() > 1e-3

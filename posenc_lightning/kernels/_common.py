@@ -183,6 +183,18 @@ def positions(P, offs, mask, start, POS_RANGE: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
+def table_side(qp, kp, m_mask, n_mask, RMAX):
+    """Where a tile lies against a relative table's clamp (T5: distances past ``max_distance``
+    share the last bucket): 1 every pair of the tile at ``i - j >= RMAX`` (the table's last entry),
+    -1 every pair at ``i - j <= -RMAX`` (its first), 0 a tile that straddles the clamped range
+    (a gather per score). Rows and columns outside the tensors do not count."""
+    inf = float("inf")
+    dmin = tl.min(tl.where(m_mask, qp, inf), 0) - tl.max(tl.where(n_mask, kp, -inf), 0)
+    dmax = tl.max(tl.where(m_mask, qp, -inf), 0) - tl.min(tl.where(n_mask, kp, inf), 0)
+    return tl.where(dmin >= RMAX, 1, tl.where(dmax <= -RMAX, -1, 0))
+
+
+@triton.jit
 def logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
             SLOPES, TABLE, RMAX, stride_th, DENSE, stride_dm, TILE, TILE_W, H, tile_eps,
             MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
@@ -201,8 +213,12 @@ def logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QS
         if HAS_LIN:  # -slope |i - j|, Press et al. 2022 eq. 1
             s += (-l2e * tl.load(SLOPES + h).to(ACC)) * tl.abs(dist)
         if HAS_REL:  # table[h, clamp(i - j, -R, R) + R]
+            # a tile wholly past the clamp adds one entry (`table_side`): its gather is masked off, no
+            # load issued (a select, not a branch: a branch here duplicated the loop body in the PTX)
+            side = table_side(qp, kp, m_mask, n_mask, RMAX)
             idx = tl.minimum(tl.maximum(dist.to(tl.int32), -RMAX), RMAX) + RMAX
-            s += tl.load(TABLE + h * stride_th + idx, mask=ld, other=0.0).to(ACC) * l2e
+            edge = tl.load(TABLE + h * stride_th + RMAX + side * RMAX).to(ACC)
+            s += tl.load(TABLE + h * stride_th + idx, mask=ld & (side == 0), other=edge).to(ACC) * l2e
         if HAS_TILE:
             s += TILE_VALUE(h, qp, kp, TILE, TILE_W, H, tile_eps, BM, BN, ACC) * l2e
     if HAS_DEC:  # cumulative decays: c_i - c_j
@@ -226,24 +242,32 @@ def bias_grads2(ds, h, offs_m, offs_n, m_mask, n_mask, qp, kp, DTABLE, RMAX, str
                 HAS_DENSE: tl.constexpr, HAS_TILE: tl.constexpr, TILE_GRADS: tl.constexpr,
                 TILE_GB: tl.constexpr, ACC: tl.constexpr):
     """`bias_grads` for the softmax dK/dV kernel: ``dL/dlogits`` (zero where hidden) stored into
-    this (batch, head)'s dense-bias gradient (plain stores: one program owns each element), the
-    relative table's gradient scattered with atomic adds (a later step removes them), and this
-    tile's slope and tile-bias parameter contributions returned for the program's sums."""
+    this (batch, head)'s dense-bias gradient (plain stores: one program owns each element), and
+    this tile's slope, relative-table edge and tile-bias parameter contributions returned for the
+    program's sums. The relative table's gradient: a tile wholly past the clamp (`table_side`)
+    returns its sum of ``ds`` as ``dhi`` (last entry) or ``dlo`` (first entry), added once per
+    program; only a tile that straddles the clamped range scatters with atomic adds per score."""
     dslope = 0.0
     dtile = tl.zeros((TILE_GB,), ACC)
+    dhi = tl.zeros((1,), ACC).sum(0)
+    dlo = tl.zeros((1,), ACC).sum(0)
     ok = m_mask[:, None] & n_mask[None, :]
     if HAS_LIN or HAS_REL or HAS_TILE:
         dist = qp[:, None] - kp[None, :]
         if HAS_LIN:
             dslope = tl.sum(tl.sum(-ds * tl.abs(dist), axis=1), axis=0)
         if HAS_REL:
+            side = table_side(qp, kp, m_mask, n_mask, RMAX)
             idx = tl.minimum(tl.maximum(dist.to(tl.int32), -RMAX), RMAX) + RMAX
-            tl.atomic_add(DTABLE + h * stride_th + idx, ds, mask=ok)
+            tl.atomic_add(DTABLE + h * stride_th + idx, ds, mask=ok & (side == 0))  # none issued past the clamp
+            tot = tl.sum(tl.sum(tl.where(ok & (side != 0), ds, 0.0), axis=1), axis=0)
+            dhi = tl.where(side > 0, tot, 0.0)
+            dlo = tl.where(side < 0, tot, 0.0)
         if HAS_TILE:
             dtile = TILE_GRADS(ds, h, qp, kp, ok, TILE, TILE_W, H, tile_eps, TILE_GB, ACC)
     if HAS_DENSE:
         tl.store(DDENSE + offs_m[:, None] * stride_ddm + offs_n[None, :], ds, mask=ok)
-    return dslope, dtile
+    return dslope, dtile, dhi, dlo
 
 
 @triton.jit

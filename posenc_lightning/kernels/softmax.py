@@ -126,7 +126,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, dck, dslope, dtile, k, v, lo, hi, h, offs_n, n_mask, offs_d, d_mask, kp, ck2,
+def _dkdv_tiles(dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, hi, h, offs_n, n_mask, offs_d, d_mask, kp, ck2,
                 Qh, DOh, LSEh, DELTAh, sqn, son, Nq, qk_scale, q_offset, QSEG, KSEG, KVALID, QP, q_start, CQ,
                 SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE, DDENSE, s_dm, TILE, TILE_W, H, tile_eps,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
@@ -159,12 +159,14 @@ def _dkdv_tiles(dk, dv, dck, dslope, dtile, k, v, lo, hi, h, offs_n, n_mask, off
         if HAS_DEC:
             dck -= tl.sum(ds, 0)
         if HAS_LIN or HAS_REL or HAS_DENSE or HAS_TILE:
-            dsl, dti = bias_grads2(ds, h, offs_m, offs_n, m_mask, n_mask, qp, kp, DTABLE, RMAX, s_th, DDENSE,
+            dsl, dti, dh, dl = bias_grads2(ds, h, offs_m, offs_n, m_mask, n_mask, qp, kp, DTABLE, RMAX, s_th, DDENSE,
                                    s_dm, TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL, HAS_DENSE, HAS_TILE,
                                    TILE_GRADS, TILE_GB, ACC)
             dslope += dsl
             dtile += dti
-    return dk, dv, dck, dslope, dtile
+            dhi += dh
+            dlo += dl
+    return dk, dv, dck, dslope, dtile, dhi, dlo
 
 
 @triton.jit
@@ -212,18 +214,23 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
         dck = tl.zeros((BN,), ACC)
         dslope = tl.zeros((1,), ACC).sum(0)
         dtile = tl.zeros((TILE_GB,), ACC)
-        dk, dv, dck, dslope, dtile = _dkdv_tiles(
-            dk, dv, dck, dslope, dtile, k, v, lo, mid, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1,
+        dhi = tl.zeros((1,), ACC).sum(0)  # the relative table's edge entries, summed in the program
+        dlo = tl.zeros((1,), ACC).sum(0)
+        dk, dv, dck, dslope, dtile, dhi, dlo = _dkdv_tiles(
+            dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, mid, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1,
             CAUSAL, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, TILE_GRADS,
             TILE_GB, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
-        dk, dv, dck, dslope, dtile = _dkdv_tiles(
-            dk, dv, dck, dslope, dtile, k, v, mid, Nq, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps,
+        dk, dv, dck, dslope, dtile, dhi, dlo = _dkdv_tiles(
+            dk, dv, dck, dslope, dtile, dhi, dlo, k, v, mid, Nq, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps,
             2 - 2 * EVEN_N, CAUSAL, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE,
             TILE_VALUE, TILE_GRADS, TILE_GB, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
         if HAS_DEC:
             tl.store(DCK + (b * H + h) * Nk + offs_n, dck, mask=n_mask)
         if HAS_LIN:
             tl.store(DSLOPE + (b * H + h) * n_kblocks + pid_n, dslope)
+        if HAS_REL:  # one add per program and edge, for the tiles wholly past the clamp
+            tl.atomic_add(DTABLE + h * s_th + 2 * RMAX, dhi)
+            tl.atomic_add(DTABLE + h * s_th, dlo)
         if HAS_TILE:  # this program's partial sums, reduced after the launch
             tl.store(DTILE + ((b * H + h) * n_kblocks + pid_n) * TILE_GB + tl.arange(0, TILE_GB), dtile)
     out = b * sgb + hk * sgh + offs_n[:, None] * sgn + offs_d[None, :]
