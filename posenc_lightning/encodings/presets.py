@@ -23,7 +23,14 @@ PRESETS: dict[str, Callable[..., LayerSchedule]] = {}
 
 
 def preset(name: str) -> Callable[[Callable[..., LayerSchedule]], Callable[..., LayerSchedule]]:
-    """Register a function returning a `LayerSchedule` as the preset ``name``."""
+    """Register a function returning a `LayerSchedule` as the preset ``name``.
+
+    Args:
+        name: the preset's name.
+
+    Returns:
+        The decorator.
+    """
 
     def deco(fn: Callable[..., LayerSchedule]) -> Callable[..., LayerSchedule]:
         if name in PRESETS:
@@ -35,12 +42,23 @@ def preset(name: str) -> Callable[[Callable[..., LayerSchedule]], Callable[..., 
 
 
 def available_presets() -> list[str]:
-    """The preset names, sorted."""
+    """The preset names.
+
+    Returns:
+        The names, sorted.
+    """
     return sorted(PRESETS)
 
 
 def build_preset(name: str, **cfg: Any) -> LayerSchedule:
     """The schedule of preset ``name`` with its keyword arguments ``cfg``.
+
+    Args:
+        name: a preset's name (`available_presets`).
+        **cfg: the preset's keyword arguments (its window sizes, bases, interval).
+
+    Returns:
+        The schedule, named ``name``.
 
     Raises:
         ValueError: an unknown preset (the message lists the known ones).

@@ -55,7 +55,11 @@ class LayerSpec:
                 raise ValueError(f"LayerSpec.{name} must be a positive int (tokens) or None, got {v!r}")
 
     def key(self) -> tuple[str, str]:
-        """The encoding part as a hashable key: layers with equal keys may share one instance."""
+        """The encoding part as a hashable key: layers with equal keys may share one instance.
+
+        Returns:
+            ``(encoding, repr of the sorted config)``.
+        """
         return self.encoding, repr(sorted(self.config.items()))
 
 
@@ -176,7 +180,15 @@ class LayerSchedule:
     @classmethod
     def uniform(cls, encoding: str, name: str | None = None, window: int | None = None, chunk: int | None = None,
                 **config: Any) -> LayerSchedule:
-        """One encoding (and window) in every layer."""
+        """One encoding (and window) in every layer.
+
+        Args:
+            encoding: a registered encoding name; name: the schedule's name (default: ``encoding``).
+            window, chunk: every layer's window or chunk; **config: the encoding's arguments.
+
+        Returns:
+            The schedule.
+        """
         return cls([LayerRule("rest", LayerSpec(encoding, config, window, chunk))], name or encoding)
 
     def resolve(self, n_layers: int, layer_types: Sequence[str] | None = None) -> list[LayerSpec]:
@@ -213,12 +225,23 @@ class LayerSchedule:
         return [self.rules[owner.get(i, rest)].spec for i in range(n_layers)]
 
     def to_dict(self) -> dict[str, Any]:
-        """The YAML / checkpoint form: ``{"name": ..., "rules": [...]}`` (`from_dict` reads it back)."""
+        """The YAML / checkpoint form (`from_dict` reads it back).
+
+        Returns:
+            ``{"name": ..., "rules": [rule dicts]}``.
+        """
         return {"name": self.name, "rules": [r.to_dict() for r in self.rules]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LayerSchedule:
-        """The schedule of a `to_dict` form (or of a plain list of rule dicts)."""
+        """The schedule of a `to_dict` form (or of a plain list of rule dicts).
+
+        Args:
+            d: ``{"name": ..., "rules": [...]}`` or a list of rule dicts.
+
+        Returns:
+            The schedule.
+        """
         if isinstance(d, list):
             return cls(d)
         return cls(d["rules"], d.get("name", "schedule"))
