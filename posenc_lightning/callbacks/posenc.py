@@ -25,8 +25,7 @@ class PosEncCallback(pl.Callback):
     `posenc_lightning.restore_from_checkpoint` / ``TinyGPT.load_from_checkpoint`` rebuild it.
 
     Args:
-        encoding: a registered name (``posenc list``), an `Encoding` instance, a preset's name
-            (`posenc_lightning.encodings.presets`, its arguments in ``config``) or a `LayerSchedule`.
+        encoding: a registered name (``posenc list``), a preset, an `Encoding` or a `LayerSchedule`.
         backend: ``auto``, ``eager``, ``sdpa``, ``flex``, ``triton`` or ``blockwise``.
         share_across_layers: one encoding for all layers (default) or one per layer.
         log_hparams: log the encoding's hyperparameters to the trainer's loggers.
