@@ -67,3 +67,25 @@ def test_yaml_form_schedule(tmp_path):
     assert [b.attn.posenc_window for b in model.blocks] == [8, None, 8, None]
     with pytest.raises(ValueError, match="either schedule"):
         PosEncCallback("rope", schedule=[{"layers": "rest", "encoding": "rope"}], config={"theta": 10.0})
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_CASES))
+def test_preset_cached_decode_equals_full_forward(name):
+    """Token-by-token decoding with the KV cache (windows and chunks masked at the cache's offset)
+    equals the full forward, past the window and across chunk boundaries."""
+    torch.manual_seed(0)
+    model = TinyGPT(d_model=32, n_layers=4, n_heads=2, max_seq_len=64, encoding=name,
+                    encoding_cfg=PRESET_CASES[name]).eval()
+    x = torch.randint(0, 256, (2, 27))
+    with torch.no_grad():
+        full = model(x)
+        cache = model.new_cache()
+        steps = [model(x[:, :5], cache=cache)] + [model(x[:, t:t + 1], cache=cache) for t in range(5, 27)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_the_guide_lists_every_preset():
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "layer-schedules.md").read_text()
+    assert [p for p in available_presets() if f"| `{p}` |" not in guide] == []
