@@ -184,3 +184,13 @@ def test_every_rotary_law_takes_partial_rotary_factor():
         m = Attn(n_heads=2, head_dim=16)
         enc = inject(m, n, partial_rotary_factor=0.5)
         assert enc.rotary_dim == 8
+
+
+def test_the_cli_check_knows_presets():
+    """``posenc train --encoding irope --posenc.config='{chunk: 32}'`` passes the front door's check;
+    an argument the preset does not take is named."""
+    from posenc_lightning.cli_checks import check_encoding_args
+
+    check_encoding_args("irope", {"chunk": 32})
+    with pytest.raises(ValueError, match="irope takes no argument 'window'"):
+        check_encoding_args("irope", {"window": 32})
