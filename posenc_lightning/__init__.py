@@ -19,6 +19,8 @@ from posenc_lightning.encodings import (
     available_encodings,
     build_encoding,
 )
+from posenc_lightning.encodings.presets import available_presets, build_preset
+from posenc_lightning.encodings.schedule import LayerSchedule, LayerSpec
 from posenc_lightning.inject import inject, injected_spec, restore_from_checkpoint
 
 __version__ = "0.1.0"
@@ -46,6 +48,8 @@ __all__ = [
     "KVCache",
     "LMEvalCallback",
     "LayerKVCache",
+    "LayerSchedule",
+    "LayerSpec",
     "LengthEvalCallback",
     "LinearBias",
     "PosEncAttentionMixin",
@@ -56,7 +60,9 @@ __all__ = [
     "Stage",
     "TaskEvalCallback",
     "available_encodings",
+    "available_presets",
     "build_encoding",
+    "build_preset",
     "call_flushing_denormals",
     "flush_denormals",
     "inject",

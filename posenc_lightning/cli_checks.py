@@ -17,20 +17,22 @@ from typing import Any
 
 
 def check_encoding_args(name: str, config: dict[str, Any] | None = None) -> None:
-    """Raise if ``name`` is not a registered encoding or ``config`` holds an argument it does not take.
+    """Raise if ``name`` is not a registered encoding or preset or ``config`` holds an argument it does not take.
 
     Args:
-        name: a registered encoding name (``posenc list``).
+        name: a registered encoding name (``posenc list``) or a preset's.
         config: the encoding's arguments (keys are checked, values are not).
 
     Raises:
         ValueError: an unknown name (the message suggests close ones) or an unknown argument (the
             message names it, suggests close ones and lists the arguments the encoding takes).
     """
+    from posenc_lightning.encodings.presets import PRESETS
     from posenc_lightning.encodings.registry import encoding_class
 
-    cls = encoding_class(name)  # ValueError: "Unknown encoding 'firee'. Did you mean 'fire', ...?"
-    params = inspect.signature(cls.__init__).parameters
+    # a preset (a layer schedule by name) takes its own keywords; else ValueError: "Unknown encoding
+    # 'firee'. Did you mean 'fire', ...?"
+    params = inspect.signature(PRESETS[name] if name in PRESETS else encoding_class(name).__init__).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return
     valid = [p for p in params if p != "self"]

@@ -1,4 +1,5 @@
-"""``inject(model, encoding)``: build an encoding and hand it to every mixin module."""
+"""``inject(model, encoding)``: build an encoding and hand it to every mixin module, or a
+`LayerSchedule` (a preset's name) and hand each attention module its layer's encoding and window."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import torch
 from torch import nn
 
 from posenc_lightning.attention.backends import BACKENDS, resolve_backend
+from posenc_lightning.attention.mask import local_kinds
 from posenc_lightning.attention.mixin import PosEncAttentionMixin, PosEncEmbeddingMixin
 from posenc_lightning.encodings.base import Encoding
+from posenc_lightning.encodings.presets import PRESETS, build_preset
 from posenc_lightning.encodings.registry import build_encoding, encoding_class
+from posenc_lightning.encodings.schedule import LayerSchedule
 from posenc_lightning.plain import plain
 
 SPEC_ATTR = "_posenc_spec"
@@ -52,9 +56,14 @@ def find_mixin_modules(model: nn.Module) -> tuple[list[nn.Module], list[nn.Modul
     return attn, emb
 
 
-def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
+def inject(model: nn.Module, encoding: str | Encoding | LayerSchedule, backend: str = "auto",
            share_across_layers: bool = True, reset: bool = False, **cfg: Any) -> Encoding:
     """Put ``encoding`` into every `PosEncAttentionMixin` / `PosEncEmbeddingMixin` of ``model``.
+
+    A `LayerSchedule` (or a preset's name, `posenc_lightning.encodings.presets`, with its arguments
+    as ``cfg``) gives each attention module, in the order ``model.modules()`` walks them, its layer's
+    encoding (built per layer; with ``share_across_layers`` the layers of one spec share an
+    instance) and its sliding window or chunk (``posenc_window``, ``posenc_chunk``).
 
     Injecting what is already there (same name, same resolved config, same sharing; or the very
     `Encoding` instance already held) is a no-op that returns the injected encoding with its
@@ -64,7 +73,8 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
 
     Args:
         model: any ``nn.Module`` whose attention (and optionally embedding) modules use the mixins.
-        encoding: a registered name (``posenc list``) or an `Encoding` instance.
+        encoding: a registered name (``posenc list``), an `Encoding` instance, a preset's name or
+            a `LayerSchedule`.
         backend: ``auto``, ``eager``, ``sdpa``, ``flex``, ``triton`` or ``blockwise``.
         share_across_layers: one encoding (and its parameters) for every layer, or one per layer.
         reset: build a fresh encoding (new initialisation) even when the same one is injected.
@@ -88,8 +98,15 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + BACKENDS}")
     cfg = plain(cfg)  # OmegaConf containers (Hydra) as dicts and lists: the spec is compared and saved
+    if isinstance(encoding, str) and encoding in PRESETS:
+        encoding = build_preset(encoding, **cfg)
+        cfg = {}
+    if isinstance(encoding, LayerSchedule):
+        if cfg:
+            raise TypeError(f"got a LayerSchedule and extra arguments {sorted(cfg)}: put them in its rules")
+        return _inject_schedule(model, encoding, backend, share_across_layers, reset)
     if not isinstance(encoding, (str, Encoding)):
-        raise TypeError(f"encoding must be a name or an Encoding, got {type(encoding).__name__}")
+        raise TypeError(f"encoding must be a name, an Encoding or a LayerSchedule, got {type(encoding).__name__}")
     if isinstance(encoding, Encoding) and cfg:
         raise TypeError(f"got an Encoding instance and extra arguments {sorted(cfg)}: "
                         f"configure the instance itself, or pass its name")
@@ -114,10 +131,7 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
         return _switch_backend(model, kept, backend)
     if models:
         return _inject_adapted(model, models, proto, backend, share_across_layers)
-    for m in attn + emb:  # replace entirely
-        if getattr(m, "posenc", None) is not None:
-            del m.posenc
-        m.posenc = None
+    _clear(attn, emb)
 
     stages = proto.stages
     d_model = next((int(m.d_model) for m in emb if getattr(m, "d_model", None)), None)
@@ -154,6 +168,57 @@ def inject(model: nn.Module, encoding: str | Encoding, backend: str = "auto",
     return encs[0]
 
 
+def _clear(attn: list[nn.Module], emb: list[nn.Module]) -> None:
+    """Remove every injected encoding and window (an injection replaces all of them)."""
+    for m in attn + emb:
+        if getattr(m, "posenc", None) is not None:
+            del m.posenc
+        m.posenc = None
+    for m in attn:
+        m.posenc_window = m.posenc_chunk = None
+
+
+def _inject_schedule(model: nn.Module, schedule: LayerSchedule, backend: str, share_across_layers: bool,
+                     reset: bool) -> Encoding:
+    """`inject` of a `LayerSchedule`: each attention module its layer's encoding and window."""
+    attn, emb = find_mixin_modules(model)
+    if not attn:
+        raise ValueError(f"a layer schedule needs attention modules that inherit PosEncAttentionMixin; "
+                         f"{type(model).__name__} has none (schedules into Hugging Face models are not "
+                         f"supported yet: inject one encoding)")
+    layers = schedule.resolve(len(attn), getattr(model, "layer_types", None))
+    spec = {"encoding": schedule.name, "schedule": schedule.to_dict(), "backend": backend,
+            "share_across_layers": share_across_layers}
+    held = injected_spec(model)
+    if not reset and held is not None and _normalized({**held, "backend": backend}) == _normalized(spec):
+        return _switch_backend(model, attn[0].posenc, backend)
+    _clear(attn, emb)
+    d_model = next((int(m.d_model) for m in emb + attn if getattr(m, "d_model", None)), None)
+    built: dict[Any, Encoding] = {}
+    first: Encoding | None = None
+    for i, (m, layer) in enumerate(zip(attn, layers)):
+        key = layer.key()
+        enc = built.get(key) if share_across_layers else None
+        if enc is None:
+            enc = build_encoding(layer.encoding, **_defaults_from_model(model, layer.encoding, layer.config))
+            if "embed" in enc.stages:
+                raise ValueError(f"layer {i}: {layer.encoding} adds positions to the embeddings (stage 1), "
+                                 f"which is not per layer; schedule attention encodings only")
+            for attr in ("n_heads", "head_dim"):
+                if not isinstance(getattr(m, attr, None), int):
+                    raise ValueError(f"{type(m).__name__} inherits PosEncAttentionMixin but does not declare "  # noqa: TRY004
+                                     f"an integer `{attr}` attribute; set self.{attr} in its __init__")
+            enc.bind(n_heads=m.n_heads, head_dim=m.head_dim, d_model=d_model)
+            enc.to(device=_module_device(m), dtype=_module_dtype(m))
+            built[key] = enc
+        resolve_backend(backend, enc, _module_device(m), False, local_kinds(layer.window, layer.chunk))
+        m.posenc, m.posenc_backend = enc, backend
+        m.posenc_window, m.posenc_chunk = layer.window, layer.chunk
+        first = first or enc
+    setattr(model, SPEC_ATTR, spec)
+    return first
+
+
 def _inject_adapted(model: nn.Module, models: list[nn.Module], proto: Encoding, backend: str,
                     share_across_layers: bool) -> Encoding:
     """`inject` into Hugging Face models found inside ``model`` (`posenc_lightning.adapters.hf`)."""
@@ -188,7 +253,7 @@ def _same_spec(model: nn.Module, proto: Encoding, share_across_layers: bool, by_
     instance, or (``by_name``: the user gave a name) the same name, resolved config and sharing."""
     held = [m.posenc for m in model.modules() if isinstance(getattr(m, "posenc", None), Encoding)]
     spec = injected_spec(model)
-    if not held or spec is None:
+    if not held or spec is None or "schedule" in spec:
         return None
     if any(h is proto for h in held):
         return held[0]
@@ -208,7 +273,8 @@ def _switch_backend(model: nn.Module, enc: Encoding, backend: str) -> Encoding:
     attn = [m for m in model.modules() if isinstance(getattr(m, "posenc", None), Encoding)
             and not isinstance(m, PosEncEmbeddingMixin)]
     for m in attn:
-        resolve_backend(backend, m.posenc, _module_device(m), requires_grad=False)
+        resolve_backend(backend, m.posenc, _module_device(m), False,
+                        local_kinds(getattr(m, "posenc_window", None), getattr(m, "posenc_chunk", None)))
     for m in attn:
         m.posenc_backend = backend
     setattr(model, SPEC_ATTR, {**spec, "backend": backend})
@@ -233,7 +299,8 @@ def injected_spec(model: nn.Module) -> dict[str, Any] | None:
         model: a module `inject` (or `PosEncCallback`) was given.
 
     Returns:
-        ``{"encoding", "config", "backend", "share_across_layers"}``, or None when nothing was injected.
+        ``{"encoding", "config", "backend", "share_across_layers"}`` (a schedule: ``"schedule"``,
+        its `LayerSchedule.to_dict`, in place of ``"config"``), or None when nothing was injected.
     """
     return getattr(model, SPEC_ATTR, None)
 
@@ -256,5 +323,8 @@ def restore_from_checkpoint(model: nn.Module, checkpoint: dict[str, Any]) -> Enc
         return None
     if injected_spec(model) == spec:
         return None
+    if "schedule" in spec:
+        return inject(model, LayerSchedule.from_dict(spec["schedule"]), backend=spec.get("backend", "auto"),
+                      share_across_layers=spec.get("share_across_layers", True))
     return inject(model, spec["encoding"], backend=spec.get("backend", "auto"),
                   share_across_layers=spec.get("share_across_layers", True), **spec.get("config", {}))

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tests.helpers import PRESET_CASES
+
 B, N = 2, 16  # sequences per data-parallel group, tokens per sequence
 HF_ENCODINGS = ("alibi", "fire", "fox", "sba", "yarn")
 
@@ -70,7 +72,8 @@ def tinygpt_case(group, world: int, encoding: str, packed: bool) -> dict[str, fl
     from posenc_lightning.parallel.group import engaged
 
     torch.manual_seed(0)
-    model = TinyGPT(d_model=32, n_layers=2, n_heads=2, max_seq_len=64, encoding=encoding)
+    model = TinyGPT(d_model=32, n_layers=2, n_heads=2, max_seq_len=64, encoding=encoding,
+                    encoding_cfg=PRESET_CASES.get(encoding))
     x, y, pos, seg = _data(group, 256, packed)
     kw = {} if not packed else {"positions": pos, "segment_ids": seg}
     ref = F.cross_entropy(model(x, **kw).transpose(1, 2), y)
@@ -117,7 +120,7 @@ def _run(rank: int, world: int, cp: int, port: int, out: str, hf: bool) -> None:
 
     group = ContextParallelGroup.from_world(cp)
     results: dict[str, dict[str, float]] = {}
-    for enc in available_encodings():
+    for enc in [*available_encodings(), *PRESET_CASES]:  # every encoding, and every preset's schedule
         results[f"tinygpt/{enc}"] = tinygpt_case(group, world, enc, packed=False)
     for enc in ("alibi", "fire", "fox", "sba", "rope", "cope"):
         results[f"tinygpt-packed/{enc}"] = tinygpt_case(group, world, enc, packed=True)

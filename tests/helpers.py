@@ -18,6 +18,18 @@ class Attn(nn.Module, PosEncAttentionMixin):
         return self.attend(q, k, v, **kw)
 
 
+#: every preset (`posenc_lightning.encodings.presets`) at a test model's size: windows and chunks
+#: shorter than the test sequences, the global layer every 2nd so that a 2-layer model has both kinds,
+#: Llama 4's temperature stepping every 4 positions (it is 1 below ``floor_scale - 1``)
+PRESET_CASES: dict[str, dict] = {
+    "rnope_swa": {"window": 8, "interval": 2},
+    "irope": {"chunk": 8, "interval": 2, "floor_scale": 4.0},
+    "smollm3_nope": {"interval": 2},
+    "gemma3_local_global": {"window": 8, "interval": 2},
+    "p_rope": {},
+}
+
+
 def qkv(b=2, h=4, n=11, d=16, hkv=None, dtype=torch.float32, grad=False):
     t = [torch.randn(b, hh, n, d, dtype=dtype, requires_grad=grad) for hh in (h, hkv or h, hkv or h)]
     return t

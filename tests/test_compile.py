@@ -18,18 +18,20 @@ import torch
 from posenc_lightning.encodings.registry import available_encodings
 from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 from posenc_lightning.models.tinygpt import CausalSelfAttention, TinyGPT
-from tests.helpers import compiled_greedy
+from tests.helpers import PRESET_CASES, compiled_greedy
 
 #: encodings that cannot be traced on their default backend, with the reason (also in docs/guides/compile.md);
 #: none today
 EXCEPTIONS: dict[str, str] = {}
-ENCODINGS = [None, *available_encodings()]  # None: nothing injected (plain SDPA attention)
+#: None: nothing injected (plain SDPA attention); the presets' layer schedules at test sizes
+ENCODINGS = [None, *available_encodings(), *PRESET_CASES]
 N, PREFILL = 24, 20
 
 
 def _model(name: str | None, **kw) -> TinyGPT:
     torch.manual_seed(0)
-    return TinyGPT(d_model=32, n_layers=2, n_heads=2, max_seq_len=64, encoding=name, **kw)
+    return TinyGPT(d_model=32, n_layers=2, n_heads=2, max_seq_len=64, encoding=name,
+                   encoding_cfg=PRESET_CASES.get(name), **kw)
 
 
 def _explain(fn, *args):

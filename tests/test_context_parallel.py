@@ -1,6 +1,6 @@
 """Context parallelism on CPU with gloo (issue 27): loss and every gradient of a sharded run equal
-a 1-process run on the full sequences, for every registered encoding on TinyGPT (plain and packed
-documents) and for alibi / fire / fox / sba / yarn on tiny Llama and GPT-2 through the adapter.
+a 1-process run on the full sequences, for every registered encoding and every preset's layer
+schedule (`tests.helpers.PRESET_CASES`) on TinyGPT (plain and packed documents) and for alibi / fire / fox / sba / yarn on tiny Llama and GPT-2 through the adapter.
 
 Two process groups, each started once for the module (tests/cp_worker.py): 2 processes
 (context-parallel 2) and 4 processes (data-parallel 2 x context-parallel 2). The shard gradients
@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from posenc_lightning import available_encodings
+from tests.helpers import PRESET_CASES
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -59,7 +60,7 @@ def _check(row: dict) -> None:
 
 def test_two_processes_every_encoding_equal_one_process(cp2):
     assert (cp2["world"], cp2["cp"], cp2["dp"]) == (2, 2, 1)
-    names = [f"tinygpt/{e}" for e in available_encodings()]
+    names = [f"tinygpt/{e}" for e in [*available_encodings(), *PRESET_CASES]]
     assert set(names) | set(HF_CASES) | set(PACKED) == set(cp2["results"])  # registry-driven: none skipped
     for name in names + HF_CASES + PACKED:
         _check(cp2["results"][name])
@@ -67,7 +68,7 @@ def test_two_processes_every_encoding_equal_one_process(cp2):
 
 def test_data_parallel_times_context_parallel_equal_one_process(dp2_cp2):
     assert (dp2_cp2["world"], dp2_cp2["cp"], dp2_cp2["dp"]) == (4, 2, 2)
-    names = [f"tinygpt/{e}" for e in available_encodings()]
+    names = [f"tinygpt/{e}" for e in [*available_encodings(), *PRESET_CASES]]
     assert set(names) | {p for p in PACKED if p.startswith("tinygpt")} == set(dp2_cp2["results"])
     for row in dp2_cp2["results"].values():
         _check(row)

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.attention.kv_cache import LayerKVCache
-from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.attention.mask import AttentionMask, local_kinds
 from posenc_lightning.attention.pipeline import context, fused_rotary, run_stages
 from posenc_lightning.attention.validate import check_attend, check_embed
 from posenc_lightning.encodings.base import Encoding
@@ -46,6 +46,10 @@ class PosEncAttentionMixin:
     #: the context-parallel group this module's calls shard over, or None; set around the batches
     #: that run sharded (`parallel.group.engaged`, `ContextParallel`)
     posenc_context_parallel: ContextParallelGroup | None = None
+    #: this layer's sliding window W (key j visible to query i iff 0 <= i - j < W) or chunk C
+    #: (i // C == j // C, causal), by index; set by `inject` from a `LayerSchedule` (None: global)
+    posenc_window: int | None = None
+    posenc_chunk: int | None = None
 
     @property
     def encoding(self) -> Encoding | None:
@@ -98,18 +102,24 @@ class PosEncAttentionMixin:
         if start is None and positions.dim() == 2 and group is None:
             start = arange_offset(positions)  # a look at the values only where that is free
         enc.check_positions(positions, start)
+        window, chunk = self.posenc_window, self.posenc_chunk
+        if (window is not None or chunk is not None) and not causal:
+            raise ValueError(f"{type(self).__name__} has a sliding window or chunk (posenc_window={window}, "
+                             f"posenc_chunk={chunk}), which is causal: call attend(..., causal=True)")
+        local = local_kinds(window, chunk)
         requires_grad = torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in enc.parameters()))
-        backend = resolve_backend(self.posenc_backend, enc, q.device, requires_grad)
+        backend = resolve_backend(self.posenc_backend, enc, q.device, requires_grad, local)
         scale = enc.softmax_scale(q.shape[-1])
         if group is not None:  # this rank's chunks attend to the group's gathered keys
             from posenc_lightning.attention.sharded import sharded_attend
 
             return sharded_attend(group, self, enc, backend, scale, q, k, v, positions,
-                                  causal, hidden, segment_ids, key_padding_mask, positions_start=shard_start)
+                                  causal, hidden, segment_ids, key_padding_mask, positions_start=shard_start,
+                                  window=window, chunk=chunk)
         if cache is None:
             ctx = context(enc, backend, positions, positions, causal=causal, hidden=hidden, module=self,
                           q_start=start, k_start=start)
-            mask = AttentionMask(causal, 0, n, k.shape[-2], segment_ids, segment_ids, key_padding_mask)
+            mask = AttentionMask(causal, 0, n, k.shape[-2], segment_ids, segment_ids, key_padding_mask, window, chunk)
             return run_stages(enc, backend, q, k, v, ctx, mask, scale,
                               recompute=requires_grad and self.posenc_recompute_rotation)
         # a backend that rotates in-kernel (triton) gets un-rotated q, k and the rotary encoding as
@@ -123,7 +133,7 @@ class PosEncAttentionMixin:
         ctx = context(enc, backend, positions, k_pos, causal=causal, hidden=hidden, cache=cache, module=self,
                       q_start=start, k_start=cache.start)
         mask = AttentionMask(causal, offset, n, k.shape[-2], segment_ids,
-                             k_seg if segment_ids is not None else None, key_padding_mask)
+                             k_seg if segment_ids is not None else None, key_padding_mask, window, chunk)
         return run_stages(enc, backend, q, k, v, ctx, mask, scale, rotated=not rotate_later)
 
 

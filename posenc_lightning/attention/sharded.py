@@ -33,7 +33,8 @@ def _prefix(t: Tensor | None, end: int, dim: int) -> Tensor | None:
 def sharded_attend(group: ContextParallelGroup, module: nn.Module, enc: Encoding, backend: Any, scale: float,
                    q: Tensor, k: Tensor, v: Tensor, positions: Tensor, causal: bool = True,
                    hidden: Tensor | None = None, segment_ids: Tensor | None = None,
-                   key_padding_mask: Tensor | None = None, positions_start: int | None = None) -> Tensor:
+                   key_padding_mask: Tensor | None = None, positions_start: int | None = None,
+                   window: int | None = None, chunk: int | None = None) -> Tensor:
     """This rank's attention output ``[B, H, n_local, D]`` under context parallelism.
 
     Args:
@@ -47,6 +48,7 @@ def sharded_attend(group: ContextParallelGroup, module: nn.Module, enc: Encoding
         hidden: the layer input ``[B, n_local, d_model]`` (content-dependent encodings).
         segment_ids: ``[B, n_local]`` packed-document ids; key_padding_mask: ``[B, n_local]`` bool.
         positions_start: the global positions are known to be ``positions_start + arange(N)``.
+        window, chunk: the layer's sliding window or chunk (`AttentionMask`), by global index.
 
     Raises:
         ValueError: a non-causal call (a chunk would need the keys after it).
@@ -74,7 +76,7 @@ def sharded_attend(group: ContextParallelGroup, module: nn.Module, enc: Encoding
                       q_start=None if k_start is None else k_start + s, k_start=k_start,
                       k_hidden=_prefix(hid_all, end, 1), context_len=seq_len)
         mask = AttentionMask(True, s, c, end, _rows(segment_ids, rows, 1), _prefix(seg_all, end, 1),
-                             _prefix(valid_all, end, 1))
+                             _prefix(valid_all, end, 1), window, chunk)
         outs.append(run_stages(enc, backend, _rows(q, rows, 2), _prefix(k_all, end, 2), _prefix(v_all, end, 2),
                                ctx, mask, scale))
     return torch.cat(outs, dim=2)

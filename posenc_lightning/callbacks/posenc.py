@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from posenc_lightning.encodings.base import Encoding
+from posenc_lightning.encodings.schedule import LayerSchedule
 from posenc_lightning.inject import CHECKPOINT_KEY, find_mixin_modules, inject, injected_spec
 from posenc_lightning.plain import plain
 
@@ -24,18 +25,29 @@ class PosEncCallback(pl.Callback):
     `posenc_lightning.restore_from_checkpoint` / ``TinyGPT.load_from_checkpoint`` rebuild it.
 
     Args:
-        encoding: a registered name (``posenc list``) or an `Encoding` instance.
+        encoding: a registered name (``posenc list``), a preset, an `Encoding` or a `LayerSchedule`.
         backend: ``auto``, ``eager``, ``sdpa``, ``flex``, ``triton`` or ``blockwise``.
         share_across_layers: one encoding for all layers (default) or one per layer.
         log_hparams: log the encoding's hyperparameters to the trainer's loggers.
         config: the encoding's arguments, when ``encoding`` is a name, as one dict: the form
             LightningCLI / YAML can read (``init_args: {encoding: fire, config: {init_L: 64}}``).
+        schedule: a layer schedule's rules (`LayerSchedule`), the form YAML can read
+            (``init_args: {schedule: [{layers: every 4, encoding: nope}, {layers: rest, encoding: rope,
+            window: 256}]}``), in place of ``encoding`` (which then names the schedule, if given).
         **cfg: the same arguments as keywords, for Python callers (``PosEncCallback("fire", init_L=64)``).
     """
 
-    def __init__(self, encoding: str | Encoding, backend: str = "auto", share_across_layers: bool = True,
-                 log_hparams: bool = True, config: dict[str, Any] | None = None, **cfg: Any) -> None:
-        config, cfg = plain(config), plain(cfg)  # OmegaConf containers (Hydra) as dicts and lists
+    def __init__(self, encoding: str | Encoding | LayerSchedule | None = None, backend: str = "auto",
+                 share_across_layers: bool = True, log_hparams: bool = True, config: dict[str, Any] | None = None,
+                 schedule: list[dict[str, Any]] | None = None, **cfg: Any) -> None:
+        config, cfg, schedule = plain(config), plain(cfg), plain(schedule)  # OmegaConf containers as dicts, lists
+        if schedule is not None:
+            if not isinstance(encoding, (str, type(None))) or config or cfg:
+                raise ValueError("PosEncCallback: give either schedule=[rules] (encoding= may name it) or an "
+                                 "encoding with its config, not both")
+            encoding = LayerSchedule(schedule, name=encoding or "schedule")
+        if encoding is None:
+            raise ValueError("PosEncCallback needs an encoding (a name, an Encoding, a preset) or schedule=[rules]")
         both = sorted(set(config or {}) & set(cfg))
         if both:
             raise ValueError(f"PosEncCallback: {both} given both in config={config!r} and as keywords {cfg!r}; "
@@ -49,7 +61,7 @@ class PosEncCallback(pl.Callback):
 
     @property
     def encoding_name(self) -> str:
-        return self.encoding if isinstance(self.encoding, str) else self.encoding.name
+        return self.encoding if isinstance(self.encoding, str) else self.encoding.name  # an Encoding's or a schedule's
 
     @property
     def state_key(self) -> str:
@@ -72,7 +84,9 @@ class PosEncCallback(pl.Callback):
             return
         recorded = self._record_in_model_hparams(pl_module)
         if self.log_hparams:
-            logged = self.injected.hparams_for_logging()
+            spec = injected_spec(pl_module) or {}
+            logged = ({"posenc/encoding": spec["encoding"], "posenc/schedule": str(spec["schedule"]["rules"])}
+                      if "schedule" in spec else self.injected.hparams_for_logging())
             if recorded:  # the model's own ``encoding`` hyperparameter names it: one entry, not two
                 logged.pop("posenc/encoding", None)
             for logger in trainer.loggers:
@@ -85,6 +99,8 @@ class PosEncCallback(pl.Callback):
         hparams = pl_module.hparams
         if "encoding" not in hparams:
             return False
+        if isinstance(self.encoding, LayerSchedule):  # rules are no encoding name: the checkpoint's spec has them
+            return True
         name = self.encoding_name
         cfg = (dict(self.cfg) or None) if isinstance(self.encoding, str) else None
         if hparams.get("encoding") != name or ("encoding_cfg" in hparams and hparams.get("encoding_cfg") != cfg):

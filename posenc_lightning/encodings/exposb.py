@@ -66,15 +66,16 @@ class ExpoSB(RotaryEncoding):
     """ExpoSB (see the module docstring for the formulas; the defaults are the constants there).
 
     Its stage 4 is a `DistanceModulatedSoftmax`: ``softmax(s * distance_modulation)``, which the
-    blockwise backend runs by tiles."""
+    blockwise backend runs by tiles. ``partial_rotary_factor`` (as `RotaryEncoding`): only the first
+    fraction of each head's channels rotate; the gains (2) still scale every channel."""
 
     normalizer_kind = DistanceModulatedSoftmax
 
     def __init__(self, theta: float = 10000.0, position_decay: float = 0.001, position_boost: float = 0.2,
                  band_floor: float = 0.8, band_gain: float = 0.4, band_center: float | None = None,
                  band_width: float | None = None, distance_decay: float = 0.005, distance_floor: float = 0.7,
-                 layout: Literal["half", "interleaved"] = "interleaved") -> None:
-        super().__init__(theta=theta, layout=layout)
+                 layout: Literal["half", "interleaved"] = "interleaved", partial_rotary_factor: float = 1.0) -> None:
+        super().__init__(theta=theta, layout=layout, partial_rotary_factor=partial_rotary_factor)
         self.position_decay, self.position_boost = float(position_decay), float(position_boost)
         self.band_floor, self.band_gain = float(band_floor), float(band_gain)
         self.band_center, self.band_width = band_center, band_width

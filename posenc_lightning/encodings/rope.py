@@ -19,7 +19,7 @@ from posenc_lightning.encodings.base import AttentionContext, Encoding
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.positions import arange_offset, max_position
-from posenc_lightning.functional.rope import rope_cos_sin, rope_inv_freq, rotate_qk
+from posenc_lightning.functional.rope import p_rope_inv_freq, rope_cos_sin, rope_inv_freq, rotate_qk
 
 
 class RotaryEncoding(Encoding):
@@ -236,10 +236,29 @@ class RotaryEncoding(Encoding):
 class RoPE(RotaryEncoding):
     """Plain RoPE (RoFormer eq. 15): each pair of dimensions of q and k at position m is rotated by
     ``m theta_i`` with ``theta_i = theta^(-2i/d)``, so ``q_m . k_n`` depends on ``m - n`` only;
-    see `RotaryEncoding` for the args."""
+    see `RotaryEncoding` for theta, layout and partial_rotary_factor.
+
+    Args:
+        p: p-RoPE's fraction (Barbero et al., ICLR 2025): keep the fraction ``p`` of the highest
+            frequencies and drop the lowest (`functional.rope.p_rope_inv_freq`); 1 is plain RoPE,
+            0 is NoPE. Unlike ``partial_rotary_factor``, which spreads the whole spectrum over fewer
+            channels, the kept frequencies are exactly those of full RoPE.
+    """
 
     hf_rope_type: ClassVar[str | None] = "default"
 
     def __init__(self, theta: float = 10000.0, layout: Literal["half", "interleaved"] = "half",
-                 partial_rotary_factor: float = 1.0) -> None:
+                 partial_rotary_factor: float = 1.0, p: float = 1.0) -> None:
         super().__init__(theta=theta, layout=layout, partial_rotary_factor=partial_rotary_factor)
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"rope: p (p-RoPE's kept fraction of the highest frequencies) must be in [0, 1], got {p}")
+        self.p = float(p)
+
+    def base_inv_freq(self, device: torch.device | None = None) -> Tensor:
+        if self.p == 1.0:
+            return rope_inv_freq(self.rotary_dim, self.theta, device=device)
+        return p_rope_inv_freq(self.rotary_dim, self.theta, self.p, device=device)
+
+    def _rope_law_parameters(self) -> tuple[dict[str, Any], int | None] | None:
+        """None with p < 1: transformers has no p-RoPE."""
+        return super()._rope_law_parameters() if self.p == 1.0 else None

@@ -18,8 +18,8 @@ from torch import Tensor
 from posenc_lightning.autograd.rotary import RotaryHalf, RotaryPair, rotary_dtype
 from posenc_lightning.functional.mode import Mode
 
-__all__ = ["apply_rotary", "apply_rotary_reference", "rope_angles", "rope_cos_sin", "rope_inv_freq", "rotate_half",
-           "rotate_qk"]
+__all__ = ["apply_rotary", "apply_rotary_reference", "p_rope_inv_freq", "rope_angles", "rope_cos_sin", "rope_inv_freq",
+           "rotate_half", "rotate_qk"]
 
 
 def rope_inv_freq(dim: int, base: float = 10000.0, device: torch.device | None = None,
@@ -27,6 +27,24 @@ def rope_inv_freq(dim: int, base: float = 10000.0, device: torch.device | None =
     """``inv_freq_i = base^(-2i/dim)`` for i in [0, dim/2), as Hugging Face computes it."""
     exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(dtype) / dim
     return 1.0 / (base ** exponent)
+
+
+def p_rope_inv_freq(dim: int, base: float, p: float, device: torch.device | None = None,
+                    dtype: torch.dtype = torch.float32) -> Tensor:
+    """p-RoPE (Barbero et al., ICLR 2025, "Round and Round We Go!", sec. 6): RoPE's frequencies
+    ``base^(-2i/dim)`` with only the fraction ``p`` of the *highest* kept; the lowest
+    ``dim/2 - int(p * dim // 2)`` become 0 (their channels are not rotated: NoPE channels). As the
+    paper's code: ``rope_angles = int(p * dim // 2)``, the rest of the timescales infinite.
+
+    Args:
+        dim: the rotary dimension; base: the frequency base; p: the kept fraction, in ``[0, 1]``.
+
+    Returns:
+        ``[dim/2]`` frequencies, the first ``int(p * dim // 2)`` those of `rope_inv_freq`, the rest 0.
+    """
+    inv = rope_inv_freq(dim, base, device=device, dtype=dtype)
+    keep = int(p * dim // 2)
+    return torch.where(torch.arange(inv.shape[0], device=device) < keep, inv, torch.zeros_like(inv))
 
 
 def rope_angles(positions: Tensor, inv_freq: Tensor) -> Tensor:

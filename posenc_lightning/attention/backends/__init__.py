@@ -6,7 +6,9 @@
 `Encoding.fused_rotary`). A backend asks each bias for what it fuses (`posenc_lightning.encodings.bias`).
 A fused backend also declares ``FUSED_BIAS``, the form it computes biases in ("kernel": triton,
 "score_mod": flex), and refuses an encoding that declares a bias kind without that form
-(`unfused_bias`): ``auto`` never picks a backend that would materialize an N x N bias.
+(`unfused_bias`): ``auto`` never picks a backend that would materialize an N x N bias. Every backend
+declares ``LOCAL_MASKS``, the local masks it honors (`attention.mask.LOCAL_KINDS`: a sliding window,
+a chunk); a layer with one resolves only among the backends that declare it.
 """
 
 from __future__ import annotations
@@ -73,15 +75,23 @@ def load_backends() -> None:
     importlib.import_module("posenc_lightning.attention.backends.sdpa.opaque_op")
 
 
-def _why_not(name: str, encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:
+_NO_LOCAL: frozenset[str] = frozenset()
+
+
+def _why_not(name: str, encoding: Encoding, device: torch.device, requires_grad: bool,
+             local: frozenset[str] = _NO_LOCAL) -> str | None:
     try:
         mod = get_backend(name)
     except ValueError as e:
         return str(e)
+    if local and not local <= mod.LOCAL_MASKS:
+        return (f"the layer has a {' and a '.join(sorted(local - mod.LOCAL_MASKS))}, which {name} does not "
+                f"honor (LOCAL_MASKS = {sorted(mod.LOCAL_MASKS)})")
     return mod.supports(encoding, device, requires_grad)
 
 
 def resolve_backend(name: str, encoding: Encoding, device: torch.device, requires_grad: bool,
+                    local: frozenset[str] = _NO_LOCAL,
                     table: Mapping[tuple[str, str], Any] | None = None) -> ModuleType:
     """The backend module to run ``encoding`` on ``device``; ``auto`` picks the fastest that can.
 
@@ -90,6 +100,8 @@ def resolve_backend(name: str, encoding: Encoding, device: torch.device, require
         encoding: the bound encoding.
         device: the device of q, k, v.
         requires_grad: whether the call must be differentiable.
+        local: the local masks the call carries (`AttentionMask.local`: ``"window"``, ``"chunk"``),
+            which the backend must declare in its ``LOCAL_MASKS``.
         table: the proven table to read (`proven_on_gpu.PROVEN`'s form; default that table).
 
     Returns:
@@ -100,19 +112,19 @@ def resolve_backend(name: str, encoding: Encoding, device: torch.device, require
         if device.type == "cuda":  # measured times, where a run recorded two or more, beat the fixed order
             for cand in fastest_first(order, encoding, table):
                 if not unproven(cand, encoding, device.type, table) \
-                        and _why_not(cand, encoding, device, requires_grad) is None:
+                        and _why_not(cand, encoding, device, requires_grad, local) is None:
                     return get_backend(cand)
         for cand in order:
             if cand in CUSTOM_KERNELS and not {"bias", "normalize"} & set(encoding.stages):
                 continue  # nothing to fuse: SDPA's flash kernels are faster (benchmarks/results/gpu-*.md)
             if unproven(cand, encoding, device.type, table):
                 continue
-            if _why_not(cand, encoding, device, requires_grad) is None:
+            if _why_not(cand, encoding, device, requires_grad, local) is None:
                 return get_backend(cand)
         return get_backend("eager")
-    reason = _why_not(name, encoding, device, requires_grad)
+    reason = _why_not(name, encoding, device, requires_grad, local)
     if reason is not None:
-        ok = [b for b in BACKENDS if _why_not(b, encoding, device, requires_grad) is None]
+        ok = [b for b in BACKENDS if _why_not(b, encoding, device, requires_grad, local) is None]
         raise ValueError(f"backend {name!r} cannot run encoding {encoding.name!r} on {device.type}: "
                          f"{reason}. Use backend='auto' or one of {ok}")
     return get_backend(name)

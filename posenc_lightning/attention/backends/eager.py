@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.attention.mask import LOCAL_KINDS, AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, Normalizer
 
 NAME = "eager"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
 FUSES_ROTARY = False
+#: the local masks it honors (`attention.mask.LOCAL_KINDS`): a sliding window, a chunk
+LOCAL_MASKS = LOCAL_KINDS
 
 
 def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> str | None:

@@ -19,12 +19,14 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.attention.backends import unfused_bias
-from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.attention.mask import LOCAL_KINDS, AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, Normalizer
 
 NAME = "flex"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
 FUSES_ROTARY = False
+#: the local masks it honors (`attention.mask.LOCAL_KINDS`): a sliding window, a chunk
+LOCAL_MASKS = LOCAL_KINDS
 #: the fused form it computes a bias kind in (`Bias.fused_in`)
 FUSED_BIAS = "score_mod"
 #: the smallest head_dim inductor's flex attention kernels take on a GPU (tl.dot needs 16)
@@ -100,6 +102,12 @@ def mask_mod_for(mask: AttentionMask) -> tuple[Callable | None, bool]:
     if mask.causal:
         off = mask.q_offset
         mods.append(lambda b, h, qi, ki: ki <= qi + off)
+        if mask.window is not None:
+            w = mask.window
+            mods.append(lambda b, h, qi, ki: qi + off - ki < w)
+        if mask.chunk is not None:
+            c = mask.chunk
+            mods.append(lambda b, h, qi, ki: (qi + off) // c == ki // c)
     if mask.q_segments is not None:
         qs = mask.q_segments
         ks = mask.k_segments if mask.k_segments is not None else mask.q_segments

@@ -30,6 +30,9 @@ from posenc_lightning.functional.positions import host_reads_ok
 NAME = "triton"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
 FUSES_ROTARY = True
+#: the local masks it honors (`attention.mask.LOCAL_KINDS`): a chunk, as segment ids of the
+#: kernels' own segment mask; not a sliding window (the kernels take no window bound)
+LOCAL_MASKS = frozenset({"chunk"})
 MAX_HEAD_DIM = 128
 #: the fused form it computes a bias kind in (`Bias.fused_in`): the kernels' arguments
 FUSED_BIAS = "kernel"
@@ -117,10 +120,28 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
     if (ctx is not None and kb.q_pos is not None and kb.q_pos is ctx.q_pos and kb.k_pos is ctx.k_pos
             and ctx.q_start is not None and ctx.k_start is not None):  # a plain range: distances from indices
         starts = {"bias_q_start": ctx.q_start, "bias_k_start": ctx.k_start}
-    seg = mask.q_segments
+    if mask.window is not None:
+        raise ValueError("the triton kernels take no sliding window (LOCAL_MASKS); use backend='sdpa' or 'flex'")
+    seg, k_seg = _chunk_segments(mask, q.shape[0], q.device)
     out = fused_attention(
         q, k, v, scale=scale, causal=mask.causal, q_offset=mask.q_offset, rotary=tables,
-        q_segments=seg, k_segments=mask.k_segments if seg is not None else None, k_valid=mask.k_valid,
+        q_segments=seg, k_segments=k_seg, k_valid=mask.k_valid,
         slopes=kb.slopes, table=kb.table, bias_q_pos=kb.q_pos, bias_k_pos=kb.k_pos, c_q=kb.c_q, c_k=kb.c_k,
         dense=kb.dense, tile=kb.tile, stick_breaking=sb, attend_current=attend_current, **starts)
     return out.to(q.dtype)
+
+
+def _chunk_segments(mask: AttentionMask, batch: int, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+    """The kernels' segment ids ``(q, k)``: the mask's own, with a chunk folded in as one more
+    segment id per token (chunk ``index // C``; combined with documents as ``doc * n_chunks + chunk``)."""
+    seg, k_seg = mask.q_segments, (mask.k_segments if mask.q_segments is not None else None)
+    if mask.chunk is None:
+        return seg, k_seg
+    if seg is not None and k_seg is None:
+        k_seg = seg
+    n_chunks = mask.n_k // mask.chunk + 1
+    qc = (torch.arange(mask.n_q, device=device) + mask.q_offset).div(mask.chunk, rounding_mode="floor")
+    kc = torch.arange(mask.n_k, device=device).div(mask.chunk, rounding_mode="floor")
+    if seg is None:
+        return qc.expand(batch, -1), kc.expand(batch, -1)
+    return seg.long() * n_chunks + qc, k_seg.long() * n_chunks + kc

@@ -24,7 +24,7 @@ from torch import Tensor
 from posenc_lightning.attention.backends.blockwise.normalizers import SoftmaxBlocks, StickBreakingBlocks, TilesSpec
 from posenc_lightning.attention.backends.blockwise.tiles import Tiling
 from posenc_lightning.attention.backends.engine.blocks import rows_within, tile_rows
-from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.attention.mask import LOCAL_KINDS, AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KeyOnly, Normalizer, Walk
 from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.positions import arange_offset
@@ -33,6 +33,8 @@ from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 NAME = "blockwise"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
 FUSES_ROTARY = False
+#: the local masks it honors (`attention.mask.LOCAL_KINDS`): a sliding window, a chunk
+LOCAL_MASKS = LOCAL_KINDS
 #: the fused form of a normalizer this backend runs (`Normalizer.fused_in`)
 FUSED_NORMALIZER = "tiles"
 

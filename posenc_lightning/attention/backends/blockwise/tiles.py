@@ -45,7 +45,7 @@ class Tiling:
         self.mask, self.n_q, self.n_k, self.diag = mask, n_q, n_k, diag
         self.rows, self.cols, self.descending = max(1, rows), max(1, cols), descending
         self.split_diagonal = split_diagonal and descending and diag is not None
-        dense = mask.q_segments is not None or mask.k_valid is not None
+        dense = mask.q_segments is not None or mask.k_valid is not None or bool(mask.local)
         self.dense_mask = dense
         ks = mask.k_segments if mask.k_segments is not None else mask.q_segments
         # the per-key masks ([B, Nk], small) in walking order, read through `span`
@@ -135,6 +135,10 @@ class Tiling:
         if self.diag is not None:
             i = torch.arange(start, stop, device=device)
             m = (j[None, :] <= i[:, None] + self.diag)[None]
+        local = self.mask.local_allowed(torch.arange(start, stop, device=device)[:, None] + self.mask.q_offset,
+                                        j[None, :])
+        if local is not None:
+            m = local[None] if m is None else m & local[None]
         sl = self.span(t)
         if self.k_seg is not None:
             seg = self.mask.q_segments[:, start:stop, None] == self.k_seg[:, None, sl]

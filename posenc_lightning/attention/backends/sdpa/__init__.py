@@ -39,7 +39,7 @@ from posenc_lightning.attention.backends.sdpa.toeplitz import (
     toeplitz_backward,
     toeplitz_shift,
 )
-from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.attention.mask import LOCAL_KINDS, AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KeyOnly, Normalizer
 from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.tunables import Tunables
@@ -50,6 +50,8 @@ __all__ = ["attend", "backward_rows", "block_rows", "rows_backward", "supports",
 NAME = "sdpa"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
 FUSES_ROTARY = False
+#: the local masks it honors (`attention.mask.LOCAL_KINDS`): a sliding window, a chunk
+LOCAL_MASKS = LOCAL_KINDS
 #: query rows per block of sdpa's forward by rows (`blocks.forward_rows`), the name `opaque_op` calls
 block_rows = forward_rows
 
@@ -79,7 +81,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         return _DenormalsOnForBackward.apply(out) if flush else out
     b, n_q, n_k = q.shape[0], q.shape[-2], k.shape[-2]
     call = Call(b, q.shape[1], n_q, n_k, bias=False, plain_mask=mask.is_plain_causal or mask.is_trivial,
-                offset_causal=mask.causal and mask.q_offset > 0, recomputable=True,
+                # a window or chunk, as an offset, is a mask SDPA's is_causal cannot express
+                offset_causal=mask.causal and (mask.q_offset > 0 or bool(mask.local)), recomputable=True,
                 grads=q.requires_grad or k.requires_grad or v.requires_grad, grad_mode=torch.is_grad_enabled())
     plan = choose(call, mode)
     if plan.form is Form.SDPA:
@@ -150,7 +153,7 @@ def _declared(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, 
                 toeplitz=shift is not None, recomputable=recomputable, grads=grads, grad_mode=grad_mode,
                 opaque=opaque,
                 kernel_runs=q.dtype == torch.float32 and mask.k_valid is None and mask.q_segments is None
-                and bias.recomputable)
+                and not mask.local and bias.recomputable)
     return call, _Found(key_only, key_bias, shift)
 
 

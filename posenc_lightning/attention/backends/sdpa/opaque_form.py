@@ -45,7 +45,8 @@ def opaque_attention(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attentio
         caller's traced path then runs).
     """
     form = bias.value_dependent()
-    if form is None or q.device.type != "cpu" or mask.q_segments is not None or mask.k_valid is not None:
+    if (form is None or q.device.type != "cpu" or mask.q_segments is not None or mask.k_valid is not None
+            or mask.local):
         return None
     operands = form.operands
     static = ctx.q_start is not None and ctx.k_start is not None and not ctx.q_pos.dtype.is_floating_point

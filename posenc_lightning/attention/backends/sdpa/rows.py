@@ -201,7 +201,10 @@ def mask_rows(mask: AttentionMask, start: int, stop: int, k_stop: int, device: t
     m = None
     if mask.causal:
         qi = torch.arange(start, stop, device=device)[:, None] + mask.q_offset
-        m = (torch.arange(k_stop, device=device)[None, :] <= qi)[None, None]
+        kj = torch.arange(k_stop, device=device)[None, :]
+        m = kj <= qi
+        local = mask.local_allowed(qi, kj)
+        m = (m if local is None else m & local)[None, None]
     if mask.q_segments is not None:
         ks = mask.k_segments if mask.k_segments is not None else mask.q_segments
         seg = mask.q_segments[:, None, start:stop, None] == ks[:, None, None, :k_stop]
@@ -220,7 +223,7 @@ def masked(t: Tensor, mask: AttentionMask, start: int, stop: int, k_stop: int, i
     (``group_dim``: ``t`` has a query-group dim after the heads, as in the own backward).
     ``hides``: a dict kept by the caller across the blocks of one call (eagerly), where the causal
     triangle of each block shape is built once."""
-    if mask.causal and mask.q_segments is None and mask.k_valid is None:
+    if mask.causal and mask.q_segments is None and mask.k_valid is None and not mask.local:
         first = start + mask.q_offset
         if k_stop - 1 <= first:  # the last key is visible to the first query: nothing hidden
             return t

@@ -23,7 +23,8 @@ def toeplitz_shift(bias: Bias, mask: AttentionMask, n_q: int, n_k: int, ctx: Att
     """``a - c`` when the bias depends on ``i - j`` only (`Bias.distance_only`) and the positions
     are ``a + arange``, ``c + arange`` under a mask without documents or padding (else None).
     Reads the positions only where that is free (`functional.positions.arange_offset`)."""
-    if ctx is None or mask.q_segments is not None or mask.k_valid is not None or not bias.distance_only:
+    if (ctx is None or mask.q_segments is not None or mask.k_valid is not None or mask.local
+            or not bias.distance_only):
         return None
     a, c = arange_offset(ctx.q_pos, ctx.q_start), arange_offset(ctx.k_pos, ctx.k_start)
     if a is None or c is None or ctx.q_pos.shape[1] != n_q or ctx.k_pos.shape[1] != n_k:
