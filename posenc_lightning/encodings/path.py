@@ -10,7 +10,7 @@ from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, E
 from posenc_lightning.encodings.fox import ForgettingAttention
 from posenc_lightning.encodings.hybrid import CompositeEncoding
 from posenc_lightning.encodings.registry import register
-from posenc_lightning.functional.path import path_householder, path_logit_rows
+from posenc_lightning.functional.path import path_chunks, path_householder, path_walk_rows
 
 #: where the reflections of cached tokens live in ``LayerKVCache.extra``
 CACHE_KEY = "path_householder"
@@ -108,17 +108,21 @@ class PaTH(Encoding):
             raise ValueError("path is causal by construction (H_i...H_{j+1} for keys j <= i); call "
                              "attend(..., causal=True) or use a non-causal encoding such as 'alibi'")
         w, beta = self._reflections(q, k, ctx)
-        n_q, n_k = q.shape[-2], k.shape[-2]
-        off, scale, chunk = n_k - n_q, self.softmax_scale(q.shape[-1]), self.chunk
+        n_q, n_k, c = q.shape[-2], k.shape[-2], self.chunk
+        off, scale = n_k - n_q, self.softmax_scale(q.shape[-1])
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        # the keys' chunks once per call (linear in N); each block of rows walks its queries down them
+        chunks = path_chunks(k, w, beta, c)
 
-        def rows(s: int, e: int, ke: int, q_rows: Tensor, k_keys: Tensor, w_: Tensor, beta_: Tensor) -> Tensor:
-            return path_logit_rows(q_rows, k_keys, w_, beta_, off + s, chunk) * scale
+        def rows(s: int, e: int, ke: int, q_rows: Tensor, *parts: Tensor) -> Tensor:
+            return path_walk_rows(q_rows, *parts, off + s, ke) * scale
 
         def window(s: int, e: int, ke: int) -> tuple:
-            stop = max(ke, off + e)  # the rows' queries read the reflections up to themselves
-            return span(s, e, -2), span(0, ke, -2), span(0, stop, -2), span(0, stop, -1)
+            stop = -(-max(ke, off + e) // c)  # the chunks of the rows' keys and of their queries
+            return (span(s, e, -2), *(span(0, stop, -3),) * 4)
 
-        return DenseBias.lazy(rows, n_q, n_k, inputs=(q, k, w, beta), window=window,
+        return DenseBias.lazy(rows, n_q, n_k, inputs=(q, *chunks), window=window,
                               backward_share=self.BACKWARD_SHARE)
 
 

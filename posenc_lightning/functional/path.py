@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["path_attention_naive", "path_householder", "path_logit_rows", "path_logits_naive",
-           "path_ut_transform"]
+__all__ = ["path_attention_naive", "path_chunks", "path_householder", "path_logit_rows", "path_logits_naive",
+           "path_ut_transform", "path_walk_rows"]
 
 
 def path_householder(w_raw: Tensor, beta_logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -116,12 +116,11 @@ def path_attention_naive(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tenso
 def path_logit_rows(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, q_offset: int, chunk: int = 64) -> Tensor:
     """The change PaTH makes to the logits of a block of query rows: ``q_i^T (M_ij - I) k_j``.
 
-    The blockwise algorithm (module docstring): chunks of ``chunk`` tokens aligned to index 0.
-    For a query ``i`` in chunk ``c`` (from index ``a``): ``r_i^T = q_i^T H_i ... H_a``; for a key
-    ``j`` of an earlier chunk ``k^_j = H_{a-1} ... H_{j+1} k_j``, built as the key carried to its
-    own chunk's end then through the whole chunks between (``F``, accumulated nearest first).
-    Differences are carried, not full vectors (``r - q``, ``k^ - k``, ``F - I``), so the result
-    is the change itself, not a difference of two logits.
+    The blockwise algorithm (module docstring): chunks of ``chunk`` tokens aligned to index 0
+    (`path_chunks`), the queries walked down the key chunks (`path_walk_rows`). For a query ``i``
+    in chunk ``c`` carried to the end of an earlier key chunk: ``r_i^T = q_i^T H_i ... H_e``; for a
+    key ``j`` of that chunk ``k~_j = H_{e-1} ... H_{j+1} k_j``. Differences are carried (``r - q``,
+    ``k~ - k``), so the result is the change itself, not a difference of two logits.
 
     Args:
         q: ``[B, H, m, D]`` query rows at key indices ``q_offset .. q_offset + m - 1``.
@@ -138,50 +137,90 @@ def path_logit_rows(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, q_offset: int
     """
     if chunk < 1:
         raise ValueError(f"path_logit_rows: chunk must be >= 1, got {chunk}")
-    b, h, m, d = q.shape
+    h, m = q.shape[1], q.shape[2]
     n_k = k.shape[-2]
     end = max(n_k, q_offset + m)
     if w.shape[-2] < end or beta.shape[-1] < end:
         raise ValueError(f"path_logit_rows: w and beta must cover indices 0..{end - 1} "
                          f"(got {w.shape[-2]} and {beta.shape[-1]}); pass every token's reflection")
-    dt = torch.promote_types(q.dtype, torch.float32)
     if k.shape[1] != h:
         k = k.repeat_interleave(h // k.shape[1], dim=1)
-    n_ch = -(-end // chunk)
-    pad = n_ch * chunk - end  # identity reflections (w = 0, beta = 0) and zero keys after the end
-    wc = F.pad(w[..., :end, :].to(dt), (0, 0, 0, pad)).view(b, h, n_ch, chunk, d)
-    bc = F.pad(beta[..., :end].to(dt), (0, pad)).view(b, h, n_ch, chunk)
-    kc = F.pad(k.to(dt), (0, 0, 0, n_ch * chunk - n_k)).view(b, h, n_ch, chunk, d)
-    t = path_ut_transform(wc, bc)  # [B, H, n, C, C]
-    # (w_t . k_j) for t > j in the same chunk: the reflections after key j up to its chunk's end
-    wk = torch.tril(wc @ kc.transpose(-1, -2), -1)  # [B, H, n, C(t), C(j)]
-    dkt = -(wk.transpose(-1, -2) @ t.transpose(-1, -2)) @ wc  # k~ - k: key carried to its chunk's end
-    kt = kc + dkt
-    qi = torch.arange(q_offset, q_offset + m, device=q.device)
-    rows = []
-    for cq in range(q_offset // chunk, -(-(q_offset + m) // chunk)):
-        r0, r1 = max(cq * chunk, q_offset), min((cq + 1) * chunk, q_offset + m)
-        qs = q[:, :, r0 - q_offset:r1 - q_offset].to(dt)
-        # (q_i . w_s) for s <= i in the query's chunk, times T: r - q = -x W, and the chunk's keys
-        seen = (cq * chunk + torch.arange(chunk, device=q.device))[None, :] <= qi[r0 - q_offset:r1 - q_offset, None]
-        x = ((qs @ wc[:, :, cq].transpose(-1, -2)) * seen) @ t[:, :, cq]
-        intra = -(x @ wk[:, :, cq])  # keys of the query's chunk
-        inter = None
-        if cq > 0:
-            dr = -(x @ wc[:, :, cq])
-            e: Tensor | None = None  # F - I: carries a key from its chunk's end to chunk cq's start
-            dkh = []
-            for c in range(cq - 1, -1, -1):
-                wcc = wc[:, :, c]
-                dkh.append(dkt[:, :, c] if e is None else dkt[:, :, c] + kt[:, :, c] @ e)
-                wf = wcc if e is None else wcc + wcc @ e  # W (I + E)
-                step = -(wcc.transpose(-1, -2) @ (t[:, :, c].transpose(-1, -2) @ wf))
-                e = step if e is None else e + step  # F <- P_c^T F
-            dk_hat = torch.cat(dkh[::-1], dim=-2)  # [B, H, cq * C, D]: k^ - k
-            k_hat = kc[:, :, :cq].reshape(b, h, cq * chunk, d) + dk_hat
-            # r . k^ - q . k = (r - q) . k^ + q . (k^ - k)
-            inter = dr @ k_hat.transpose(-1, -2) + qs @ dk_hat.transpose(-1, -2)
-        row = intra if inter is None else torch.cat((inter, intra), dim=-1)
-        width = (cq + 1) * chunk
-        rows.append(row[..., :n_k] if width >= n_k else F.pad(row, (0, n_k - width)))
-    return torch.cat(rows, dim=-2)
+    k = F.pad(k, (0, 0, 0, end - n_k))  # zero keys up to the last query: their logits are cut off
+    return path_walk_rows(q, *path_chunks(k, w[..., :end, :], beta[..., :end], chunk), q_offset, n_k)
+
+
+def path_chunks(k: Tensor, w: Tensor, beta: Tensor, chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What every block of rows reads of the keys' chunks, computed once per attention call.
+
+    Args:
+        k: ``[B, H, N, D]`` keys (heads repeated); w: ``[B, H, N, D]``; beta: ``[B, H, N]``.
+        chunk: the chunk length ``C``; the last chunk is padded with identities and zero keys.
+
+    Returns:
+        ``(w_c [B, H, n, C, D], t [B, H, n, C, C], wk [B, H, n, C, C], kd [B, H, n, C, 2D])``: the
+        directions, the UT transforms (`path_ut_transform`), ``(w_t . k_j)`` for ``t > j`` and
+        ``[k~ | k~ - k]`` with ``k~_j = H_{e-1} ... H_{j+1} k_j`` the key carried to its chunk's end.
+    """
+    if chunk < 1:
+        raise ValueError(f"path_chunks: chunk must be >= 1, got {chunk}")
+    b, h, n, d = k.shape
+    dt = torch.promote_types(k.dtype, torch.float32)
+    n_ch = -(-n // chunk)
+    pad = n_ch * chunk - n
+    wc = F.pad(w[..., :n, :].to(dt), (0, 0, 0, pad)).view(b, h, n_ch, chunk, d)
+    bc = F.pad(beta[..., :n].to(dt), (0, pad)).view(b, h, n_ch, chunk)
+    kc = F.pad(k.to(dt), (0, 0, 0, pad)).view(b, h, n_ch, chunk, d)
+    t = path_ut_transform(wc, bc)
+    wk = torch.tril(wc @ kc.transpose(-1, -2), -1)
+    dkt = -(wk.transpose(-1, -2) @ t.transpose(-1, -2)) @ wc
+    return wc, t, wk, torch.cat((kc + dkt, dkt), dim=-1)
+
+
+def path_walk_rows(q: Tensor, wc: Tensor, t: Tensor, wk: Tensor, kd: Tensor, q_offset: int, n_k: int) -> Tensor:
+    """`path_logit_rows` from `path_chunks`, the queries walked down the key chunks (the paper's
+    query-side form): every query chunk of the block is carried to its chunk's start, then meets
+    the key chunk ``delta`` before it and is carried through it (``r <- r P_c``, one low-rank update),
+    for ``delta = 1, 2, ...``, all query chunks of the block at once.
+
+    Args:
+        q: ``[B, H, m, D]`` query rows at key indices ``q_offset ..``; the chunk tensors cover them.
+        wc, t, wk, kd: `path_chunks` (at least the chunks up to the last query's and key's).
+        q_offset: the key index of the first query row; n_k: keys ``0 .. n_k - 1`` in the result.
+
+    Returns:
+        ``[B, H, m, n_k]``: ``q_i^T (M_ij - I) k_j``, 0 where ``j >= i``.
+    """
+    b, h, m, d = q.shape
+    c = wc.shape[-2]
+    c0, c1 = q_offset // c, (q_offset + m - 1) // c  # the block's query chunks
+    nq = c1 - c0 + 1
+    front = q_offset - c0 * c
+    qq = F.pad(q.to(wc.dtype), (0, 0, front, nq * c - m - front)).view(b, h, nq, c, d)
+    # chunks as a tuple of views, stacked per step: a slice's backward would write zeros over the
+    # whole tensor at every step (quadratic), unbind's backward is one stack of every chunk's gradient
+    wl, tl, kl = wc.unbind(2), t.unbind(2), kd.unbind(2)
+
+    def chunks(parts: tuple[Tensor, ...], a: int, e: int) -> Tensor:
+        return torch.stack(parts[a:e], dim=2)
+
+    w_q, t_q = chunks(wl, c0, c1 + 1), chunks(tl, c0, c1 + 1)
+    x = torch.tril(qq @ w_q.transpose(-1, -2)) @ t_q  # (q_i . w_s) for s <= i, times T
+    blocks = [-(x @ chunks(wk.unbind(2), c0, c1 + 1))]  # delta 0: the query's own chunk
+    dr = -(x @ w_q)  # r - q: the query carried to its chunk's start
+    for delta in range(1, c1 + 1):
+        j0 = max(0, delta - c0)  # query chunks c0 + j0 .. c1 meet key chunks c0 + j0 - delta ..
+        dr, qv = dr[:, :, j0 - (nq - dr.shape[2]):], qq[:, :, j0:]
+        a, e = c0 + j0 - delta, c1 - delta + 1
+        blk = torch.cat((dr, qv), dim=-1) @ chunks(kl, a, e).transpose(-1, -2)  # r . k~ - q . k
+        blocks.append(F.pad(blk, (0, 0, 0, 0, j0, 0)))
+        if delta < c1:
+            w_a = chunks(wl, a, e)
+            dr = dr - (((qv + dr) @ w_a.transpose(-1, -2)) @ chunks(tl, a, e)) @ w_a  # r <- r P_c
+    skew = torch.stack(blocks, dim=3)  # [B, H, nq, delta, C, C]
+    n_kc = min(-(-n_k // c), c1 + 1)
+    cq = torch.arange(c0, c1 + 1, device=q.device)[:, None]
+    dist = cq - torch.arange(n_kc, device=q.device)[None, :]  # delta of (query chunk, key chunk)
+    rows = skew[:, :, torch.arange(nq, device=q.device)[:, None], dist.clamp(0, c1)]  # [B, H, nq, n_kc, C, C]
+    rows = torch.where((dist >= 0)[:, :, None, None], rows, 0.0)
+    out = rows.permute(0, 1, 2, 4, 3, 5).reshape(b, h, nq * c, n_kc * c)[:, :, front:front + m]
+    return out[..., :n_k] if n_kc * c >= n_k else F.pad(out, (0, n_k - n_kc * c))
