@@ -122,7 +122,7 @@ def _run(rank: int, world: int, cp: int, port: int, out: str, hf: bool) -> None:
     results: dict[str, dict[str, float]] = {}
     for enc in [*available_encodings(), *PRESET_CASES]:  # every encoding, and every preset's schedule
         results[f"tinygpt/{enc}"] = tinygpt_case(group, world, enc, packed=False)
-    for enc in ("alibi", "fire", "fox", "sba", "rope", "cope"):
+    for enc in ("alibi", "fire", "fox", "sba", "rope", "cope", "path"):
         results[f"tinygpt-packed/{enc}"] = tinygpt_case(group, world, enc, packed=True)
     if hf:
         for arch in ("llama", "gpt2"):

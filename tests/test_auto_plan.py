@@ -3,8 +3,8 @@ may return (`Encoding.bias_kinds`), each kind the fused forms it has (`Bias.fuse
 fused backend the form it computes (``FUSED_BIAS``: "kernel" for triton, "score_mod" for flex);
 `supports` refuses a kind without it. Checked on CPU for a CUDA device (``supports`` reads
 ``device.type`` only), with every custom kernel proven (`proven_on_gpu.PROVEN`; the rule for unproven
-ones is in tests/test_cuda_defaults.py): FIRE runs in the Triton kernels, CoPE and a mixture with a rotary member
-(rows that read q and k) fall to the blockwise SDPA path. And whenever a backend says yes on
+ones is in tests/test_cuda_defaults.py): FIRE runs in the Triton kernels, CoPE, PaTH and a mixture with a rotary
+member (rows that read q and k) fall to the blockwise SDPA path. And whenever a backend says yes on
 CUDA, running it (triton under TRITON_INTERPRET=1, sdpa; flex's ``score_mod`` plan, as CPU flex
 evaluates every score eagerly) creates no tensor of ``B H N x N`` elements."""
 
@@ -30,7 +30,7 @@ CASES = {**{n: (n, {}) for n in available_encodings() if "bias" in build_encodin
          "fox_rope": ("fox", {"rope": True})}
 #: where ``auto`` lands on CUDA once a recorded run has proven every custom kernel
 #: (`proven_on_gpu.PROVEN`): the fused kernels, except for rows that read q and k
-EXPECTED = {case: "sdpa" if case in ("cope", "mixture_rope") else "triton" for case in CASES}
+EXPECTED = {case: "sdpa" if case in ("cope", "mixture_rope", "path", "path_fox") else "triton" for case in CASES}
 
 
 @pytest.fixture

@@ -64,7 +64,7 @@ TOL = {"fp64": 1e-12, "fp32": 2e-5, "bf16": 4e-2}
 #: encodings whose float64 run is only float32-accurate, by design, and where
 FP32_BY_DESIGN = {
     **{n: "bias kinds materialize in float32 (encodings/bias/)" for n in
-       ("alibi", "relative_bias", "fire", "cope", "fox", "mixture", "rope_alibi", "rse")},
+       ("alibi", "relative_bias", "fire", "cope", "fox", "mixture", "rope_alibi", "rse", "path", "path_fox")},
     "sba": "stick-breaking sums softplus in float32 (functional/stick_breaking.py)",
     "rse": "bias and stick-breaking in float32",
     "exposb": "its boosted rotation and distance decay are float32 (encodings/exposb.py)",

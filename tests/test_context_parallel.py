@@ -29,7 +29,7 @@ from tests.helpers import PRESET_CASES
 ROOT = Path(__file__).resolve().parents[1]
 DIST_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 HF_CASES = [f"{a}/{e}" for a in ("llama", "gpt2") for e in ("alibi", "fire", "fox", "sba", "yarn")]
-PACKED = [f"tinygpt-packed/{e}" for e in ("alibi", "fire", "fox", "sba", "rope", "cope")] + \
+PACKED = [f"tinygpt-packed/{e}" for e in ("alibi", "fire", "fox", "sba", "rope", "cope", "path")] + \
     [f"llama-packed/{e}" for e in ("alibi", "fire", "fox", "sba", "yarn")]
 
 

@@ -16,9 +16,9 @@ from posenc_lightning.encodings import Bias, available_encodings
 from posenc_lightning.encodings.registry import _REGISTRY
 
 ROOT = Path(posenc_lightning.__file__).parent
-#: registered names that are also ordinary words of the generic code ("a learned table"): only
+#: registered names that are also ordinary words of the generic code ("a learned table", "a fast path"): only
 #: their class names are matched, as spelled (``Learned``)
-ORDINARY_WORDS = {"learned"}
+ORDINARY_WORDS = {"learned", "path"}
 GENERIC_KERNELS = ("_common.py", "fused.py", "softmax.py", "stick_breaking.py", "resource_report.py")
 #: the backends (every sub-package), the stage pipeline and the sharded attention
 FILES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "attention" / "backends").rglob("*.py")) + [
