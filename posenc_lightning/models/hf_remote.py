@@ -79,7 +79,10 @@ def modeling_source(encoding: str, base_model: type, model_type: str) -> str:
     return Template((TEMPLATES / "model.py.tmpl").read_text()).substitute(
         title=f"{encoding} on {base_model.__name__}: remote code written by posenc-lightning.",
         base_module=module, base_config=config_cls.__name__, base_model=base_model.__name__,
-        attention=f"posenc_{family.template}", family=encoding, encoding=body, model_type=model_type)
+        attention=f"posenc_{family.template}", family=encoding, encoding=body, model_type=model_type,
+        # the imports the family's formula uses, no others
+        stdlib="import math\n\n" if "math." in body else "",
+        functional="import torch.nn.functional as F\n" if "F." in body else "")
 
 
 def _family(encoding: str) -> Family:
