@@ -99,3 +99,84 @@ def add_parsers(sub: Any) -> None:
     e.add_argument("out", metavar="OUT", help="the directory to write (new or empty)")
     e.add_argument("--format", default="hf", choices=FORMATS)
     e.set_defaults(fn=cmd_export)
+    add_check_parser(sub)
+
+
+ENGINES = ("transformers", "vllm", "sglang", "llama.cpp")
+
+
+def check_serving(path: str, trained: str | None = None, engines: tuple[str, ...] = ENGINES,
+                  versions: dict[str, str] | None = None, compare: bool = True) -> tuple[list[str], bool]:
+    """The report of ``posenc check-serving`` (lines) and whether anything diverges.
+
+    Args:
+        path: the exported directory.
+        trained: the trained model to compare with (`load_trained`'s sources); default: posenc's
+            reading of the directory (`posenc_lightning.models.serving.reference_model`).
+        engines: the engines to check.
+        versions: engine -> version, over the pinned ones.
+        compare: run transformers on the directory and compare numerically.
+    """
+    from posenc_lightning.models.serving import (
+        TOLERANCE,
+        check_rules,
+        compare_transformers,
+        export_facts,
+        reference_model,
+    )
+    from posenc_lightning.models.serving_rules import PINNED, READS
+
+    facts = export_facts(path)
+    at = {**PINNED, **(versions or {})}
+    head = (f"{path}: {facts['format']} export, model_type {facts['model_type']}, encoding "
+            f"{facts['encoding'] or '-'}, rope_type {facts['rope_type']}, max_position_embeddings "
+            f"{facts['max_position_embeddings']}")
+    lines = [head]
+    findings = [f for f in check_rules(facts, versions) if f.engine in engines]
+    diverges = bool(findings)
+    for engine in engines:
+        mine = [f for f in findings if f.engine == engine]
+        lines.append(f"{engine} {at[engine]}: reads {READS[engine]}")
+        for f in mine:
+            tag = "REFUSES" if f.refuses else "DIVERGES"
+            lines.append(f"  {tag} [{f.what}] {f.computes}\n    override: {f.override}\n    source: {f.source}")
+        if engine == "transformers" and compare:
+            reference = load_trained(trained) if trained else reference_model(path)
+            err = compare_transformers(path, reference)
+            bad = max(err.values()) > TOLERANCE
+            diverges |= bad
+            lines.append(f"  {'DIVERGES' if bad else 'equal'} [measured] max |logits - trained|: full forward "
+                         f"{err['full']:.2e}, KV-cached decoding {err['cached']:.2e} (tolerance {TOLERANCE:g})")
+        elif not mine:
+            lines.append("  no known divergence")
+    return lines, diverges
+
+
+def cmd_check_serving(args: argparse.Namespace) -> int:
+    versions = {}
+    for item in args.version or []:
+        engine, eq, version = item.partition("=")
+        if not eq or engine not in ENGINES:
+            print(f"posenc check-serving: error: --version {item!r}: give ENGINE=VERSION, ENGINE one of {', '.join(ENGINES)}")
+            return 2
+        versions[engine] = version
+    if not (Path(args.dir) / "config.json").is_file():
+        print(f"posenc check-serving: error: DIR: {args.dir} has no config.json; give a directory posenc export wrote")
+        return 2
+    lines, diverges = check_serving(args.dir, args.trained, tuple(args.engines), versions, not args.no_compare)
+    print("\n".join(lines))
+    return 1 if diverges else 0
+
+
+def add_check_parser(sub: Any) -> None:
+    c = sub.add_parser("check-serving", help="what transformers, vLLM, SGLang and llama.cpp compute from an export",
+                       description="Applies the table of known engine divergences (posenc_lightning.models."
+                                   "serving_rules) at pinned versions and compares transformers numerically with "
+                                   "the trained model. Exits 1 on a divergence.")
+    c.add_argument("dir", metavar="DIR", help="a directory posenc export wrote")
+    c.add_argument("--trained", default=None, help="the trained model (.ckpt or run directory); default: posenc's "
+                                                   "reading of DIR")
+    c.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    c.add_argument("--version", action="append", metavar="ENGINE=VERSION", help="check an engine at another version")
+    c.add_argument("--no-compare", action="store_true", help="rules only: do not load DIR with transformers")
+    c.set_defaults(fn=cmd_check_serving)
