@@ -75,8 +75,11 @@ def export_facts(path: str) -> dict[str, Any]:
         hf = _yarn_mscale(factor, float(rope["mscale"])) / _yarn_mscale(factor, float(rope["mscale_all_dim"]))
     else:
         hf = default
+    # vLLM's get_rope reads attn_factor, a multiplier of its own 0.1 ln(s) + 1: the whole dict with it
+    vllm_rope = {k: v for k, v in rope.items() if v is not None and k not in ("mscale", "mscale_all_dim",
+                                                                             "attention_factor")}
     facts.update(yarn_default=default, hf_attention=hf, attention_differs=abs(hf - default) > 1e-6,
-                 attn_ratio=hf / default)
+                 attn_ratio=hf / default, vllm_rope=json.dumps({**vllm_rope, "attn_factor": round(hf / default, 6)}))
     return facts
 
 

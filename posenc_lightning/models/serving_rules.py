@@ -63,13 +63,13 @@ RULES: tuple[Rule, ...] = (
          "attention factor",
          "cos/sin multiplier 0.1 ln(s) + 1 = {yarn_default:.4f}, ignoring mscale/mscale_all_dim "
          "(transformers: {hf_attention:.4f})",
-         "--hf-overrides '{{\"rope_parameters\": {{\"attn_factor\": {attn_ratio:.6g}}}}}'",
+         "--hf-overrides '{{\"rope_parameters\": {vllm_rope}}}'",
          "vllm-project/vllm#48621, fixed by #56446"),
     Rule("vllm", None, "0.26.0", (("rope_type", YARN), ("fields", ("attention_factor",)), ("attention_differs", (True,))),
          "attention factor",
          "drops attention_factor (get_rope reads attn_factor only): multiplier {yarn_default:.4f} "
          "(transformers: {hf_attention:.4f})",
-         "--hf-overrides '{{\"rope_parameters\": {{\"attn_factor\": {attn_ratio:.6g}}}}}'",
+         "--hf-overrides '{{\"rope_parameters\": {vllm_rope}}}'",
          "vllm-project/vllm#46280, #48351"),
     Rule("vllm", None, "0.26.0", (("rope_type", ("linear", "dynamic", "deepseek_yarn")), ("extended", (True,))),
          "length limit",
