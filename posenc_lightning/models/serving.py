@@ -65,7 +65,7 @@ def export_facts(path: str) -> dict[str, Any]:
         "rope_type": rope_type, "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
         "fields": frozenset(k for k, v in rope.items() if v is not None), "factor": factor, "original": original,
         "max_position_embeddings": max_pos, "extended": factor > 1 and max_pos >= factor * original > original,
-        "vllm_twice": int(max_pos * factor)}
+        "vllm_twice": int(max_pos * factor), "gguf_arch": str(cfg.get("model_type", "")).removeprefix("posenc_")}
     # YaRN's attention factor as transformers computes it (_compute_yarn_parameters) and as vLLM and
     # llama.cpp do (0.1 ln(s) + 1 times their own multiplier, attn_factor / --yarn-attn-factor)
     default = _yarn_mscale(factor)

@@ -8,7 +8,9 @@ key. Messages and overrides are ``str.format`` templates over the facts. Each ru
 (an issue or pull request); versions are ``[since, before)``, None for open.
 
 Engines and the versions pinned by default (`PINNED`): transformers (installed here, also compared
-numerically), vLLM, SGLang and llama.cpp (from their documented config handling: not run here).
+numerically), vLLM, SGLang (from their documented config handling and the issues named: not run here)
+and llama.cpp, versioned as the copy llama-cpp-python vendors (0.3.36: its ``conversion/base.py``,
+``src/llama-model.cpp`` and ``src/llama-context.cpp`` read for these rules; not built or run here).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: the version each engine is checked at unless the caller names another
-PINNED: dict[str, str] = {"transformers": "5.25.0", "vllm": "0.25.0", "sglang": "0.5.0", "llama.cpp": "b6000"}
+PINNED: dict[str, str] = {"transformers": "5.25.0", "vllm": "0.25.0", "sglang": "0.5.0", "llama.cpp": "0.3.36"}
 
 #: what each engine reads from the directory (the guide's table; `posenc check-serving` prints it)
 READS: dict[str, str] = {
@@ -26,7 +28,8 @@ READS: dict[str, str] = {
             "with vLLM's attention",
     "sglang": "config.json through its own model classes; --model-impl transformers as vLLM's",
     "llama.cpp": "GGUF keys written by convert_hf_to_gguf.py: rope.freq_base, rope.scaling.type "
-                 "(none, linear, yarn, longrope), rope.scaling.factor, rope.scaling.original_context_length",
+                 "(none, linear, yarn, longrope), rope.scaling.factor, rope.scaling.original_context_length, "
+                 "rope.scaling.attn_factor, context_length",
 }
 
 
@@ -112,22 +115,24 @@ RULES: tuple[Rule, ...] = (
     Rule("sglang", None, None, (("format", ("remote-code",)),), "architecture",
          "no native class for model_type {model_type}: refused unless --model-impl transformers, which "
          "drops the encoding (above)", "serve with transformers", "SGLang supported-models docs", refuses=True),
-    # ---- llama.cpp ----
+    # ---- llama.cpp (as vendored by llama-cpp-python 0.3.36) ----
     Rule("llama.cpp", None, None, (("rope_type", YARN), ("attention_differs", (True,))), "attention factor",
-         "mscale = yarn_attn_factor (1 + 0.1 ln s) = {yarn_default:.4f} (transformers: {hf_attention:.4f}); "
-         "the LLaMA converter writes no attention factor",
-         "--yarn-attn-factor {attn_ratio:.6g}", "llama.cpp ggml rope_yarn; convert_hf_to_gguf.py"),
+         "mscale = (1 + 0.1 ln s) x rope.scaling.attn_factor = {yarn_default:.4f} (transformers: "
+         "{hf_attention:.4f}): the converter writes attention_factor as rope.scaling.yarn_attn_factor, which the "
+         "LLaMA loader does not read, and leaves mscale_all_dim out; --yarn-attn-factor is overwritten for YaRN",
+         "--override-kv {gguf_arch}.rope.scaling.attn_factor=float:{attn_ratio:.6g}",
+         "llama.cpp conversion/base.py, src/llama-context.cpp (llama_context constructor)"),
     Rule("llama.cpp", None, None, (("rope_type", ("dynamic",)),), "rope law",
-         "no dynamic NTK rope type in GGUF: converted as plain rope (theta {rope_theta:g})",
-         "export a static law (ntk, yarn) for GGUF", "llama.cpp llama_rope_scaling_type"),
+         "the converter writes no scaling type for dynamic (HunYuan only): plain rope (theta {rope_theta:g})",
+         "export a static law (ntk, yarn) for GGUF", "llama.cpp conversion/base.py"),
     Rule("llama.cpp", None, None, (("rope_type", ("longrope",)),), "rope law",
-         "chooses long/short factors from the context size (-c), not the sequence; keys cached before a "
-         "switch keep the other factors",
+         "chooses long/short factors from the context size (-c > original), not the sequence: short requests "
+         "under a long -c get the long factors",
          "-c {original} for short-context serving, or export with short_factor = long_factor",
-         "ggml-org/llama.cpp#24875"),
+         "llama.cpp src/llama-model.cpp (get_rope_factors); ggml-org/llama.cpp#24875"),
     Rule("llama.cpp", None, None, (("format", ("remote-code", "posenc")),), "score-level encoding",
-         "convert_hf_to_gguf.py knows no {encoding} term: a remote-code model_type is refused; a posenc side "
-         "file is silently left out", "serve with transformers", "convert_hf_to_gguf.py", refuses=True),
+         "the converter knows no {encoding} term: a remote-code architecture is refused; a posenc side file "
+         "is silently left out", "serve with transformers", "llama.cpp convert_hf_to_gguf.py", refuses=True),
     # ---- transformers ----
     Rule("transformers", None, None, (("rope_type", ("dynamic",)),), "rope law",
          "dynamic NTK caches rotated keys: decoding past the original length keeps the prefix's keys at "
@@ -145,7 +150,7 @@ RULES: tuple[Rule, ...] = (
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
-    """``"0.25.0"`` -> ``(0, 25, 0)``; llama.cpp's ``"b6000"`` -> ``(6000,)``."""
+    """``"0.25.0"`` -> ``(0, 25, 0)``; a build tag ``"b6000"`` -> ``(6000,)``."""
     parts = [p for p in version.lstrip("bv").replace("-", ".").split(".") if p.isdigit()]
     return tuple(int(p) for p in parts)
 
