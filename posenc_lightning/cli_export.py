@@ -149,7 +149,26 @@ def check_serving(path: str, trained: str | None = None, engines: tuple[str, ...
                          f"{err['full']:.2e}, KV-cached decoding {err['cached']:.2e} (tolerance {TOLERANCE:g})")
         elif not mine:
             lines.append("  no known divergence")
+        if engine == "llama.cpp":  # a field GGUF cannot carry diverges too
+            more, cannot = gguf_lines(path, facts)
+            lines += more
+            diverges |= cannot
     return lines, diverges
+
+
+def gguf_lines(path: str, facts: dict[str, Any]) -> tuple[list[str], bool]:
+    """The GGUF pre-conversion check's lines (`posenc_lightning.models.gguf_check`) and whether a
+    field cannot be expressed."""
+    import json
+
+    from posenc_lightning.models.gguf_check import gguf_precheck
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    checks = gguf_precheck(facts, dict(cfg.get("rope_parameters") or {}))
+    lines = ["  gguf pre-conversion check (LLaMA loader):"]
+    for c in checks:
+        lines.append(f"    {c.field}={c.value!r}: " + (f"-> {c.key} ({c.reason})" if c.key else f"CANNOT ({c.reason})"))
+    return lines, any(c.key is None for c in checks)
 
 
 def cmd_check_serving(args: argparse.Namespace) -> int:

@@ -155,3 +155,29 @@ def test_every_rule_formats_and_names_its_override_and_source(exports):
         rule.computes.format(**facts), rule.override.format(**facts)  # no fact a rule names is missing
     assert in_range("0.25.0", None, "0.26.0") and not in_range("0.26.0", None, "0.26.0")
     assert in_range("0.11.0", "0.7.0", "0.12.0") and not in_range("0.3.35", "0.3.36", None)
+
+
+def _gguf(path: str) -> dict[str, object]:
+    from posenc_lightning.models.gguf_check import gguf_precheck
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return {c.field: c.key for c in gguf_precheck(export_facts(path), cfg.get("rope_parameters") or {})}
+
+
+def test_gguf_precheck_maps_each_rope_field_or_says_why_not(exports):
+    clean = _gguf(exports["yarn"][0])
+    assert clean["factor"] == "llama.rope.scaling.factor" and None not in clean.values()
+    assert clean["original_max_position_embeddings"] == "llama.rope.scaling.original_context_length"
+    msc = _gguf(exports["yarn_mscale"][0])
+    assert msc["mscale_all_dim"] is None and msc["mscale"] is None  # the LLaMA loader reads neither
+    assert _gguf(exports["dynamic"][0])["rope_type"] is None
+    assert _gguf(exports["alibi"][0])["encoding"] is None
+
+
+def test_gguf_precheck_refuses_a_beta_llama_cpp_cannot_read(exports, tmp_path):
+    cfg = json.loads((Path(exports["yarn"][0]) / "config.json").read_text())
+    cfg["rope_parameters"]["beta_fast"] = 16.0  # llama.cpp's LLaMA loader keeps its 32
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert _gguf(str(tmp_path))["beta_fast"] is None
+    code, out = run_posenc("check-serving", str(tmp_path), "--no-compare", "--engines", "llama.cpp")
+    assert code == 1 and "beta_fast=16.0: CANNOT" in out
