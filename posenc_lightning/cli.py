@@ -7,6 +7,9 @@
   (``--devices N``, ``--context-parallel K``).
 - ``posenc report RUN_DIR``: summarize a run directory (report.md, report.json, a perplexity-by-length
   plot).
+- ``posenc export RUN_OR_CHECKPOINT OUT --format hf|remote-code``: write a trained Hugging Face model
+  for serving; ``posenc check-serving DIR``: what each serving engine computes from it
+  (`posenc_lightning.cli_export`).
 """
 
 from __future__ import annotations
@@ -125,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None, help="output directory (default: RUN_DIR/report)")
     rep.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     rep.set_defaults(fn=_cmd_report)
+    from posenc_lightning.cli_export import add_parsers
+
+    add_parsers(sub)
     return p
 
 
