@@ -26,30 +26,14 @@ if str(ROOT) not in sys.path:
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from benchmarks.bench_triton import cuda_median_ms
-from posenc_lightning import PosEncAttentionMixin, PosEncEmbeddingMixin
+from benchmarks.perf_layers import Layer
 
 #: the issue's bars: fused kernels within this factor of flash SDPA without an encoding, at these
 #: lengths, for these encodings; FIRE's overhead vs nope is compared with the seed guide's share
 FUSED_BAR, BAR_LENGTHS, BAR_ENCODINGS, SEED_FIRE_SHARE = 1.2, (4096, 16384), ("rope", "alibi", "fire", "fox", "sba"), 0.041
-
-
-class _Layer(nn.Module, PosEncAttentionMixin, PosEncEmbeddingMixin):
-    """Attention on given q, k, v; an embedding encoding's vector of ``hidden`` is added to q."""
-
-    def __init__(self, n_heads: int, head_dim: int, max_seq_len: int) -> None:
-        super().__init__()
-        self.n_heads, self.head_dim, self.d_model = n_heads, head_dim, n_heads * head_dim
-        self.max_seq_len = max_seq_len
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor) -> Tensor:
-        enc = self.encoding
-        if enc is not None and "embed" in enc.stages:
-            b, n, _ = hidden.shape
-            q = q + self.embed_positions(hidden).view(b, n, self.n_heads, self.head_dim).transpose(1, 2).to(q.dtype)
-        return self.attend(q, k, v, hidden=hidden)
 
 
 def _fwd_bwd(fn: Callable[[], Tensor]) -> Callable[[], None]:
@@ -88,7 +72,7 @@ def cases(names: list[str], backends: list[str], a: argparse.Namespace, n: int, 
     for name in names:
         for backend in backends:
             torch.manual_seed(0)
-            layer = _Layer(a.heads, a.head_dim, n)
+            layer = Layer(a.heads, a.head_dim, n)
             inject(layer, name)  # checked on the module's device: CPU, as the layer has no parameters
             layer.to(dev, dt)
             layer.posenc_backend = backend
