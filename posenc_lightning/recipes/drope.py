@@ -92,8 +92,8 @@ def check_expectations(ppl: Mapping[str, Mapping[int, float]], L: int, bigram_pp
     d_beyond = _beyond(drope, L)
     measured = {
         "drop_hurts": (drop[L] > rope_L, f"at L: drope zero-shot {drop[L]:.3f} vs rope {rope_L:.3f}"),
-        "recal_recovers": (drope[L] <= 1.05 * rope_L, f"at L: drope {drope[L]:.3f} vs rope {rope_L:.3f} "
-                                                      f"({100 * (drope[L] / rope_L - 1):+.1f}%)"),
+        "recal_recovers": (drope[L] <= 1.05 * rope_L, (f"at L: drope {drope[L]:.3f} vs rope {rope_L:.3f} "
+                                                       f"({100 * (drope[L] / rope_L - 1):+.1f}%)")),
         "beats_scaling": (bool(scaling) and all(d_beyond < v for v in scaling.values()),
                           f"beyond L (geometric mean): drope {d_beyond:.3f}; "
                           + ", ".join(f"{k} {v:.3f}" for k, v in scaling.items())),
