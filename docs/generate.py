@@ -257,6 +257,9 @@ BENCHMARKS = [
     ("LongRoPE search (longrope_extend)", r"longrope_extend/results\.md",
      "PI, YaRN and searched LongRoPE factors at 8x the pre-training length."),
     ("CLEX (clex_train)", r"clex_train/results\.md", "CLEX trained with its curriculum, perplexity by length."),
+    ("DroPE against RoPE scaling (drope_extend)", r"drope_extend/results\.md",
+     ("RoPE pre-trained at L; RoPE dropped and recalibrated (DroPE) against PI, YaRN and NTK zero-shot and "
+      "fine-tuned with the same steps, perplexity at 1-16 L.")),
     ("A Hugging Face Llama extended with YaRN (hf_yarn_extend)", r"hf_yarn_extend/results\.md",
      "The offline Hugging Face flow: pre-train, extend 8x, fine-tune, export."),
 ]

@@ -70,7 +70,8 @@ def test_config_and_keywords_are_one_set_of_arguments():
 
 @pytest.mark.parametrize("name,encoding,cfg", [
     ("fire_train", "fire", {}), ("clex_train", "clex", {"max_scale": 4.0, "original_max_position_embeddings": 64}),
-    ("yarn_extend", "rope", {"theta": 10000.0}), ("longrope_extend", "rope", {"theta": 10000.0})])
+    ("yarn_extend", "rope", {"theta": 10000.0}), ("longrope_extend", "rope", {"theta": 10000.0}),
+    ("drope_extend", "rope", {"theta": 10000.0})])
 def test_every_training_config_injects_through_posenc_callback(name, encoding, cfg, tmp_path):
     raw = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
     assert raw["model"]["encoding"] is None  # the callback is the one route

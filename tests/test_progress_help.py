@@ -65,14 +65,16 @@ def test_recipes_show_a_progress_bar_by_default(tmp_path):
     assert isinstance(make_cli(SweepOptions, args).trainer.progress_bar_callback, StepRichProgressBar)
     cli = make_cli(SweepOptions, [*args, "--trainer.enable_progress_bar=false"])
     assert cli.trainer.progress_bar_callback is None
-    for name in ("fire_train", "clex_train", "yarn_extend", "longrope_extend", "compare_encodings", "compare_tasks"):
+    for name in ("fire_train", "clex_train", "yarn_extend", "longrope_extend", "compare_encodings", "compare_tasks",
+                 "drope_extend"):
         assert "enable_progress_bar" not in (ROOT / "configs" / f"{name}.yaml").read_text()
 
 
 def test_posenc_run_help_lists_every_recipe_and_list_has_no_internal_notes():
     code, text = _posenc("run", "--help")
     assert code == 0
-    for name in ("clex_train", "compare_encodings", "compare_tasks", "fire_train", "longrope_extend", "yarn_extend"):
+    for name in ("clex_train", "compare_encodings", "compare_tasks", "drope_extend", "fire_train", "longrope_extend",
+                 "yarn_extend"):
         assert name in text
     code, text = _posenc("list")
     assert code == 0 and "seed 004" not in text and "sec. 5" not in text
@@ -81,7 +83,7 @@ def test_posenc_run_help_lists_every_recipe_and_list_has_no_internal_notes():
 
 
 @pytest.mark.parametrize("name", ["fire_train", "clex_train", "yarn_extend", "longrope_extend", "compare_encodings",
-                                  "compare_tasks"])
+                                  "compare_tasks", "drope_extend"])
 def test_recipe_help_describes_the_recipe(name):
     sys.path.insert(0, str(ROOT / "recipes"))
     try:
