@@ -32,7 +32,7 @@ def clex_solve(z0: Tensor, w_up: Tensor, w_down: Tensor, t: float, step: float, 
     host in float64, returned in z0's device and dtype."""
     with torch.no_grad():
         z = clex_log_freq(*_host(z0, w_up, w_down), t, step, base)
-    return z.to(device=z0.device, dtype=z0.dtype)
+    return z.to(device=z0.device, dtype=z0.dtype, copy=True)  # never an alias of z0
 
 
 @clex_solve.register_fake
@@ -55,7 +55,7 @@ def clex_solve_backward(grad: Tensor, z0: Tensor, w_up: Tensor, w_down: Tensor, 
     # thread-local: autograd through the RK4 steps runs in a worker thread, which starts without it
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         grads = pool.submit(backprop).result()
-    return tuple(g.to(device=x.device, dtype=x.dtype) for g, x in zip(grads, (z0, w_up, w_down)))
+    return tuple(g.to(device=x.device, dtype=x.dtype, copy=True) for g, x in zip(grads, (z0, w_up, w_down)))
 
 
 @clex_solve_backward.register_fake

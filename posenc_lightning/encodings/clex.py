@@ -33,7 +33,7 @@ from posenc_lightning.encodings.registry import register
 from posenc_lightning.encodings.rope import RotaryEncoding
 from posenc_lightning.functional.clex import clex_log_freq, clex_ntk_log_freq, clex_rhs, rk4
 from posenc_lightning.functional.mode import Mode
-from posenc_lightning.functional.rope import rope_angles
+from posenc_lightning.functional.rope import rope_angles, rotate_qk
 
 __all__ = ["CLEX", "clex_ntk_log_freq", "rk4"]
 
@@ -107,7 +107,7 @@ class CLEX(RotaryEncoding):
 
     def _solve_key(self, seq_len: int | None, device: torch.device) -> tuple:
         """What the solve depends on; Python values only (reading it dispatches no operator)."""
-        dtype = torch.promote_types(self.ode_up.dtype, torch.float32)
+        dtype = torch.float64 if self.ode_up.dtype == torch.float64 else torch.float32  # (no dispatch)
         versions = tuple((p.data_ptr(), p._version) for p in (self.ode_up, self.ode_down))
         return (self.scale_for(seq_len), self.ode_step, device, dtype, versions)
 
@@ -164,23 +164,34 @@ class CLEX(RotaryEncoding):
         return ("clex",) + self._solve_key(seq_len, self.ode_up.device)
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
-        """As rope's while the ODE does not train; training, q and k are rotated by
-        `autograd.clex.LearnedRotaryPair` with the shared solve (the tables of a call at known
-        ``start + arange`` positions cached with it) so the frequencies get their gradient."""
-        if not self._ode_trains() or ctx.mode.compiling or ctx.q_pos.is_floating_point():
+        """While the ODE trains, q and k are rotated by `autograd.clex.LearnedRotaryPair` with the
+        shared solve, so the frequencies get their gradient; the tables of a call at known
+        ``start + arange`` positions are kept with the solve, and the rotation that backward
+        recomputes (`attention.recompute`, without grad) reuses them. Otherwise as rope's."""
+        if ctx.mode.compiling or ctx.q_pos.is_floating_point():
             return super().rotate(q, k, ctx)
-        inv_freq = self.solved_inv_freq(ctx.seq_len, q.device)
+        trains = self._ode_trains()
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         key = None
         if ctx.q_start is not None and ctx.k_start is not None:
-            key = (self._solve_cache["key"], dtype, ctx.q_start, ctx.k_start, tuple(ctx.q_pos.shape),
+            key = (self._solve_key(ctx.seq_len, q.device), dtype, ctx.q_start, ctx.k_start, tuple(ctx.q_pos.shape),
                    tuple(ctx.k_pos.shape), ctx.k_pos is ctx.q_pos)
         tables = self._learned_tables.get(key) if key is not None else None
+        if not trains:
+            if tables is None:  # inference: rope's tables, sliced per call
+                return super().rotate(q, k, ctx)
+            return rotate_qk(q, k, *tables, self.layout)
+        inv_freq = self.solved_inv_freq(ctx.seq_len, q.device)
         if tables is None:
             with torch.no_grad():
                 aq = rope_angles(ctx.q_pos, inv_freq)
-                ak = aq if ctx.k_pos is ctx.q_pos else rope_angles(ctx.k_pos, inv_freq)
-                tables = tuple(t[:, None].to(dtype) for t in (aq.cos(), aq.sin(), ak.cos(), ak.sin()))
+                cq, sq = aq.cos()[:, None].to(dtype), aq.sin()[:, None].to(dtype)
+                if ctx.k_pos is ctx.q_pos:
+                    ck, sk = cq, sq
+                else:
+                    ak = rope_angles(ctx.k_pos, inv_freq)
+                    ck, sk = ak.cos()[:, None].to(dtype), ak.sin()[:, None].to(dtype)
+                tables = (cq, sq, ck, sk)
             if key is not None:
                 self._learned_tables = {key: tables}  # the tables of the current solve only
         return LearnedRotaryPair.apply(q, k, inv_freq, *tables, ctx.q_pos, ctx.k_pos, self.layout == "interleaved")
