@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.threads import dispatched_ops
-from posenc_lightning.autograd.clex import clex_solve
 from posenc_lightning.encodings.base import AttentionContext
+from posenc_lightning.encodings.clex_ode import clex_solve
 from posenc_lightning.encodings.registry import build_encoding
 from posenc_lightning.functional.clex import clex_log_freq
 from posenc_lightning.functional.rope import apply_rotary_reference

@@ -16,7 +16,7 @@ L (``dynamic``: keys are cached un-rotated). The context curriculum samples ``t`
 The solve is cached (issue 49): one per scale, device and dtype, kept across calls and steps until
 the ODE's parameters change (their storage or ``_version``: an optimizer step) or, when it carries
 a graph, until a backward has gone through that graph. So within a training step every layer and
-call shares one solve, whose graph the backward goes through once (`autograd.clex`).
+call shares one solve, whose graph the backward goes through once (`encodings.clex_ode`, `autograd.rotary_learned`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from posenc_lightning.autograd.clex import LearnedRotaryPair, clex_solve
+from posenc_lightning.autograd.rotary_learned import LearnedRotaryPair
 from posenc_lightning.encodings.base import AttentionContext
+from posenc_lightning.encodings.clex_ode import clex_solve
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.encodings.rope import RotaryEncoding
 from posenc_lightning.functional.clex import clex_log_freq, clex_ntk_log_freq, clex_rhs, rk4
@@ -164,7 +165,7 @@ class CLEX(RotaryEncoding):
         return ("clex",) + self._solve_key(seq_len, self.ode_up.device)
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
-        """While the ODE trains, q and k are rotated by `autograd.clex.LearnedRotaryPair` with the
+        """While the ODE trains, q and k are rotated by `autograd.rotary_learned.LearnedRotaryPair` with the
         shared solve, so the frequencies get their gradient; the tables of a call at known
         ``start + arange`` positions are kept with the solve, and the rotation that backward
         recomputes (`attention.recompute`, without grad) reuses them. Otherwise as rope's."""
