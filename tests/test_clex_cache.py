@@ -72,9 +72,9 @@ def test_the_solve_operator_is_rk4_of_the_ode_forward_and_backward(t):
     assert (t == 1.0) == all(not bool(x.abs().max()) for x in d_got[1:])  # t = 1: no step, zero gradient
 
 
-def _clex(dtype=torch.float64):
+def _clex(dtype=torch.float64, **cfg):
     torch.manual_seed(0)
-    enc = build_encoding("clex", original_max_position_embeddings=L, max_scale=8.0)
+    enc = build_encoding("clex", original_max_position_embeddings=L, max_scale=8.0, **cfg)
     enc = enc.bind(n_heads=H, head_dim=D, d_model=H * D).to(dtype)
     with torch.no_grad():  # W_down starts at zero (an untrained CLEX is NTK): give the ODE a slope
         enc.ode_down.normal_(0, 0.05)
@@ -89,12 +89,14 @@ def _calls(n, g):
     return [(shuffled, shuffled[:, : n - 3], None, None), (arange, arange, 0, 0)]
 
 
-def test_shared_cached_solve_equals_the_plain_per_call_solve_across_two_optimizer_steps():
+@pytest.mark.parametrize("cfg", [{}, {"layout": "interleaved", "partial_rotary_factor": 0.5}])
+@pytest.mark.parametrize("kv_heads", [H, 1])
+def test_shared_cached_solve_equals_the_plain_per_call_solve_across_two_optimizer_steps(cfg, kv_heads):
     """Each step: two rotate calls at a length (scale > 1, not a multiple of the RK4 step), the
     loss backward, SGD on the ODE's parameters; the cached encoding and a plain copy (per-call
     solve from the formula) agree on outputs, dq, dk and the ODE's gradients; a stale solve or a
     graph reused after its backward would fail the second step."""
-    enc = _clex()
+    enc = _clex(**cfg)
     up, down = (p.detach().clone().requires_grad_() for p in (enc.ode_up, enc.ode_down))
     z0 = torch.log(enc.base_inv_freq()).double()
     g = torch.Generator().manual_seed(1)
@@ -104,7 +106,7 @@ def test_shared_cached_solve_equals_the_plain_per_call_solve_across_two_optimize
         dq_pairs = []
         for q_pos, k_pos, qs, ks in _calls(n, g):
             q = torch.randn(1, H, q_pos.shape[1], D, dtype=torch.float64, generator=g, requires_grad=True)
-            k = torch.randn(1, H, k_pos.shape[1], D, dtype=torch.float64, generator=g, requires_grad=True)
+            k = torch.randn(1, kv_heads, k_pos.shape[1], D, dtype=torch.float64, generator=g, requires_grad=True)
             ctx = AttentionContext(q_pos, k_pos, True, q_start=qs, k_start=ks, context_len=n)
             got = enc.rotate(q, k, ctx)
             solves.append(id(enc._solve_cache))
@@ -112,7 +114,7 @@ def test_shared_cached_solve_equals_the_plain_per_call_solve_across_two_optimize
             want = []
             for x, pos in ((q, q_pos), (k, k_pos)):
                 ang = pos[..., None].double() * f
-                want.append(apply_rotary_reference(x, ang.cos(), ang.sin(), "half"))
+                want.append(apply_rotary_reference(x, ang.cos(), ang.sin(), enc.layout))
             torch.testing.assert_close(got, tuple(want), rtol=1e-12, atol=1e-12)
             wq, wk = torch.randn_like(got[0]), torch.randn_like(got[1])
             loss_got = loss_got + (got[0] * wq).sum() + (got[1] * wk).sum()
