@@ -193,3 +193,26 @@ def test_a_training_step_dispatches_as_many_operators_at_n_4096_as_at_512_and_at
         counts[n] = sum(ops.values())
         assert ops["posenc::clex_solve"] == 1 and ops["posenc::clex_solve_backward"] == 1, ops
     assert counts[512] == counts[4096] <= rope + EXTRA, (counts, rope)
+
+
+def test_the_calls_of_a_step_share_one_solve_and_one_backward_through_it():
+    """Three attention calls (three layers' worth) then one backward: one solve, one solve backward;
+    the next step (parameters updated) solves once again."""
+    torch.manual_seed(0)
+    m = Attn(n_heads=H, head_dim=D)
+    inject(m, "clex", original_max_position_embeddings=64)
+    x = torch.randn(1, 200, 3 * H * D, requires_grad=True)  # scale 200 / 64: 22 RK4 steps
+
+    def fwd_bwd():
+        q, k, v = x.view(1, 200, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+        out = m(q, k, v)
+        out = m(out, k, v)
+        m(out, k, out).sum().backward()
+
+    for _ in range(2):
+        ops = dispatched_ops(fwd_bwd)
+        assert ops["posenc::clex_solve"] == 1 and ops["posenc::clex_solve_backward"] == 1, ops
+        down = m.encoding.ode_down  # (W_down starts at zero, so W_up's first gradient is zero)
+        assert down.grad.abs().max() > 0
+        with torch.no_grad():
+            down.sub_(1e-3 * down.grad)

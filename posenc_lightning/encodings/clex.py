@@ -122,6 +122,9 @@ class CLEX(RotaryEncoding):
 
         Returns:
             ``[R/2]`` inverse frequencies, with the solve's graph when the ODE trains.
+
+        Two forwards that share a solve need one backward of both losses (or ``retain_graph``):
+        the first backward through the solve frees its graph, as for any shared computation.
         """
         device = device or self.ode_up.device
         key = self._solve_key(seq_len, device)
