@@ -33,8 +33,8 @@ SDPA_ROTARY = {
     "multiscale_rope": {}, "xpos": {}, "rope_2d": {},
 }
 #: left out of the +8 bound, and why:
-#: - clex: its frequencies come out of a learned ODE and carry a gradient, so its rotation is the
-#:   plain autograd formula (the ODE's own cost is a separate issue);
+#: - clex: its frequencies come out of a learned ODE and carry a gradient: one shared solve per
+#:   step and the frequencies' gradient are bounded at rope + 20 in tests/test_clex_cache.py;
 #: - exposb: its stage 4 replaces softmax, so it runs on the blockwise backend, not SDPA;
 #: - liere, comrope: the learned generators' eigen-decomposition and its gradient are ~110
 #:   operators per call on ``[D, D]`` parameters whatever N is; bounded separately below.
