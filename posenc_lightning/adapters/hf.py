@@ -109,10 +109,11 @@ def rotary_module(hf: nn.Module) -> nn.Module | None:
     return getattr(hf.base_model, "rotary_emb", None)
 
 
-def model_defaults(hf: nn.Module) -> dict[str, Any]:
+def model_defaults(hf: nn.Module, layered: bool = False) -> dict[str, Any]:
     """Encoding arguments the model implies, used when the user gave none: its RoPE base (left out
     where the base is per layer type: each layer type then gets its own) and layout, partial rotary
-    fraction, and its training length as the original length of a scaling law."""
+    fraction, and its training length as the original length of a scaling law (``layered``: for a
+    per-layer schedule, `describe`)."""
     cfg = hf.config
     out: dict[str, Any] = {}
     p = rope_parameters(cfg) or {}
@@ -120,7 +121,7 @@ def model_defaults(hf: nn.Module) -> dict[str, Any]:
         out["theta"] = float(p["rope_theta"])
     if p.get("partial_rotary_factor") is not None:
         out["partial_rotary_factor"] = float(p["partial_rotary_factor"])
-    info = describe(hf)
+    info = describe(hf, layered)
     if info.rotary is not None:  # the rotated channels as probed (HF rounds head_dim * factor down)
         out["layout"] = info.rotary.layout
         head_dim = head_dim_of(info.layers[0], cfg)
@@ -209,10 +210,14 @@ def restore(hf: nn.Module) -> None:
     for owner, name, value in orig.get("buffers", []):
         with torch.no_grad():
             getattr(owner, name).copy_(value)
+    for m, name, value in orig.get("layer_attrs", []):
+        setattr(m, name, value)
     for m in attention_modules(hf):
         for h in getattr(m, "_posenc_hooks", []):
             h.remove()
         m._posenc_hooks = []
+        for name in (attn.LOCAL, "posenc_window", "posenc_chunk"):
+            m.__dict__.pop(name, None)
         if getattr(m, "posenc", None) is not None:
             del m.posenc
         m.posenc = None
