@@ -125,8 +125,14 @@ def adapt_schedule(hf: nn.Module, schedule: LayerSchedule, backend: str, share_a
         ArchitectureRefused: what the model has that the adapter cannot carry (`describe`).
         ValueError: a rule the model's layers cannot take (a stage-1 encoding, a rule out of range).
     """
-    from posenc_lightning.adapters.hf import (ORIGINALS, _neutralize_tables, head_dim_of, model_defaults,
-                                              n_heads_of, restore)
+    from posenc_lightning.adapters.hf import (
+        ORIGINALS,
+        _neutralize_tables,
+        head_dim_of,
+        model_defaults,
+        n_heads_of,
+        restore,
+    )
 
     restore(hf)
     info = describe(hf, layered=True)
