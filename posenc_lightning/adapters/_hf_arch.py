@@ -168,8 +168,9 @@ def call_kwargs(call: str) -> dict[str, str]:
 def _rope_thetas(config: Any) -> dict[str | None, float | None]:
     p = getattr(config, "rope_parameters", None) or {}
     types = getattr(config, "layer_types", None)
-    if types and all(isinstance(p.get(t), dict) for t in set(types)):
-        return {t: p[t].get("rope_theta") for t in sorted(set(types))}
+    if types and all(isinstance(p.get(t), dict) or (t in p and p[t] is None) for t in set(types)) \
+            and any(isinstance(p.get(t), dict) for t in set(types)):  # a type with None: its NoPE layers
+        return {t: p[t].get("rope_theta") for t in sorted(set(types)) if isinstance(p[t], dict)}
     return {None: p.get("rope_theta")}
 
 

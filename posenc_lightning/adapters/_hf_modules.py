@@ -58,10 +58,16 @@ class RotaryTable(nn.Module):
 class NoRotation(nn.Module):
     """Stands in for the rotary module: cos = 1, sin = 0 in the model's form (q and k pass through exactly)."""
 
-    def __init__(self, rotary_dim: int, form: str = "half") -> None:
+    #: plain attributes of the model's module that its model reads (Ergo iterates ``rope_type``'s layer types)
+    MIRRORED = ("rope_type", "layer_types")
+
+    def __init__(self, rotary_dim: int, form: str = "half", like: nn.Module | None = None) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
         self.form = form
+        for name in self.MIRRORED if like is not None else ():
+            if name in like.__dict__:
+                setattr(self, name, like.__dict__[name])
 
     def forward(self, x: Tensor, position_ids: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor] | Tensor:
         shape = (*position_ids.shape, self.rotary_dim // 2)

@@ -146,7 +146,7 @@ def adapt_schedule(hf: nn.Module, schedule: LayerSchedule, backend: str, share_a
     orig: dict[str, Any] = {"attn_implementation": cfg._attn_implementation or "sdpa", "layer_attrs": []}
     if info.rotary is not None:
         orig["rotary_emb"] = info.rotary.module
-        hf.base_model.rotary_emb = NoRotation(info.rotary.dim, info.rotary.form)
+        hf.base_model.rotary_emb = NoRotation(info.rotary.dim, info.rotary.form, info.rotary.module)
     built: dict[Any, Encoding] = {}
     placed: list[Encoding] = []
     for i, (m, spec) in enumerate(zip(layers, specs)):

@@ -287,7 +287,7 @@ def adapt(hf: nn.Module, proto: Encoding, backend: str, share_across_layers: boo
         encs.append(proto)
     else:
         if rotary is not None:
-            base.rotary_emb = NoRotation(info.rotary.dim, info.rotary.form)
+            base.rotary_emb = NoRotation(info.rotary.dim, info.rotary.form, rotary)
         if wpe is not None:
             base.wpe = EmbeddingPositions(d_model, proto if "embed" in stages else None)
         placed: set[int] = set()
