@@ -102,6 +102,15 @@ class ArchInfo:
         return "; ".join(parts) or "no positions of its own"
 
 
+def rotary_owner(hf: nn.Module) -> nn.Module:
+    """The module holding the model-level ``rotary_emb``: ``hf.base_model``, or ``hf.model`` where the
+    class's ``base_model_prefix`` names no attribute (Llama 4's text model: ``language_model``)."""
+    for owner in (hf.base_model, getattr(hf, "model", None)):
+        if isinstance(owner, nn.Module) and isinstance(getattr(owner, "rotary_emb", None), nn.Module):
+            return owner
+    return hf.base_model
+
+
 def arch_name(hf: nn.Module) -> str:
     return f"{type(hf).__name__} (model_type {getattr(hf.config, 'model_type', '?')!r})"
 
@@ -373,7 +382,7 @@ def describe(hf: nn.Module, layered: bool = False) -> ArchInfo:
                              f"index selection) to the attention function", "a model without one (e.g. 'llama')")
             fused_unsupported[kw] = f"`{kw}` passed to the attention function by {cls.__name__}"
         transforms.update({k: v for k, v in SCORE_TRANSFORMS.items() if k in kwargs})
-    rot = getattr(hf.base_model, "rotary_emb", None)
+    rot = getattr(rotary_owner(hf), "rotary_emb", None)
     rotary = probe_rotary(hf, rot) if rot is not None else None
     tables, buffers = _tables(hf, layers, rot)
     info = ArchInfo(arch_name(hf), layers, rotary, tables, buffers, transforms, fused_unsupported)

@@ -24,7 +24,7 @@ from typing import Any
 from torch import nn
 
 from posenc_lightning.adapters import _hf_attention as attn
-from posenc_lightning.adapters._hf_arch import ADAPTED, ArchInfo, describe, refuse
+from posenc_lightning.adapters._hf_arch import ADAPTED, ArchInfo, describe, refuse, rotary_owner
 from posenc_lightning.adapters._hf_modules import NoRotation
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.attention.mask import local_kinds
@@ -146,7 +146,7 @@ def adapt_schedule(hf: nn.Module, schedule: LayerSchedule, backend: str, share_a
     orig: dict[str, Any] = {"attn_implementation": cfg._attn_implementation or "sdpa", "layer_attrs": []}
     if info.rotary is not None:
         orig["rotary_emb"] = info.rotary.module
-        hf.base_model.rotary_emb = NoRotation(info.rotary.dim, info.rotary.form, info.rotary.module)
+        rotary_owner(hf).rotary_emb = NoRotation(info.rotary.dim, info.rotary.form, info.rotary.module)
     built: dict[Any, Encoding] = {}
     placed: list[Encoding] = []
     for i, (m, spec) in enumerate(zip(layers, specs)):

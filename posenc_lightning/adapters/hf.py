@@ -39,6 +39,7 @@ from posenc_lightning.adapters._hf_arch import (
     attention_modules,
     describe,
     refuse,
+    rotary_owner,
 )
 from posenc_lightning.adapters._hf_modules import EmbeddingPositions, NoRotation, RotaryTable, zero_table_forward
 from posenc_lightning.attention.backends import resolve_backend
@@ -106,7 +107,7 @@ def n_heads_of(m: nn.Module, config: Any) -> int:
 
 
 def rotary_module(hf: nn.Module) -> nn.Module | None:
-    return getattr(hf.base_model, "rotary_emb", None)
+    return getattr(rotary_owner(hf), "rotary_emb", None)
 
 
 def model_defaults(hf: nn.Module, layered: bool = False) -> dict[str, Any]:
@@ -202,7 +203,7 @@ def restore(hf: nn.Module) -> None:
     if orig is None:
         return
     if "rotary_emb" in orig:
-        hf.base_model.rotary_emb = orig["rotary_emb"]
+        rotary_owner(hf).rotary_emb = orig["rotary_emb"]
     if "wpe" in orig:
         hf.base_model.wpe = orig["wpe"]
     for table in orig.get("tables", []):
