@@ -267,6 +267,11 @@ SCHEDULE_CONFIG = frozenset({"no_rope_layers", "no_rope_layer_interval", "attent
                              "attn_temperature_tuning", "floor_scale", "attn_scale", "use_sliding_window"})
 
 
+#: the route a refusal of one encoding for every layer names on a model with its own per-layer schedule
+SCHEDULE_ROUTE = ("a per-layer schedule: inject(model, posenc_lightning.adapters.hf.model_schedule(model)) keeps "
+                  "the model's own, a LayerSchedule replaces it")
+
+
 def _known_refusals(hf: nn.Module, layered: bool = False) -> None:
     cfg = hf.config
     if getattr(cfg, "model_type", None) in NOT_YET_SUPPORTED:
@@ -283,12 +288,12 @@ def _known_refusals(hf: nn.Module, layered: bool = False) -> None:
     unrotated = sorted(t for t, v in params.items() if v is None) if isinstance(params, dict) else []
     if unrotated and set(unrotated) <= set(getattr(cfg, "layer_types", None) or ()) and not layered:
         raise refuse(hf, f"its NoPE layers (layer types {', '.join(unrotated)}, whose rope_parameters are None) "
-                     f"rotate nothing while its other layers rotate", "a model that rotates every layer (e.g. 'llama')")
+                     f"rotate nothing while its other layers rotate", SCHEDULE_ROUTE)
     found = [k for k in ("no_rope_layers", "attention_chunk_size", "attn_temperature_tuning") if getattr(cfg, k, None)]
     if found and not layered:
         raise refuse(hf, f"its NoPE layers / chunked attention / position-dependent query temperature ({', '.join(found)}) "
                      f"are applied inside its attention module, outside the attention function",
-                     "a model that rotates every layer (e.g. 'llama')")
+                     SCHEDULE_ROUTE)
     for key, value in cfg.to_dict().items():
         if key in HANDLED_CONFIG or not MECHANISM_CONFIG.search(key) or not value or (layered and key in SCHEDULE_CONFIG):
             continue

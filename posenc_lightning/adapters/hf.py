@@ -42,6 +42,7 @@ from posenc_lightning.adapters._hf_arch import (
     rotary_owner,
 )
 from posenc_lightning.adapters._hf_modules import EmbeddingPositions, NoRotation, RotaryTable, zero_table_forward
+from posenc_lightning.adapters._hf_schedule import adapt_schedule, model_schedule
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.encodings.base import Encoding
 
@@ -360,4 +361,5 @@ def switch_to_fused_attention(model: nn.Module) -> Callable[[], None] | None:
 
 
 __all__ = ["ArchInfo", "ArchitectureRefused", "EmbeddingPositions", "NoRotation", "RotaryTable", "adapt",
-           "attention_modules", "describe", "find_hf_models", "restore", "switch_to_fused_attention"]
+           "adapt_schedule", "attention_modules", "describe", "find_hf_models", "model_schedule", "restore",
+           "switch_to_fused_attention"]
