@@ -154,3 +154,22 @@ def test_a_schedule_on_a_model_with_an_absolute_table_is_refused() -> None:
     model = transformers.AutoModelForCausalLM.from_config(tiny_config("gpt2")).eval()
     with pytest.raises(ValueError, match="wpe"):
         inject(model, LayerSchedule([{"layers": "rest", "encoding": "alibi"}]))
+
+
+def test_a_checkpoint_brings_a_scheduled_hf_model_back() -> None:
+    """The spec names the schedule; re-injected before the state dict loads, a learned encoding's
+    parameters (FIRE in the NoPE layer) come back and so do the logits."""
+    from posenc_lightning.inject import CHECKPOINT_KEY, restore_from_checkpoint
+
+    model = build("smollm3")
+    inject(model, LayerSchedule([{"layers": [3], "encoding": "fire"}, {"layers": "rest", "encoding": "rope"}]))
+    with torch.no_grad():
+        for p in adapter.attention_modules(model)[3].posenc.parameters():
+            p.add_(torch.randn_like(p))  # away from the initialisation a fresh build would give
+        want = model(IDS).logits
+    fresh = build("smollm3")
+    restore_from_checkpoint(fresh, {CHECKPOINT_KEY: injected_spec(model)})
+    fresh.load_state_dict(model.state_dict())
+    assert adapter.attention_modules(fresh)[3].posenc.name == "fire"
+    with torch.no_grad():
+        assert torch.equal(fresh(IDS).logits, want)
