@@ -194,3 +194,20 @@ def test_training_gradients_equal_the_models_own(arch: str) -> None:
         assert (p.grad is None) == (ref is None), name
         if ref is not None:
             assert (p.grad - ref).abs().max() <= 1e-5 * ref.abs().max(), name
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss", "cohere2"])
+def test_left_padded_decoding_equals_the_models_own(arch: str) -> None:
+    """Row 1 left-padded by 3: pads attend only pads, windows count them as transformers does (by index)."""
+    ids, mask = IDS[:, :PROMPT].clone(), torch.ones(2, PROMPT, dtype=torch.long)
+    ids[1, :3], mask[1, :3] = 0, 0
+    model = build(arch)
+    outs = []
+    for step in range(2):
+        if step:
+            inject(model, model_schedule(model))
+        with torch.no_grad():
+            outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                                       output_logits=True, return_dict_in_generate=True))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(outs[0].logits, outs[1].logits)) <= 1e-5
