@@ -211,3 +211,21 @@ def test_left_padded_decoding_equals_the_models_own(arch: str) -> None:
                                        output_logits=True, return_dict_in_generate=True))
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert max((a - b).abs().max().item() for a, b in zip(outs[0].logits, outs[1].logits)) <= 1e-5
+
+
+def test_a_schedule_replaces_and_is_replaced_by_one_encoding() -> None:
+    """Schedule, then ALiBi everywhere (the windows go), then the schedule again (the logits come back);
+    the same schedule with another backend keeps the encodings and switches the backend."""
+    model = build("gemma3_text")
+    with torch.no_grad():
+        own = model(IDS).logits
+    schedule = model_schedule(model)
+    inject(model, schedule)
+    inject(model, "alibi")
+    layers = adapter.attention_modules(model)
+    assert all(m.posenc.name == "alibi" and getattr(m, "posenc_window", None) is None for m in layers)
+    first = inject(model, schedule)
+    assert inject(model, schedule, backend="eager") is first
+    assert [m.posenc_backend for m in layers] == ["eager"] * 4 and [m.posenc_window for m in layers] == [8, None] * 2
+    with torch.no_grad():
+        assert (model(IDS).logits - own).abs().max() <= 1e-5
