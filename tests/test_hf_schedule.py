@@ -196,9 +196,10 @@ def test_training_gradients_equal_the_models_own(arch: str) -> None:
             assert (p.grad - ref).abs().max() <= 1e-5 * ref.abs().max(), name
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss", "cohere2"])
+@pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss", "cohere2", "llama4_text"])
 def test_left_padded_decoding_equals_the_models_own(arch: str) -> None:
-    """Row 1 left-padded by 3: pads attend only pads, windows count them as transformers does (by index)."""
+    """Row 1 left-padded by 3: pads attend only pads, windows count them as transformers does (by
+    index), chunks start at the row's first token (as transformers shifts them by the padding)."""
     ids, mask = IDS[:, :PROMPT].clone(), torch.ones(2, PROMPT, dtype=torch.long)
     ids[1, :3], mask[1, :3] = 0, 0
     model = build(arch)

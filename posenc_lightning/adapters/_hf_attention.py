@@ -202,19 +202,21 @@ def _segments(padding: Tensor | None, q_pos: Tensor, seen: int, first: int, n_q:
 
 
 def _window_bias(window: int | None, seen: int, first: int, n_q: int, n_k: int, device: torch.device,
-                 chunk: int | None = None) -> Bias:
+                 chunk: int | None = None, shift: Tensor | None = None) -> Bias:
     """``-inf`` where key token ``<=`` query token ``- window`` (Mistral's sliding window), or where
-    the key token's ``chunk`` is not the query token's (Llama 4's chunks), lazily by rows."""
+    the key token's ``chunk`` is not the query token's (Llama 4's chunks, counted from each row's first
+    token after its ``shift [B]`` left pads, as transformers counts them), lazily by rows."""
 
     def rows(start: int, stop: int, k_stop: int) -> Tensor:
-        qt = torch.arange(seen + start, seen + stop, device=device)[:, None]
-        kt = torch.arange(first, first + k_stop, device=device)[None, :]
-        out = torch.zeros(stop - start, k_stop, device=device)
+        qt = torch.arange(seen + start, seen + stop, device=device)[None, :, None]
+        kt = torch.arange(first, first + k_stop, device=device)[None, None, :]
+        out = torch.zeros(1 if shift is None else shift.shape[0], stop - start, k_stop, device=device)
         if chunk is not None:
-            out = out.masked_fill(qt // chunk != kt // chunk, float("-inf"))
+            s = 0 if shift is None else shift.to(device)[:, None, None]
+            out = out.masked_fill((qt - s) // chunk != (kt - s) // chunk, float("-inf"))
         if window is None:
-            return out[None, None]
-        return out.masked_fill(qt - kt >= window, float("-inf"))[None, None]
+            return out[:, None]
+        return out.masked_fill(qt - kt >= window, float("-inf"))[:, None]
 
     return DenseBias.lazy(rows, n_q, n_k, inputs=(), window=lambda s, e, k: ())
 
@@ -260,9 +262,11 @@ def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     local = module.__dict__.get(LOCAL)
     if local is not None:  # a schedule's window and chunk (`_hf_schedule`), in place of the model's own
         window, chunk = local
-        # the mask counts chunks by index; keys evicted off a chunk boundary shift that: by tokens then
-        extra = (_window_bias(None, seen, first, n_q, n_k, query.device, chunk=chunk)
-                 if chunk is not None and first % chunk else None)
+        # the mask counts chunks by index; keys evicted off a chunk boundary, or left padding (chunks
+        # start at a row's first token), shift that: by tokens then
+        shift = None if attention_mask is None else (attention_mask.long().cumsum(-1) == 0).sum(-1)
+        extra = (_window_bias(None, seen, first, n_q, n_k, query.device, chunk=chunk, shift=shift)
+                 if chunk is not None and (first % chunk or shift is not None) else None)
         mask = AttentionMask(causal, seen - first, n_q, n_k, q_seg, k_seg, window=window,
                              chunk=None if extra is not None else chunk)
     else:
