@@ -182,15 +182,31 @@ def _inject_schedule(model: nn.Module, schedule: LayerSchedule, backend: str, sh
                      reset: bool) -> Encoding:
     """`inject` of a `LayerSchedule`: each attention module its layer's encoding and window."""
     attn, emb = find_mixin_modules(model)
-    if not attn:
-        raise ValueError(f"a layer schedule needs attention modules that inherit PosEncAttentionMixin; "
-                         f"{type(model).__name__} has none (schedules into Hugging Face models are not "
-                         f"supported yet: inject one encoding)")
-    layers = schedule.resolve(len(attn), getattr(model, "layer_types", None))
     spec = {"encoding": schedule.name, "schedule": schedule.to_dict(), "backend": backend,
             "share_across_layers": share_across_layers}
     held = injected_spec(model)
-    if not reset and held is not None and _normalized({**held, "backend": backend}) == _normalized(spec):
+    same = not reset and held is not None and _normalized({**held, "backend": backend}) == _normalized(spec)
+    if not attn:
+        from posenc_lightning.adapters import hf
+        from posenc_lightning.adapters._hf_schedule import adapt_schedule
+
+        models = hf.find_hf_models(model)
+        if not models:
+            raise ValueError(f"a layer schedule needs attention modules that inherit PosEncAttentionMixin, or a "
+                             f"Hugging Face PreTrainedModel; {type(model).__name__} has neither")
+        if same:
+            return _switch_backend(model, next(m.posenc for m in model.modules()
+                                               if isinstance(getattr(m, "posenc", None), Encoding)), backend)
+        first = None
+        for m in models:
+            placed = adapt_schedule(m, schedule, backend, share_across_layers)
+            first = first or placed[0]
+            if m is not model:
+                setattr(m, SPEC_ATTR, spec)
+        setattr(model, SPEC_ATTR, spec)
+        return first
+    layers = schedule.resolve(len(attn), getattr(model, "layer_types", None))
+    if same:
         return _switch_backend(model, attn[0].posenc, backend)
     _clear(attn, emb)
     d_model = next((int(m.d_model) for m in emb + attn if getattr(m, "d_model", None)), None)

@@ -70,7 +70,7 @@ class RotaryInfo:
     @property
     def layout(self) -> str:
         """The channel pairing of the rotation (``half``: i with i + R/2; ``interleaved``: 2i with 2i + 1)."""
-        return "half" if self.form == "half" else "interleaved"
+        return "half" if self.form in ("half", "half_cos_sin") else "interleaved"
 
     @property
     def per_layer_type(self) -> bool:
@@ -100,6 +100,15 @@ class ArchInfo:
         parts += [f"{what} kept" for what in self.score_transforms.values()]
         parts += [f"bias/normalizer encodings refused: {why}" for why in self.fused_unsupported.values()]
         return "; ".join(parts) or "no positions of its own"
+
+
+def rotary_owner(hf: nn.Module) -> nn.Module:
+    """The module holding the model-level ``rotary_emb``: ``hf.base_model``, or ``hf.model`` where the
+    class's ``base_model_prefix`` names no attribute (Llama 4's text model: ``language_model``)."""
+    for owner in (hf.base_model, getattr(hf, "model", None)):
+        if isinstance(owner, nn.Module) and isinstance(getattr(owner, "rotary_emb", None), nn.Module):
+            return owner
+    return hf.base_model
 
 
 def arch_name(hf: nn.Module) -> str:
@@ -168,23 +177,32 @@ def call_kwargs(call: str) -> dict[str, str]:
 def _rope_thetas(config: Any) -> dict[str | None, float | None]:
     p = getattr(config, "rope_parameters", None) or {}
     types = getattr(config, "layer_types", None)
-    if types and all(isinstance(p.get(t), dict) for t in set(types)):
-        return {t: p[t].get("rope_theta") for t in sorted(set(types))}
+    if types and all(isinstance(p.get(t), dict) or (t in p and p[t] is None) for t in set(types)) \
+            and any(isinstance(p.get(t), dict) for t in set(types)):  # a type with None: its NoPE layers
+        return {t: p[t].get("rope_theta") for t in sorted(set(types)) if isinstance(p[t], dict)}
     return {None: p.get("rope_theta")}
 
 
 #: what a rotary module may return: ``half`` (cos, sin) ``[..., R]`` as cat(t, t) (Llama);
 #: ``interleaved`` (cos, sin) ``[..., R]`` as repeat_interleave(t, 2) (Cohere); ``sin_cos_pairs``
-#: (sin, cos) ``[..., R/2]``, repeated by the model's rotate_every_two (GPT-J, CodeGen)
-FORMS = ("half", "interleaved", "sin_cos_pairs")
+#: (sin, cos) ``[..., R/2]``, repeated by the model's rotate_every_two (GPT-J, CodeGen);
+#: ``half_cos_sin`` (cos, sin) ``[..., R/2]`` applied to the two halves (gpt-oss); ``complex``
+#: ``cos + i sin`` ``[..., R/2]`` multiplying channel pairs (2i, 2i + 1) as complex numbers (Llama 4)
+FORMS = ("half", "interleaved", "sin_cos_pairs", "half_cos_sin", "complex")
 
 
-def _matches(out: tuple[Tensor, Tensor], ang: Tensor, scale: float) -> str | None:
-    a, b = (t.float().cpu() for t in out)
+def _matches(out: tuple[Tensor, Tensor] | Tensor, ang: Tensor, scale: float) -> str | None:
     ang = ang.cpu()
-    for form in FORMS:
+    if isinstance(out, Tensor):  # complex cos + i sin
+        ref = torch.polar(torch.ones_like(ang), ang) * scale
+        ok = out.is_complex() and out.shape == ref.shape and torch.allclose(out.cpu().to(ref.dtype), ref, atol=1e-5)
+        return "complex" if ok else None
+    a, b = (t.float().cpu() for t in out)
+    for form in FORMS[:4]:
         if form == "sin_cos_pairs":
             ref_a, ref_b = ang.sin() * scale, ang.cos() * scale
+        elif form == "half_cos_sin":
+            ref_a, ref_b = ang.cos() * scale, ang.sin() * scale
         else:
             ref_a, ref_b = ang.cos() * scale, ang.sin() * scale
             arrange = (lambda t: torch.cat((t, t), -1)) if form == "half" else (lambda t: t.repeat_interleave(2, -1))
@@ -226,7 +244,9 @@ def probe_rotary(hf: nn.Module, rot: nn.Module) -> RotaryInfo:
         except Exception as e:
             raise refuse(hf, f"its rotary module {type(rot).__name__} does not take (x, position_ids) ({e})",
                          "a model whose rotary module returns (cos, sin)") from e
-        if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)):
+        complex_table = isinstance(out, Tensor) and out.is_complex() and isinstance(inv, Tensor)
+        if not complex_table and not (isinstance(out, tuple) and len(out) == 2
+                                      and all(isinstance(t, Tensor) for t in out)):
             raise refuse(hf, f"its rotary module {type(rot).__name__} does not return (cos, sin) "
                          f"(got {type(out).__name__}, e.g. complex frequencies)", "rope on a Llama-style model")
         if not isinstance(inv, Tensor):  # a (sin, cos) table: the angles at position 1 are the frequencies
@@ -242,7 +262,17 @@ def probe_rotary(hf: nn.Module, rot: nn.Module) -> RotaryInfo:
 # ------------------------------------------------------------------------------------------------
 # describe
 # ------------------------------------------------------------------------------------------------
-def _known_refusals(hf: nn.Module) -> None:
+#: config fields of a per-layer schedule, carried by the schedule path (`_hf_schedule`)
+SCHEDULE_CONFIG = frozenset({"no_rope_layers", "no_rope_layer_interval", "attention_chunk_size",
+                             "attn_temperature_tuning", "floor_scale", "attn_scale", "use_sliding_window"})
+
+
+#: the route a refusal of one encoding for every layer names on a model with its own per-layer schedule
+SCHEDULE_ROUTE = ("a per-layer schedule: inject(model, posenc_lightning.adapters.hf.model_schedule(model)) keeps "
+                  "the model's own, a LayerSchedule replaces it")
+
+
+def _known_refusals(hf: nn.Module, layered: bool = False) -> None:
     cfg = hf.config
     if getattr(cfg, "model_type", None) in NOT_YET_SUPPORTED:
         raise refuse(hf, NOT_YET_SUPPORTED[cfg.model_type], "'qwen3' (plain rope)")
@@ -256,16 +286,16 @@ def _known_refusals(hf: nn.Module) -> None:
                      "a model that rotates every layer (e.g. 'llama')")
     params = getattr(cfg, "rope_parameters", None)
     unrotated = sorted(t for t, v in params.items() if v is None) if isinstance(params, dict) else []
-    if unrotated and set(unrotated) <= set(getattr(cfg, "layer_types", None) or ()):
+    if unrotated and set(unrotated) <= set(getattr(cfg, "layer_types", None) or ()) and not layered:
         raise refuse(hf, f"its NoPE layers (layer types {', '.join(unrotated)}, whose rope_parameters are None) "
-                     f"rotate nothing while its other layers rotate", "a model that rotates every layer (e.g. 'llama')")
+                     f"rotate nothing while its other layers rotate", SCHEDULE_ROUTE)
     found = [k for k in ("no_rope_layers", "attention_chunk_size", "attn_temperature_tuning") if getattr(cfg, k, None)]
-    if found:
+    if found and not layered:
         raise refuse(hf, f"its NoPE layers / chunked attention / position-dependent query temperature ({', '.join(found)}) "
                      f"are applied inside its attention module, outside the attention function",
-                     "a model that rotates every layer (e.g. 'llama')")
+                     SCHEDULE_ROUTE)
     for key, value in cfg.to_dict().items():
-        if key in HANDLED_CONFIG or not MECHANISM_CONFIG.search(key) or not value:
+        if key in HANDLED_CONFIG or not MECHANISM_CONFIG.search(key) or not value or (layered and key in SCHEDULE_CONFIG):
             continue
         if key == "alibi" or (isinstance(value, dict) and value.get("alibi")):
             raise refuse(hf, "its built-in ALiBi is added inside its attention module", "a model without built-in "
@@ -316,17 +346,22 @@ def _is_table(m: nn.Module) -> bool:
     return isinstance(m, nn.Embedding)
 
 
-def describe(hf: nn.Module) -> ArchInfo:
+def describe(hf: nn.Module, layered: bool = False) -> ArchInfo:
     """`ArchInfo` of ``hf`` (a transformers ``PreTrainedModel``).
 
     While an encoding is injected, the record made at inject (of the model's own mechanisms).
+
+    Args:
+        hf: the model.
+        layered: for a per-layer schedule (`_hf_schedule`): NoPE layers, chunks and the query
+            temperature are the schedule's, not refused.
 
     Raises:
         ArchitectureRefused: a mechanism the adapter cannot carry or does not know.
     """
     if hf.__dict__.get(ADAPTED) is not None and hf.__dict__.get(RECORD) is not None:
         return hf.__dict__[RECORD]
-    _known_refusals(hf)
+    _known_refusals(hf, layered)
     layers = attention_modules(hf)
     if not layers:
         raise refuse(hf, "found no self-attention module with a layer_idx",
@@ -352,7 +387,7 @@ def describe(hf: nn.Module) -> ArchInfo:
                              f"index selection) to the attention function", "a model without one (e.g. 'llama')")
             fused_unsupported[kw] = f"`{kw}` passed to the attention function by {cls.__name__}"
         transforms.update({k: v for k, v in SCORE_TRANSFORMS.items() if k in kwargs})
-    rot = getattr(hf.base_model, "rotary_emb", None)
+    rot = getattr(rotary_owner(hf), "rotary_emb", None)
     rotary = probe_rotary(hf, rot) if rot is not None else None
     tables, buffers = _tables(hf, layers, rot)
     info = ArchInfo(arch_name(hf), layers, rotary, tables, buffers, transforms, fused_unsupported)

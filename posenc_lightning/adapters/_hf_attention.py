@@ -44,6 +44,7 @@ from posenc_lightning.parallel.group import CONTEXT_PARALLEL
 
 FUSED = "posenc_fused"
 WRAP_PREFIX = "posenc_wrap_"
+LOCAL = "_posenc_local"  # (window, chunk) of a scheduled layer (`_hf_schedule`), set on its attention module
 
 
 @dataclass
@@ -200,14 +201,22 @@ def _segments(padding: Tensor | None, q_pos: Tensor, seen: int, first: int, n_q:
     return None, None
 
 
-def _window_bias(window: int, seen: int, first: int, n_q: int, n_k: int, device: torch.device) -> Bias:
-    """``-inf`` where key token ``<=`` query token ``- window`` (Mistral's sliding window), lazily by rows."""
+def _window_bias(window: int | None, seen: int, first: int, n_q: int, n_k: int, device: torch.device,
+                 chunk: int | None = None, shift: Tensor | None = None) -> Bias:
+    """``-inf`` where key token ``<=`` query token ``- window`` (Mistral's sliding window), or where
+    the key token's ``chunk`` is not the query token's (Llama 4's chunks, counted from each row's first
+    token after its ``shift [B]`` left pads, as transformers counts them), lazily by rows."""
 
     def rows(start: int, stop: int, k_stop: int) -> Tensor:
-        qt = torch.arange(seen + start, seen + stop, device=device)[:, None]
-        kt = torch.arange(first, first + k_stop, device=device)[None, :]
-        out = torch.zeros(stop - start, k_stop, device=device)
-        return out.masked_fill(qt - kt >= window, float("-inf"))[None, None]
+        qt = torch.arange(seen + start, seen + stop, device=device)[None, :, None]
+        kt = torch.arange(first, first + k_stop, device=device)[None, None, :]
+        out = torch.zeros(1 if shift is None else shift.shape[0], stop - start, k_stop, device=device)
+        if chunk is not None:
+            s = 0 if shift is None else shift.to(device)[:, None, None]
+            out = out.masked_fill((qt - s) // chunk != (kt - s) // chunk, float("-inf"))
+        if window is None:
+            return out[:, None]
+        return out.masked_fill(qt - kt >= window, float("-inf"))[:, None]
 
     return DenseBias.lazy(rows, n_q, n_k, inputs=(), window=lambda s, e, k: ())
 
@@ -247,19 +256,32 @@ def fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
         _align_state(state, enc.name, type(call.cache).__name__, n_k - n_q, seen + n_q - first == n_k)
     causal = bool(getattr(module, "is_causal", True))
     requires_grad = torch.is_grad_enabled() and (query.requires_grad or any(p.requires_grad for p in enc.parameters()))
-    backend = resolve_backend(getattr(module, "posenc_backend", "auto"), enc, query.device, requires_grad)
     # q and k are rotated before the backend (no in-kernel rotation: the adapter's recorded GPU runs)
     ctx = context(enc, None, q_pos, k_pos, causal=causal, hidden=call.hidden, cache=state, module=module)
-    # the call's own window (None on a model's full-attention layers) over the module's attribute
-    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
-    extra = (_window_bias(int(window), seen, first, n_q, n_k, query.device)
-             if window is not None and seen + n_q - first > int(window) else None)
     q_seg, k_seg = _segments(attention_mask, q_pos, seen, first, n_q, n_k)
-    mask = AttentionMask(causal, seen - first, n_q, n_k, q_seg, k_seg)
+    local = module.__dict__.get(LOCAL)
+    if local is not None:  # a schedule's window and chunk (`_hf_schedule`), in place of the model's own
+        window, chunk = local
+        # the mask counts chunks by index; keys evicted off a chunk boundary, or left padding (chunks
+        # start at a row's first token), shift that: by tokens then
+        shift = None if attention_mask is None else (attention_mask.long().cumsum(-1) == 0).sum(-1)
+        extra = (_window_bias(None, seen, first, n_q, n_k, query.device, chunk=chunk, shift=shift)
+                 if chunk is not None and (first % chunk or shift is not None) else None)
+        mask = AttentionMask(causal, seen - first, n_q, n_k, q_seg, k_seg, window=window,
+                             chunk=None if extra is not None else chunk)
+    else:
+        # the call's own window (None on a model's full-attention layers) over the module's attribute
+        window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+        extra = (_window_bias(int(window), seen, first, n_q, n_k, query.device)
+                 if window is not None and seen + n_q - first > int(window) else None)
+        mask = AttentionMask(causal, seen - first, n_q, n_k, q_seg, k_seg)
+    backend = resolve_backend(getattr(module, "posenc_backend", "auto"), enc, query.device, requires_grad,
+                              mask.local)
     scale = (scaling if scaling is not None else d ** -0.5) * enc.softmax_scale(d) * d ** 0.5
-    softcap = kwargs.get("softcap")
-    # the model's score transform: only the dense reference applies it
-    attend = None if softcap is None else functools.partial(softcapped_attend, softcap=float(softcap))
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    # the model's score transforms (softcapping, gpt-oss's sinks): only the dense reference applies them
+    attend = None if softcap is None and sinks is None else functools.partial(
+        softcapped_attend, softcap=None if softcap is None else float(softcap), sinks=sinks)
     out = run_stages(enc, backend, query, key, value, ctx, mask, scale, extra_bias=extra, attend=attend)
     return out.transpose(1, 2).contiguous().to(value.dtype), None
 

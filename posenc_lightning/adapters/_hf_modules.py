@@ -10,10 +10,14 @@ from torch import Tensor, nn
 from posenc_lightning.encodings.base import Encoding
 
 
-def model_form(cos: Tensor, sin: Tensor, form: str) -> tuple[Tensor, Tensor]:
+def model_form(cos: Tensor, sin: Tensor, form: str) -> tuple[Tensor, Tensor] | Tensor:
     """``[..., R/2]`` cos and sin as the model's rotary module returns them (`_hf_arch.FORMS`)."""
     if form == "sin_cos_pairs":
         return sin, cos
+    if form == "half_cos_sin":
+        return cos, sin
+    if form == "complex":
+        return torch.complex(cos.float(), sin.float())
     if form == "half":
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
@@ -44,20 +48,31 @@ class RotaryTable(nn.Module):
                 **kwargs: Any) -> tuple[Tensor, Tensor]:
         pos = position_ids.to(x.device)
         cos, sin = self.encoding_for(layer_type).cos_sin(pos if pos.dim() == 2 else pos.reshape(1, -1))
-        a, b = model_form(cos, sin, self.form)
+        out = model_form(cos, sin, self.form)
+        if isinstance(out, Tensor):  # complex: kept in complex64, as the model's own table
+            return out.reshape(*pos.shape, -1)
+        a, b = out
         return a.reshape(*pos.shape, -1).to(x.dtype), b.reshape(*pos.shape, -1).to(x.dtype)
 
 
 class NoRotation(nn.Module):
     """Stands in for the rotary module: cos = 1, sin = 0 in the model's form (q and k pass through exactly)."""
 
-    def __init__(self, rotary_dim: int, form: str = "half") -> None:
+    #: plain attributes of the model's module that its model reads (Ergo iterates ``rope_type``'s layer types)
+    MIRRORED = ("rope_type", "layer_types")
+
+    def __init__(self, rotary_dim: int, form: str = "half", like: nn.Module | None = None) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
         self.form = form
+        for name in self.MIRRORED if like is not None else ():
+            if name in like.__dict__:
+                setattr(self, name, like.__dict__[name])
 
-    def forward(self, x: Tensor, position_ids: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, position_ids: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor] | Tensor:
         shape = (*position_ids.shape, self.rotary_dim // 2)
+        if self.form == "complex":
+            return torch.ones(shape, dtype=torch.complex64, device=x.device)
         one = torch.ones((), dtype=x.dtype, device=x.device).expand(shape)
         return model_form(one, torch.zeros((), dtype=x.dtype, device=x.device).expand(shape), self.form)
 

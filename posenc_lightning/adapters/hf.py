@@ -39,8 +39,10 @@ from posenc_lightning.adapters._hf_arch import (
     attention_modules,
     describe,
     refuse,
+    rotary_owner,
 )
 from posenc_lightning.adapters._hf_modules import EmbeddingPositions, NoRotation, RotaryTable, zero_table_forward
+from posenc_lightning.adapters._hf_schedule import adapt_schedule, model_schedule
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.encodings.base import Encoding
 
@@ -106,13 +108,14 @@ def n_heads_of(m: nn.Module, config: Any) -> int:
 
 
 def rotary_module(hf: nn.Module) -> nn.Module | None:
-    return getattr(hf.base_model, "rotary_emb", None)
+    return getattr(rotary_owner(hf), "rotary_emb", None)
 
 
-def model_defaults(hf: nn.Module) -> dict[str, Any]:
+def model_defaults(hf: nn.Module, layered: bool = False) -> dict[str, Any]:
     """Encoding arguments the model implies, used when the user gave none: its RoPE base (left out
     where the base is per layer type: each layer type then gets its own) and layout, partial rotary
-    fraction, and its training length as the original length of a scaling law."""
+    fraction, and its training length as the original length of a scaling law (``layered``: for a
+    per-layer schedule, `describe`)."""
     cfg = hf.config
     out: dict[str, Any] = {}
     p = rope_parameters(cfg) or {}
@@ -120,7 +123,7 @@ def model_defaults(hf: nn.Module) -> dict[str, Any]:
         out["theta"] = float(p["rope_theta"])
     if p.get("partial_rotary_factor") is not None:
         out["partial_rotary_factor"] = float(p["partial_rotary_factor"])
-    info = describe(hf)
+    info = describe(hf, layered)
     if info.rotary is not None:  # the rotated channels as probed (HF rounds head_dim * factor down)
         out["layout"] = info.rotary.layout
         head_dim = head_dim_of(info.layers[0], cfg)
@@ -201,7 +204,7 @@ def restore(hf: nn.Module) -> None:
     if orig is None:
         return
     if "rotary_emb" in orig:
-        hf.base_model.rotary_emb = orig["rotary_emb"]
+        rotary_owner(hf).rotary_emb = orig["rotary_emb"]
     if "wpe" in orig:
         hf.base_model.wpe = orig["wpe"]
     for table in orig.get("tables", []):
@@ -209,10 +212,14 @@ def restore(hf: nn.Module) -> None:
     for owner, name, value in orig.get("buffers", []):
         with torch.no_grad():
             getattr(owner, name).copy_(value)
+    for m, name, value in orig.get("layer_attrs", []):
+        setattr(m, name, value)
     for m in attention_modules(hf):
         for h in getattr(m, "_posenc_hooks", []):
             h.remove()
         m._posenc_hooks = []
+        for name in (attn.LOCAL, "posenc_window", "posenc_chunk"):
+            m.__dict__.pop(name, None)
         if getattr(m, "posenc", None) is not None:
             del m.posenc
         m.posenc = None
@@ -282,7 +289,7 @@ def adapt(hf: nn.Module, proto: Encoding, backend: str, share_across_layers: boo
         encs.append(proto)
     else:
         if rotary is not None:
-            base.rotary_emb = NoRotation(info.rotary.dim, info.rotary.form)
+            base.rotary_emb = NoRotation(info.rotary.dim, info.rotary.form, rotary)
         if wpe is not None:
             base.wpe = EmbeddingPositions(d_model, proto if "embed" in stages else None)
         placed: set[int] = set()
@@ -354,4 +361,5 @@ def switch_to_fused_attention(model: nn.Module) -> Callable[[], None] | None:
 
 
 __all__ = ["ArchInfo", "ArchitectureRefused", "EmbeddingPositions", "NoRotation", "RotaryTable", "adapt",
-           "attention_modules", "describe", "find_hf_models", "restore", "switch_to_fused_attention"]
+           "adapt_schedule", "attention_modules", "describe", "find_hf_models", "model_schedule", "restore",
+           "switch_to_fused_attention"]

@@ -1,0 +1,178 @@
+"""Per-layer schedules in Hugging Face models: the model's own, read from its config, and a user's.
+
+`model_schedule` reads what each layer of a transformers model does with positions, as a
+`LayerSchedule` (one rule per distinct layer): RoPE with the rope parameters of the layer's type
+(``rope_parameters[layer_type]``), NoPE where the layer rotates nothing (SmolLM3's and Llama 4's
+``no_rope_layers``; a layer type whose ``rope_parameters`` are None, as Ergo's and Beam's full
+layers; Cohere 2's full layers, which skip the rotation in code), Llama 4's query temperature on
+its NoPE layers (``log_temperature``), the sliding window of a sliding layer (its module's
+``sliding_window``) and Llama 4's chunks (``attention_chunk_size`` on its ``chunked_attention`` layers).
+
+`adapt_schedule` puts a schedule into the model: the model's rotary module gives the identity
+(`NoRotation`), each attention module gets its layer's encoding (``.posenc``) and its window and
+chunk, and every layer runs posenc's fused attention, whose mask is the schedule's (the model's own
+4-D mask is not built). What a layer does itself stays: its scaling, softcapping, attention sinks
+(gpt-oss's ``s_aux``), q/k norms. What the schedule now carries is switched off in the layer
+(Llama 4's own temperature, ``attn_temperature_tuning``) and switched back by `hf.restore`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+
+from posenc_lightning.adapters import _hf_attention as attn
+from posenc_lightning.adapters._hf_arch import ADAPTED, ArchInfo, describe, refuse, rotary_owner
+from posenc_lightning.adapters._hf_modules import NoRotation
+from posenc_lightning.attention.backends import resolve_backend
+from posenc_lightning.attention.mask import local_kinds
+from posenc_lightning.encodings.base import Encoding
+from posenc_lightning.encodings.hf import from_hf
+from posenc_lightning.encodings.registry import build_encoding, encoding_class
+from posenc_lightning.encodings.schedule import LayerSchedule, LayerSpec
+
+#: model types whose full-attention layers skip the rotation in their attention code (no config field says so)
+NOPE_FULL_LAYERS = frozenset({"cohere2"})
+#: attributes of an attention module that apply what a schedule carries: switched off while one is injected
+LAYER_SWITCHES = ("attn_temperature_tuning",)
+
+
+def _layer_type(cfg: Any, m: nn.Module) -> str | None:
+    types = getattr(cfg, "layer_types", None)
+    return types[m.layer_idx] if types else None
+
+
+def _rope_params(cfg: Any, layer_type: str | None) -> dict[str, Any] | None:
+    p = getattr(cfg, "rope_parameters", None) or {}
+    nested = any(isinstance(v, dict) or v is None for v in p.values()) and layer_type in p
+    return p.get(layer_type) if nested else dict(p)
+
+
+def _rotates(cfg: Any, info: ArchInfo, m: nn.Module, layer_type: str | None) -> bool:
+    """Whether the model's own layer ``m`` rotates q and k."""
+    if info.rotary is None:
+        return False
+    flags = getattr(cfg, "no_rope_layers", None)
+    if flags:  # SmolLM3, Llama 4: 1 = RoPE, 0 = NoPE
+        return bool(flags[m.layer_idx])
+    if _rope_params(cfg, layer_type) is None:
+        return False
+    return not (cfg.model_type in NOPE_FULL_LAYERS and getattr(m, "sliding_window", None) is None)
+
+
+def _own_spec(hf: nn.Module, info: ArchInfo, m: nn.Module) -> LayerSpec:
+    cfg = hf.config
+    lt = _layer_type(cfg, m)
+    window = getattr(m, "sliding_window", None)
+    window = int(window) if isinstance(window, int) and not isinstance(window, bool) else None
+    chunk = getattr(cfg, "attention_chunk_size", None) if lt == "chunked_attention" else None
+    if _rotates(cfg, info, m, lt):
+        head_dim = int(getattr(m, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        enc = from_hf(_rope_params(cfg, lt), head_dim, int(cfg.max_position_embeddings))
+        config = {**enc.config(), "layout": info.rotary.layout}
+        if info.rotary.dim != head_dim:
+            config["partial_rotary_factor"] = info.rotary.dim / head_dim
+        return LayerSpec(enc.name, config, window, chunk)
+    if getattr(m, "attn_temperature_tuning", False):  # Llama 4's NoPE layers
+        return LayerSpec("log_temperature", {"floor_scale": float(cfg.floor_scale), "attn_scale": float(cfg.attn_scale)},
+                         window, chunk)
+    return LayerSpec("nope", {}, window, chunk)
+
+
+def model_schedule(hf: nn.Module) -> LayerSchedule:
+    """The model's own per-layer schedule (see the module docstring).
+
+    Args:
+        hf: a transformers ``PreTrainedModel`` (with nothing injected).
+
+    Returns:
+        One rule per distinct layer spec, naming its layers by index, named ``"<model_type>_own"``.
+
+    Raises:
+        ArchitectureRefused: a mechanism the adapter cannot carry (`describe`).
+    """
+    if hf.__dict__.get(ADAPTED) is not None:
+        raise ValueError(f"{type(hf).__name__}: an encoding is injected; model_schedule reads the model's own "
+                         f"schedule: call posenc_lightning.adapters.hf.restore(model) first")
+    info = describe(hf, layered=True)
+    by_spec: dict[tuple, tuple[LayerSpec, list[int]]] = {}
+    for i, m in enumerate(info.layers):
+        spec = _own_spec(hf, info, m)
+        by_spec.setdefault((spec.key(), spec.window, spec.chunk), (spec, []))[1].append(i)
+    rules = [{"layers": idx, "encoding": s.encoding, "config": s.config, "window": s.window, "chunk": s.chunk}
+             for s, idx in by_spec.values()]
+    return LayerSchedule(rules, name=f"{hf.config.model_type}_own")
+
+
+def _layer_config(hf: nn.Module, implied: dict[str, Any], m: nn.Module, spec: LayerSpec) -> dict[str, Any]:
+    """``spec.config`` completed with what the model implies (``implied``: `hf.model_defaults`) for the
+    arguments the encoding takes and the user left out, the RoPE base of the layer's type first."""
+    params = inspect.signature(encoding_class(spec.encoding).__init__).parameters
+    implied = dict(implied)
+    p = _rope_params(hf.config, _layer_type(hf.config, m)) or {}
+    if "rope_theta" in p:
+        implied["theta"] = float(p["rope_theta"])
+    return {**{k: v for k, v in implied.items() if k in params}, **spec.config}
+
+
+def adapt_schedule(hf: nn.Module, schedule: LayerSchedule, backend: str, share_across_layers: bool
+                   ) -> list[Encoding]:
+    """Put ``schedule`` into ``hf`` (after `hf.restore`); returns the encodings placed, layer 0's first.
+
+    Raises:
+        ArchitectureRefused: what the model has that the adapter cannot carry (`describe`).
+        ValueError: a rule the model's layers cannot take (a stage-1 encoding, a rule out of range).
+    """
+    from posenc_lightning.adapters.hf import (
+        ORIGINALS,
+        _neutralize_tables,
+        head_dim_of,
+        model_defaults,
+        n_heads_of,
+        restore,
+    )
+
+    restore(hf)
+    info = describe(hf, layered=True)
+    implied = model_defaults(hf, layered=True)
+    cfg = hf.config
+    if getattr(hf.base_model, "wpe", None) is not None:
+        raise refuse(hf, "a layer schedule is per layer, and its absolute position table (wpe) is not",
+                     "one encoding for every layer: inject(model, 'alibi')")
+    layers = info.layers
+    specs = schedule.resolve(len(layers), getattr(cfg, "layer_types", None))
+    orig: dict[str, Any] = {"attn_implementation": cfg._attn_implementation or "sdpa", "layer_attrs": []}
+    if info.rotary is not None:
+        orig["rotary_emb"] = info.rotary.module
+        rotary_owner(hf).rotary_emb = NoRotation(info.rotary.dim, info.rotary.form, info.rotary.module)
+    built: dict[Any, Encoding] = {}
+    placed: list[Encoding] = []
+    for i, (m, spec) in enumerate(zip(layers, specs)):
+        config = _layer_config(hf, implied, m, spec)
+        key = (spec.encoding, repr(sorted(config.items())), n_heads_of(m, cfg), head_dim_of(m, cfg))
+        enc = built.get(key) if share_across_layers else None
+        if enc is None:
+            enc = build_encoding(spec.encoding, **config)
+            if "embed" in enc.stages:
+                raise ValueError(f"layer {i}: {spec.encoding} adds positions to the embeddings (stage 1), which "
+                                 f"is not per layer; schedule attention encodings only")
+            enc.bind(n_heads=n_heads_of(m, cfg), head_dim=head_dim_of(m, cfg), d_model=int(cfg.hidden_size))
+            weight = next(m.parameters())
+            enc.to(device=weight.device, dtype=weight.dtype if weight.is_floating_point() else None)
+            built[key] = enc
+        resolve_backend(backend, enc, next(m.parameters()).device, False, local_kinds(spec.window, spec.chunk))
+        m.posenc, m.posenc_backend = enc, backend
+        m.__dict__[attn.LOCAL] = (spec.window, spec.chunk)
+        m.posenc_window, m.posenc_chunk = spec.window, spec.chunk  # as on a mixin module (`inject`)
+        m._posenc_hooks = [m.register_forward_pre_hook(attn.record_call, with_kwargs=True)]
+        for name in LAYER_SWITCHES:
+            if getattr(m, name, False):
+                orig["layer_attrs"].append((m, name, getattr(m, name)))
+                setattr(m, name, False)
+        placed.append(enc)
+    hf.set_attn_implementation(attn.register(attn.FUSED))
+    _neutralize_tables(hf, info, orig)
+    object.__setattr__(hf, ORIGINALS, orig)
+    return placed
