@@ -220,9 +220,7 @@ def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense
              # the tile's own @triton.jit functions, compile-time constants of the kernels
              "TILE_VALUE": tile.value if tile is not None else None,
              "TILE_GRADS": tile.grads if tile is not None else None,
-             "POS_RANGE": ranged, "DOT_T": dot_t, "PREC": "ieee",
-             # stick-breaking: dS (gradient of the logits) stays float32 in dQ, dK, 3xTF32 on tensor cores
-             "PREC_G": "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32x3", "BD": head_block(d),
+             "POS_RANGE": ranged, "DOT_T": dot_t, "PREC": "ieee", "BD": head_block(d),
              "ACC": acc_tl(q.dtype)}
     return a, flags
 
