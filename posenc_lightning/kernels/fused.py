@@ -98,7 +98,7 @@ def cuda_arch(device: torch.device) -> int:
 
 
 def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False, arch: int | None = None) -> dict:
-    """Tile sizes per kernel ``kind`` (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, rotate, rowdot); ``gpu``:
+    """Tile sizes per kernel ``kind`` (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, sb_bwd_dkdv, rotate, rowdot); ``gpu``:
     the GPU sizes even under the interpreter (for the compile report); ``arch``: 80 or 90 (the
     softmax kernels' table, `SOFTMAX_CONFIGS`; default 90)."""
     if interpreting() and not gpu:
@@ -113,6 +113,8 @@ def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False
     big = head_dim > 64 or dtype == torch.float32
     if kind == "sb_fwd":
         return {"BM": 64, "BN": 32 if big else 64, "num_warps": 4, "num_stages": 2 if big else 3}
+    if kind == "sb_bwd_dkdv":
+        return {"BM": 32, "BN": 32 if big else 64, "num_warps": 4, "num_stages": 1}
     return {"BM": 32 if big else 64, "BN": 32 if big else 64, "num_warps": 4, "num_stages": 1 if big else 2}
 
 
@@ -323,18 +325,30 @@ class _FusedAttention(torch.autograd.Function):
                 **_strides("o", dout)}
         arch = _arch(q)
         if plan.stick_breaking:
+            # two sweeps, no program adding into another's dQ, dK or dV: the query-major one (dQ, the
+            # bias gradients) leaves the row sums after each key block, the key-major one (dK, dV, dc_k)
+            # reads them
             dq = torch.empty(b, h, nq, d, **f32)
-            dk = torch.zeros(b, hkv, nk, d, **f32)
-            dv = torch.zeros(b, hkv, nk, d, **f32)
+            dk = torch.empty(b, hkv, nk, d, **f32)
+            dv = torch.empty(b, hkv, nk, d, **f32)
             ddense = torch.zeros(dense.shape, **f32) if dense is not None else delta.new_zeros(1)
             cfg = block_config("sb_bwd", d, q.dtype, arch=arch)
-            nqb = triton.cdiv(nq, cfg["BM"])
+            cfg_kv = block_config("sb_bwd_dkdv", d, q.dtype, arch=arch)
+            if cfg_kv["BN"] != cfg["BN"]:
+                raise RuntimeError(f"stick-breaking tile table: sb_bwd_dkdv's BN {cfg_kv['BN']} must equal "
+                                   f"sb_bwd's {cfg['BN']} (the row sums are per key block); fix SB_CONFIGS")
+            nqb, nkb = triton.cdiv(nq, cfg["BM"]), triton.cdiv(nk, cfg["BN"])
+            # O(N^2 / BN): two row sums per (row, key block)
+            tails = torch.empty(2, b * h, nkb, nq, **f32)
             dslope = torch.zeros(b, h, nqb, **f32)
             dtile = torch.zeros(b, h, nqb, plan.tile_block, **f32) if tile_params is not None else delta.new_zeros(1)
+            sums = {"DELTA": delta, "TAILS": tails[0], "GTAILS": tails[1], "n_kblocks": nkb}
             _launch(stick_breaking._sb_bwd_kernel, (nqb, b * h),
-                    {**head, "DELTA": delta, "DQ": dq, "DK": dk, "DV": dv, "DCQ": dcq, "DCK": dck, "DTABLE": dtable,
-                     "DSLOPE": dslope, "DDENSE": ddense, "DTILE": dtile, "n_qblocks": nqb, **args},
+                    {**head, **sums, "DQ": dq, "DCQ": dcq, "DTABLE": dtable, "DSLOPE": dslope, "DDENSE": ddense,
+                     "DTILE": dtile, "n_qblocks": nqb, **args},
                     {**flags, "ATOMIC_DENSE": True}, cfg)
+            _launch(stick_breaking._sb_bwd_dkdv_kernel, (nkb, b * hkv),
+                    {**head, **sums, "DK": dk, "DV": dv, "DCK": dck, **args}, flags, cfg_kv)
         else:
             # gradients in the operand dtype; no program adds into another's
             dq = torch.empty(b, h, nq, d, dtype=store_dtype(q.dtype), device=q.device)

@@ -50,6 +50,22 @@ def _sb_tile(q, kd, s_bias, ok, qk_scale, PREC: tl.constexpr, ACC: tl.constexpr)
 
 
 @triton.jit
+def _sb_grad_tile(q, kd, vd, dod, bias, ok, tail, g_tail, delta, qk_scale, DOT_T: tl.constexpr, PREC: tl.constexpr,
+                  ACC: tl.constexpr):
+    """One tile of the backward: A (recomputed, in the operand dtype as the forward rounds it),
+    ``g = A (dO . v)``, ``dz = g - sigmoid(z) (dO . o - sum_{j' > j} g_ij')`` (0 where hidden) and the
+    base-2 softplus. ``tail``/``g_tail``: the row sums of the softplus and of g over the visible keys
+    after this tile."""
+    s2, sp2, suffix2, e = _sb_tile(q, kd, bias, ok, qk_scale, PREC, ACC)
+    a = tl.where(ok, tl.math.exp2(s2 - tail[:, None] - suffix2), 0.0).to(DOT_T)
+    g = a.to(ACC) * tl.dot(dod, tl.trans(vd), input_precision=PREC, out_dtype=ACC)
+    g_after = g_tail[:, None] + tl.cumsum(g, axis=1, reverse=True) - g
+    sig = tl.where(s2 >= 0.0, 1.0, e) / (1.0 + e)  # sigmoid(z) from the softplus's 2^-|s2|
+    ds = tl.where(ok, g - sig * (delta[:, None] - g_after), 0.0)
+    return a, g, ds, sp2
+
+
+@triton.jit
 def _sb_fwd_kernel(Q, K, V, O, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
                    H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset,
                    QCOS, QSIN, s_qcb, s_qch, s_qcp, QIDX, KCOS, KSIN, s_kcb, s_kch, s_kcp, KIDX, R,
@@ -103,8 +119,8 @@ def _sb_fwd_kernel(Q, K, V, O, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
 
 
 @triton.jit
-def _sb_bwd_kernel(Q, K, V, DO, DELTA, DQ, DK, DV, DCQ, DCK, DTABLE, DSLOPE, DDENSE, DTILE,
-                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, n_qblocks,
+def _sb_bwd_kernel(Q, K, V, DO, DELTA, TAILS, GTAILS, DQ, DCQ, DTABLE, DSLOPE, DDENSE, DTILE,
+                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, n_qblocks, n_kblocks,
                    H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset,
                    QCOS, QSIN, s_qcb, s_qch, s_qcp, QIDX, KCOS, KSIN, s_kcb, s_kch, s_kcp, KIDX, R,
                    QSEG, KSEG, KVALID,
@@ -115,6 +131,9 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, DQ, DK, DV, DCQ, DCK, DTABLE, DSLOPE, DDE
                    HAS_TILE: tl.constexpr, TILE_GB: tl.constexpr, TILE_VALUE: tl.constexpr, TILE_GRADS: tl.constexpr,
                    ATOMIC_DENSE: tl.constexpr,
                    DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
+    """dQ, dc_q and the bias gradients of one query block (the descending sweep), and the row sums
+    the dK/dV kernel needs per key block: ``TAILS``/``GTAILS [B * H, n_kblocks, Nq]``, the sums of
+    the base-2 softplus and of g over the visible keys after key block ``jb``."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -125,11 +144,10 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, DQ, DK, DV, DCQ, DCK, DTABLE, DSLOPE, DDE
     m_mask = offs_m < Nq
     d_mask = offs_d < D
     q = (load_rotated(Q + b * sqb + h * sqh, sqn, offs_m, m_mask, offs_d, D,
-                            QCOS + b * s_qcb + h * s_qch, QSIN + b * s_qcb + h * s_qch, s_qcp, QIDX + b * Nq,
-                            R, ROT, 1, ACC)).to(DOT_T)
-    do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :],
-                 mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(ACC)
-    dod = do.to(DOT_T)
+                      QCOS + b * s_qcb + h * s_qch, QSIN + b * s_qcb + h * s_qch, s_qcp, QIDX + b * Nq,
+                      R, ROT, 1, ACC)).to(DOT_T)
+    dod = tl.load(DO + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :],
+                  mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_T)
     delta = tl.load(DELTA + pid_bh * Nq + offs_m, mask=m_mask, other=0.0)
     kcos = KCOS + b * s_kcb + hk * s_kch
     ksin = KSIN + b * s_kcb + hk * s_kch
@@ -141,33 +159,23 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, DQ, DK, DV, DCQ, DCK, DTABLE, DSLOPE, DDE
     g_tail = tl.zeros((BM,), ACC)  # sum of g over the visible keys after this block
     n_blocks = tl.cdiv(tl.minimum(Nk, q_offset + (pid_m + 1) * BM), BN)
     for it in range(n_blocks):
-        start_n = (n_blocks - 1 - it) * BN
-        offs_n = start_n + tl.arange(0, BN)
+        jb = n_blocks - 1 - it
+        offs_n = jb * BN + tl.arange(0, BN)
         n_mask = offs_n < Nk
+        tl.store(TAILS + (pid_bh * n_kblocks + jb) * Nq + offs_m, tail, mask=m_mask)
+        tl.store(GTAILS + (pid_bh * n_kblocks + jb) * Nq + offs_m, g_tail, mask=m_mask)
         kd = (load_rotated(K + b * skb + hk * skh, skn, offs_n, n_mask, offs_d, D, kcos, ksin, s_kcp,
-                                 KIDX + b * Nk, R, ROT, 1, ACC)).to(DOT_T)
-        vd = (tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
-                            mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(ACC)).to(DOT_T)
+                           KIDX + b * Nk, R, ROT, 1, ACC)).to(DOT_T)
+        vd = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
+                     mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_T)
         bias = bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, SLOPES, TABLE, RMAX, s_th,
                          CQ + b * s_cqb + h * s_cqh, CK + b * s_ckb + h * s_ckh, DENSE + b * s_db + h * s_dh, s_dm,
                          TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
         ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
                      CAUSAL, HAS_SEG, HAS_KVALID)
-        s2, sp2, suffix2, e = _sb_tile(q, kd, bias, ok, qk_scale, PREC, ACC)
-        a = tl.where(ok, tl.math.exp2(s2 - tail[:, None] - suffix2), 0.0).to(DOT_T)  # the forward's rounding
-        g = a.to(ACC) * tl.dot(dod, tl.trans(vd), input_precision=PREC, out_dtype=ACC)
-        g_after = g_tail[:, None] + tl.cumsum(g, axis=1, reverse=True) - g
-        sig = tl.where(s2 >= 0.0, 1.0, e) / (1.0 + e)  # sigmoid(z) from the softplus's 2^-|s2|
-        ds = tl.where(ok, g - sig * (delta[:, None] - g_after), 0.0)
-        dsd = ds.to(DOT_T)  # dS in the operand dtype for its products (FlashAttention-2), float32 sums
-        dq += tl.dot(dsd, kd, input_precision=PREC, out_dtype=ACC)
-        kv_off = (b * (H // GROUP) + hk) * Nk * D + offs_n[:, None] * D + offs_d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        tl.atomic_add(DK + kv_off, tl.dot(tl.trans(dsd), q, input_precision=PREC, out_dtype=ACC) * scale, mask=kv_mask)
-        tl.atomic_add(DV + kv_off, tl.dot(tl.trans(a), dod, input_precision=PREC, out_dtype=ACC), mask=kv_mask)
+        _, g, ds, sp2 = _sb_grad_tile(q, kd, vd, dod, bias, ok, tail, g_tail, delta, qk_scale, DOT_T, PREC, ACC)
+        dq += tl.dot(ds.to(DOT_T), kd, input_precision=PREC, out_dtype=ACC)  # dS in the operand dtype
         dcq += tl.sum(ds, 1)
-        if HAS_DEC:
-            tl.atomic_add(DCK + pid_bh * Nk + offs_n, -tl.sum(ds, 0), mask=n_mask)
         dsl, dti = bias_grads(ds, h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, DTABLE, RMAX,
                               s_th, DDENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL,
                               HAS_DENSE, ATOMIC_DENSE, HAS_TILE, TILE_GRADS, TILE_GB, ACC)
@@ -183,3 +191,71 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, DQ, DK, DV, DCQ, DCK, DTABLE, DSLOPE, DDE
         tl.store(DSLOPE + pid_bh * n_qblocks + pid_m, dslope)
     if HAS_TILE:
         tl.store(DTILE + (pid_bh * n_qblocks + pid_m) * TILE_GB + tl.arange(0, TILE_GB), dtile)
+
+
+@triton.jit
+def _sb_bwd_dkdv_kernel(Q, K, V, DO, DELTA, TAILS, GTAILS, DK, DV, DCK,
+                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, n_kblocks,
+                        H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset,
+                        QCOS, QSIN, s_qcb, s_qch, s_qcp, QIDX, KCOS, KSIN, s_kcb, s_kch, s_kcp, KIDX, R,
+                        QSEG, KSEG, KVALID,
+                        QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh,
+                        s_dm, TILE, TILE_W, tile_eps,
+                        ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+                        HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr,
+                        HAS_DENSE: tl.constexpr, HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr,
+                        DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        BD: tl.constexpr, ACC: tl.constexpr):
+    """dK, dV (float32, ``[B, Hkv, Nk, D]``) and dc_k of one key block of one kv head, summed over
+    the query blocks of its query heads that see it: the row sums after the block come from
+    ``TAILS``/``GTAILS`` (`_sb_bwd_kernel`, same ``BN``). No program adds into another's."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    hkv = H // GROUP
+    b = pid_bh // hkv
+    hk = pid_bh % hkv
+    n0 = pid_n * BN
+    offs_n = n0 + tl.arange(0, BN)
+    offs_d = tl.arange(0, BD)
+    n_mask = offs_n < Nk
+    d_mask = offs_d < D
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    kd = (load_rotated(K + b * skb + hk * skh, skn, offs_n, n_mask, offs_d, D, KCOS + b * s_kcb + hk * s_kch,
+                       KSIN + b * s_kcb + hk * s_kch, s_kcp, KIDX + b * Nk, R, ROT, 1, ACC)).to(DOT_T)
+    vd = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask,
+                 other=0.0).to(DOT_T)
+    dk = tl.zeros((BN, BD), ACC)
+    dv = tl.zeros((BN, BD), ACC)
+    lo = tl.maximum(n0 - q_offset, 0) // BM * BM  # causal: earlier queries see none of these keys
+    for gi in range(GROUP):
+        h = hk * GROUP + gi
+        bh = b * H + h
+        dck = tl.zeros((BN,), ACC)
+        for start_m in range(lo, Nq, BM):
+            offs_m = start_m + tl.arange(0, BM)
+            m_mask = offs_m < Nq
+            q = (load_rotated(Q + b * sqb + h * sqh, sqn, offs_m, m_mask, offs_d, D,
+                              QCOS + b * s_qcb + h * s_qch, QSIN + b * s_qcb + h * s_qch, s_qcp, QIDX + b * Nq,
+                              R, ROT, 1, ACC)).to(DOT_T)
+            dod = tl.load(DO + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :],
+                          mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_T)
+            delta = tl.load(DELTA + bh * Nq + offs_m, mask=m_mask, other=0.0)
+            tail = tl.load(TAILS + (bh * n_kblocks + pid_n) * Nq + offs_m, mask=m_mask, other=0.0)
+            g_tail = tl.load(GTAILS + (bh * n_kblocks + pid_n) * Nq + offs_m, mask=m_mask, other=0.0)
+            bias = bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, SLOPES, TABLE, RMAX,
+                             s_th, CQ + b * s_cqb + h * s_cqh, CK + b * s_ckb + h * s_ckh,
+                             DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL,
+                             HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
+            ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
+                         CAUSAL, HAS_SEG, HAS_KVALID)
+            a, _, ds, _ = _sb_grad_tile(q, kd, vd, dod, bias, ok, tail, g_tail, delta, qk_scale, DOT_T, PREC,
+                                          ACC)
+            dv += tl.dot(tl.trans(a), dod, input_precision=PREC, out_dtype=ACC)
+            dk += tl.dot(tl.trans(ds.to(DOT_T)), q, input_precision=PREC, out_dtype=ACC)
+            if HAS_DEC:
+                dck -= tl.sum(ds, 0)
+        if HAS_DEC:
+            tl.store(DCK + bh * Nk + offs_n, dck, mask=n_mask)
+    out = (b * hkv + hk) * Nk * D + offs_n[:, None] * D + offs_d[None, :]
+    tl.store(DK + out, dk * scale, mask=kv_mask)
+    tl.store(DV + out, dv, mask=kv_mask)
