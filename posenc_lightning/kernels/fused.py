@@ -91,6 +91,36 @@ SOFTMAX_CONFIGS: dict[tuple[int, int, str, str], tuple[int, int, int, int]] = {
 }
 
 
+#: stick-breaking kernels' (BM, BN, num_warps, num_stages), keyed as `SOFTMAX_CONFIGS` with the kinds
+#: sb_fwd, sb_bwd (query-major: dQ, the bias gradients, the row sums per key block) and sb_bwd_dkdv
+#: (key-major: dK, dV), whose BN is sb_bwd's (the row sums are per key block of that BN). Pinned from
+#: `benchmarks/sb_tile_search.py` with every feature on: the largest tiles without register spills on
+#: both targets (tests/test_triton_compile.py), but for two fp32 entries (`SB_SPILLS`). They hold more per score than the softmax kernels
+#: (softplus, its suffix sums, A; the backward g, its suffix sums, dS): smaller tiles.
+SB_CONFIGS: dict[tuple[int, int, str, str], tuple[int, int, int, int]] = {
+    (80, 64, "16", "sb_fwd"): (32, 32, 4, 2),
+    (90, 64, "16", "sb_fwd"): (64, 32, 4, 2),
+    **{(a, 128, "16", "sb_fwd"): (32, 16, 4, 1) for a in (80, 90)},
+    **{(a, 64, "16", k): (16, 32, 4, 1) for a in (80, 90) for k in ("sb_bwd", "sb_bwd_dkdv")},
+    **{(a, 128, "16", k): (16, 16, 4, 1) for a in (80, 90) for k in ("sb_bwd", "sb_bwd_dkdv")},
+    **{(a, 64, "32", "sb_fwd"): (32, 32, 4, 1) for a in (80, 90)},
+    **{(a, 64, "32", k): (16, 16, 4, 1) for a in (80, 90) for k in ("sb_bwd", "sb_bwd_dkdv")},
+    # fp32 at head dim 128 ("ieee" products on the CUDA cores hold their operands per thread): 16 x 16,
+    # 8 warps where 4 spill; two entries keep a few bytes of spills (`SB_SPILLS`)
+    (80, 128, "32", "sb_fwd"): (16, 16, 4, 1),
+    (90, 128, "32", "sb_fwd"): (16, 16, 8, 1),
+    **{(a, 128, "32", "sb_bwd"): (16, 16, 8, 1) for a in (80, 90)},
+    (80, 128, "32", "sb_bwd_dkdv"): (16, 16, 4, 1),
+    (90, 128, "32", "sb_bwd_dkdv"): (16, 16, 4, 1),
+}
+#: the spilled bytes (stores, loads) left in `SB_CONFIGS` at its tiles, every feature on (ptxas -v,
+#: Triton 3.7.1, 2026-12-06): fp32 at head dim 128, no tile of 16 x 16 on 2, 4 or 8 warps without
+SB_SPILLS: dict[tuple[str, int, str, str], tuple[int, int]] = {
+    ("sb_fwd", 128, "float32", "sm90"): (4, 4),
+    ("sb_bwd_dkdv", 128, "float32", "sm80"): (8, 4),
+}
+
+
 def cuda_arch(device: torch.device) -> int:
     """90 on Hopper and later, else 80 (the two tables of `SOFTMAX_CONFIGS`)."""
     major, _ = torch.cuda.get_device_capability(device)
@@ -100,22 +130,18 @@ def cuda_arch(device: torch.device) -> int:
 def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False, arch: int | None = None) -> dict:
     """Tile sizes per kernel ``kind`` (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, sb_bwd_dkdv, rotate, rowdot); ``gpu``:
     the GPU sizes even under the interpreter (for the compile report); ``arch``: 80 or 90 (the
-    softmax kernels' table, `SOFTMAX_CONFIGS`; default 90)."""
+    tables `SOFTMAX_CONFIGS` and `SB_CONFIGS`; default 90)."""
     if interpreting() and not gpu:
         return {"BM": INTERPRET_BLOCKS[0], "BN": INTERPRET_BLOCKS[1], "num_warps": 1, "num_stages": 1}
     if kind in ("rotate", "rowdot"):
         return {"BM": 32, "BN": 32, "num_warps": 4, "num_stages": 1}
-    if kind in ("fwd", "bwd_dkdv", "bwd_dq"):
+    if kind in ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd", "sb_bwd_dkdv"):
         key = (90 if arch is None or arch >= 90 else 80, 64 if head_dim <= 64 else 128,
                "32" if dtype in (torch.float32, torch.float64) else "16", kind)
-        bm, bn, warps, stages = SOFTMAX_CONFIGS[key]
+        bm, bn, warps, stages = (SB_CONFIGS if kind.startswith("sb_") else SOFTMAX_CONFIGS)[key]
         return {"BM": bm, "BN": bn, "num_warps": warps, "num_stages": stages}
-    big = head_dim > 64 or dtype == torch.float32
-    if kind == "sb_fwd":
-        return {"BM": 64, "BN": 32 if big else 64, "num_warps": 4, "num_stages": 2 if big else 3}
-    if kind == "sb_bwd_dkdv":
-        return {"BM": 32, "BN": 32 if big else 64, "num_warps": 4, "num_stages": 1}
-    return {"BM": 32 if big else 64, "BN": 32 if big else 64, "num_warps": 4, "num_stages": 1 if big else 2}
+    raise ValueError(f"block_config: unknown kernel kind {kind!r}; known: fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, "
+                     "sb_bwd_dkdv, rotate, rowdot")
 
 
 def head_block(head_dim: int) -> int:
