@@ -162,8 +162,9 @@ def test_stick_breaking_kernels_instructions():
     - no 3xTF32 (``cvt.rna.tf32``): A and dS enter their products in the operand dtype, and
       tensor-core products (``mma``) are there;
     - at most two ``ex2`` per score (the base-2 softplus's and A's; the softplus's log is one
-      ``lg2``): a loop body holds ``BM * BN / threads`` scores per thread (twice that on a tile
-      whose layout repeats on two warps, 16 x 16 on 4 warps);
+      ``lg2``; the seed's softplus made it three): a loop body holds ``BM * BN / threads`` scores
+      per thread, and a tile of at most four scores per thread may repeat its layout on two warps
+      (32 x 16 and 16 x 16 on 4 warps do: 16 ``ex2`` for 4 scores, 8 for 2);
     - no atomics in the forward or the dK/dV kernel; in the dQ kernel only the relative table's
       and the dense bias's per-score scatters (none without those two biases).
     """
@@ -172,7 +173,7 @@ def test_stick_breaking_kernels_instructions():
     for r in rows:
         what = f"{r['kernel']} D={r['head_dim']} {r['target']} {r['BM']}x{r['BN']}"
         scores = r["BM"] * r["BN"] // r["threads"]
-        repeat = 2 if r["BM"] * r["BN"] <= 2 * r["threads"] else 1
+        repeat = 2 if r["BM"] * r["BN"] <= 4 * r["threads"] else 1
         assert r["tf32"] == 0 and r["mma"] > 0, (what, r["tf32"], r["mma"])
         assert 0 < r["ex2"] <= 2 * scores * repeat, (what, r["ex2"], scores)
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (what, r["spill_stores"], r["spill_loads"])
