@@ -15,8 +15,11 @@ softplus is exact, as in the eager reference.
 
 Backward, with ``g_ij = A_ij (dO_i . v_j)``: ``dz_ij = g_ij - sigmoid(z_ij) P_ij`` where
 ``P_ij = sum_{j' <= j} g_ij' = dO_i . o_i - sum_{j' > j} g_ij'``; the same descending sweep gives
-the suffix sums. One program per query block accumulates dQ and scatters dK, dV, dc_k and the
-bias-table gradient with atomic adds (float32).
+the suffix sums. Two sweeps, neither adding into another program's dQ, dK or dV:
+`_sb_bwd_kernel` (one program per query block: dQ, dc_q, the bias gradients; the relative
+table's and the dense bias's by per-score atomic adds) stores each row's sums of softplus and of
+g after every key block, which `_sb_bwd_dkdv_kernel` (one program per key block of a kv head)
+reads to recompute the same tiles for dK, dV and dc_k.
 """
 
 from __future__ import annotations
