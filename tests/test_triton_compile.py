@@ -165,8 +165,9 @@ def test_stick_breaking_kernels_instructions():
       ``lg2``; the seed's softplus made it three): a loop body holds ``BM * BN / threads`` scores
       per thread, and a tile of at most four scores per thread may repeat its layout on two warps
       (32 x 16 and 16 x 16 on 4 warps do: 16 ``ex2`` for 4 scores, 8 for 2);
-    - no atomics in the forward or the dK/dV kernel; in the dQ kernel only the relative table's
-      and the dense bias's per-score scatters (none without those two biases).
+    - no atomics in the forward or the dK/dV kernel; in the dQ kernel only the relative table's:
+      one scatter per score (masked off on tiles wholly past its clamp) and `EDGE_ADDS` per
+      program; none without the table (the dense bias's gradient is stored).
     """
     rows = _report("--head-dims", "64", "128", "--dtypes", "bfloat16", kinds=SB_KINDS)
     assert len(rows) == 3 * 2 * 2
@@ -177,9 +178,9 @@ def test_stick_breaking_kernels_instructions():
         assert r["tf32"] == 0 and r["mma"] > 0, (what, r["tf32"], r["mma"])
         assert 0 < r["ex2"] <= 2 * scores * repeat, (what, r["ex2"], scores)
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (what, r["spill_stores"], r["spill_loads"])
-        if r["kernel"] != "sb_bwd":
-            assert r["atomics"] == 0, (what, r["atomics"])
-    for r in _report("--head-dims", "64", "128", "--dtypes", "bfloat16", "--no-ptxas", "--without", "table", "dense",
+        want = [scores * k + EDGE_ADDS for k in range(1, repeat + 1)] if r["kernel"] == "sb_bwd" else [0]
+        assert r["atomics"] in want, (what, r["atomics"], want)
+    for r in _report("--head-dims", "64", "128", "--dtypes", "bfloat16", "--no-ptxas", "--without", "table",
                      kinds=SB_KINDS):
         assert r["atomics"] == 0, r
 
@@ -208,6 +209,9 @@ def test_recorded_stick_breaking_report_has_no_spills():
         assert st <= allowed[0] and ld <= allowed[1] and status == "ok" and tf32 == "0", (kind, d, dtype, target, spills)
         if kind != "sb_bwd":
             assert atom == "0", (kind, d, dtype, target, atom)
+        else:  # the relative table's scatter, one per score a thread holds, and its two edges
+            assert 0 < int(atom) <= 2 * int(tile.split("x")[0]) * int(tile.split("x")[1]) // (
+                32 * int(warps_stages.split("/")[0])) + EDGE_ADDS, (kind, d, dtype, target, atom)
 
 
 def test_stick_breaking_table_shares_the_key_block():

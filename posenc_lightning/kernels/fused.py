@@ -357,7 +357,8 @@ class _FusedAttention(torch.autograd.Function):
             dq = torch.empty(b, h, nq, d, **f32)
             dk = torch.empty(b, hkv, nk, d, **f32)
             dv = torch.empty(b, hkv, nk, d, **f32)
-            ddense = torch.zeros(dense.shape, **f32) if dense is not None else delta.new_zeros(1)
+            # one dense-bias gradient per batch row (plain stores), summed below where the bias is shared
+            ddense = torch.zeros(b, *dense.shape[1:], **f32) if dense is not None else delta.new_zeros(1)
             cfg = block_config("sb_bwd", d, q.dtype, arch=arch)
             cfg_kv = block_config("sb_bwd_dkdv", d, q.dtype, arch=arch)
             if cfg_kv["BN"] != cfg["BN"]:
@@ -371,10 +372,12 @@ class _FusedAttention(torch.autograd.Function):
             sums = {"DELTA": delta, "TAILS": tails[0], "GTAILS": tails[1], "n_kblocks": nkb}
             _launch(stick_breaking._sb_bwd_kernel, (nqb, b * h),
                     {**head, **sums, "DQ": dq, "DCQ": dcq, "DTABLE": dtable, "DSLOPE": dslope, "DDENSE": ddense,
-                     "DTILE": dtile, "n_qblocks": nqb, **args},
-                    {**flags, "ATOMIC_DENSE": True}, cfg)
+                     "DTILE": dtile, "n_qblocks": nqb, "s_ddb": ddense.stride(0) if dense is not None else 0,
+                     **args}, flags, cfg)
             _launch(stick_breaking._sb_bwd_dkdv_kernel, (nkb, b * hkv),
                     {**head, **sums, "DK": dk, "DV": dv, "DCK": dck, **args}, flags, cfg_kv)
+            if dense is not None and dense.shape[0] != b:
+                ddense = ddense.sum(0, keepdim=True)
         else:
             # gradients in the operand dtype; no program adds into another's
             dq = torch.empty(b, h, nq, d, dtype=store_dtype(q.dtype), device=q.device)

@@ -123,7 +123,7 @@ def launch_spec(kind: str, head_dim: int, dtype: torch.dtype, cc: int = 90, with
                 "X": torch.zeros(1), "Y": torch.zeros(1, dtype=dtype)}  # float32 gradient -> input dtype
     else:
         vals = dict(args)
-        flags = {**flags, "ATOMIC_DENSE": True, "EVEN_N": 1}  # dK/dV: N a multiple of the key block
+        flags = {**flags, "EVEN_N": 1}  # dK/dV: N a multiple of the key block
     vals.update(flags)
     vals.update({"BM": cfg["BM"], "BN": cfg["BN"]})
     for p in kernel.params:

@@ -17,7 +17,7 @@ Backward, with ``g_ij = A_ij (dO_i . v_j)``: ``dz_ij = g_ij - sigmoid(z_ij) P_ij
 ``P_ij = sum_{j' <= j} g_ij' = dO_i . o_i - sum_{j' > j} g_ij'``; the same descending sweep gives
 the suffix sums. Two sweeps, neither adding into another program's dQ, dK or dV:
 `_sb_bwd_kernel` (one program per query block: dQ, dc_q, the bias gradients; the relative
-table's and the dense bias's by per-score atomic adds) stores each row's sums of softplus and of
+table's by per-score atomic adds only on tiles that straddle its clamp) stores each row's sums of softplus and of
 g after every key block, which `_sb_bwd_dkdv_kernel` (one program per key block of a kv head)
 reads to recompute the same tiles for dK, dV and dc_k.
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from posenc_lightning.kernels._common import bias_grads, bias_tile, load_rotated, log2e, visible
+from posenc_lightning.kernels._common import bias_grads2, bias_tile, load_rotated, log2e, visible
 
 
 @triton.jit
@@ -123,7 +123,7 @@ def _sb_fwd_kernel(Q, K, V, O, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
 
 @triton.jit
 def _sb_bwd_kernel(Q, K, V, DO, DELTA, TAILS, GTAILS, DQ, DCQ, DTABLE, DSLOPE, DDENSE, DTILE,
-                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, n_qblocks, n_kblocks,
+                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, n_qblocks, n_kblocks, s_ddb,
                    H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset,
                    QCOS, QSIN, s_qcb, s_qch, s_qcp, QIDX, KCOS, KSIN, s_kcb, s_kch, s_kcp, KIDX, R,
                    QSEG, KSEG, KVALID,
@@ -132,11 +132,12 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, TAILS, GTAILS, DQ, DCQ, DTABLE, DSLOPE, D
                    ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                    HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
                    HAS_TILE: tl.constexpr, TILE_GB: tl.constexpr, TILE_VALUE: tl.constexpr, TILE_GRADS: tl.constexpr,
-                   ATOMIC_DENSE: tl.constexpr,
                    DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
     """dQ, dc_q and the bias gradients of one query block (the descending sweep), and the row sums
     the dK/dV kernel needs per key block: ``TAILS``/``GTAILS [B * H, n_kblocks, Nq]``, the sums of
-    the base-2 softplus and of g over the visible keys after key block ``jb``."""
+    the base-2 softplus and of g over the visible keys after key block ``jb``. Bias gradients as
+    `_common.bias_grads2`: the dense bias's stored (one buffer per batch row, ``s_ddb``), the
+    relative table's scattered only on tiles that straddle its clamp, its edges added once."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -156,8 +157,13 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, TAILS, GTAILS, DQ, DCQ, DTABLE, DSLOPE, D
     ksin = KSIN + b * s_kcb + hk * s_kch
     dq = tl.zeros((BM, BD), ACC)
     dcq = tl.zeros((BM,), ACC)
-    dslope = 0.0
+    dslope = tl.zeros((1,), ACC).sum(0)
     dtile = tl.zeros((TILE_GB,), ACC)
+    dhi = tl.zeros((1,), ACC).sum(0)  # the relative table's edge entries, summed in the program
+    dlo = tl.zeros((1,), ACC).sum(0)
+    qp = tl.zeros((BM,), ACC)
+    if HAS_LIN or HAS_REL or HAS_TILE:
+        qp = tl.load(QP + b * Nq + offs_m, mask=m_mask, other=0.0).to(ACC)
     tail = tl.zeros((BM,), ACC)
     g_tail = tl.zeros((BM,), ACC)  # sum of g over the visible keys after this block
     n_blocks = tl.cdiv(tl.minimum(Nk, q_offset + (pid_m + 1) * BM), BN)
@@ -179,11 +185,17 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, TAILS, GTAILS, DQ, DCQ, DTABLE, DSLOPE, D
         _, g, ds, sp2 = _sb_grad_tile(q, kd, vd, dod, bias, ok, tail, g_tail, delta, qk_scale, DOT_T, PREC, ACC)
         dq += tl.dot(ds.to(DOT_T), kd, input_precision=PREC, out_dtype=ACC)  # dS in the operand dtype
         dcq += tl.sum(ds, 1)
-        dsl, dti = bias_grads(ds, h, offs_m, offs_n, m_mask, n_mask, QP + b * Nq, KP + b * Nk, DTABLE, RMAX,
-                              s_th, DDENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL,
-                              HAS_DENSE, ATOMIC_DENSE, HAS_TILE, TILE_GRADS, TILE_GB, ACC)
-        dslope += dsl
-        dtile += dti
+        if HAS_LIN or HAS_REL or HAS_DENSE or HAS_TILE:
+            kp = qp  # unused without position biases
+            if HAS_LIN or HAS_REL or HAS_TILE:
+                kp = tl.load(KP + b * Nk + offs_n, mask=n_mask, other=0.0).to(ACC)
+            dsl, dti, dh, dl = bias_grads2(ds, h, offs_m, offs_n, m_mask, n_mask, qp, kp, DTABLE, RMAX, s_th,
+                                           DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, HAS_LIN,
+                                           HAS_REL, HAS_DENSE, HAS_TILE, TILE_GRADS, TILE_GB, ACC)
+            dslope += dsl
+            dtile += dti
+            dhi += dh
+            dlo += dl
         tail += tl.sum(sp2, 1)
         g_tail += tl.sum(g, 1)
     tl.store(DQ + pid_bh * Nq * D + offs_m[:, None] * D + offs_d[None, :], dq * scale,
@@ -192,6 +204,9 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, TAILS, GTAILS, DQ, DCQ, DTABLE, DSLOPE, D
         tl.store(DCQ + pid_bh * Nq + offs_m, dcq, mask=m_mask)
     if HAS_LIN:
         tl.store(DSLOPE + pid_bh * n_qblocks + pid_m, dslope)
+    if HAS_REL:  # one add per program and edge, for the tiles wholly past the clamp
+        tl.atomic_add(DTABLE + h * s_th + 2 * RMAX, dhi)
+        tl.atomic_add(DTABLE + h * s_th, dlo)
     if HAS_TILE:
         tl.store(DTILE + (pid_bh * n_qblocks + pid_m) * TILE_GB + tl.arange(0, TILE_GB), dtile)
 
