@@ -95,8 +95,9 @@ SOFTMAX_CONFIGS: dict[tuple[int, int, str, str], tuple[int, int, int, int]] = {
 #: sb_fwd, sb_bwd (query-major: dQ, the bias gradients, the row sums per key block) and sb_bwd_dkdv
 #: (key-major: dK, dV), whose BN is sb_bwd's (the row sums are per key block of that BN). Pinned from
 #: `benchmarks/sb_tile_search.py` with every feature on: the largest tiles without register spills on
-#: both targets (tests/test_triton_compile.py), but for two fp32 entries (`SB_SPILLS`). They hold more per score than the softmax kernels
-#: (softplus, its suffix sums, A; the backward g, its suffix sums, dS): smaller tiles.
+#: both targets (tests/test_triton_compile.py), but for two fp32 entries (`SB_SPILLS`). They hold more
+#: per score than the softmax kernels (softplus, its suffix sums, A; the backward g, its suffix sums,
+#: dS): smaller tiles.
 SB_CONFIGS: dict[tuple[int, int, str, str], tuple[int, int, int, int]] = {
     (80, 64, "16", "sb_fwd"): (32, 32, 4, 2),
     (90, 64, "16", "sb_fwd"): (64, 32, 4, 2),
@@ -114,7 +115,8 @@ SB_CONFIGS: dict[tuple[int, int, str, str], tuple[int, int, int, int]] = {
     (90, 128, "32", "sb_bwd_dkdv"): (16, 16, 4, 1),
 }
 #: the spilled bytes (stores, loads) left in `SB_CONFIGS` at its tiles, every feature on (ptxas -v,
-#: Triton 3.7.1, 2026-12-06): fp32 at head dim 128, no tile of 16 x 16 on 2, 4 or 8 warps without
+#: Triton 3.7.1, 2026-12-06): fp32 at head dim 128, where no tile searched had none (16 x 16 on 2, 4
+#: and 8 warps, 16 x 32 and 32 x 32 on 4: `benchmarks/results/sb_tile_search-cpu-20261206.txt`)
 SB_SPILLS: dict[tuple[str, int, str, str], tuple[int, int]] = {
     ("sb_fwd", 128, "float32", "sm90"): (4, 4),
     ("sb_bwd_dkdv", 128, "float32", "sm80"): (8, 4),
@@ -128,8 +130,8 @@ def cuda_arch(device: torch.device) -> int:
 
 
 def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False, arch: int | None = None) -> dict:
-    """Tile sizes per kernel ``kind`` (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, sb_bwd_dkdv, rotate, rowdot); ``gpu``:
-    the GPU sizes even under the interpreter (for the compile report); ``arch``: 80 or 90 (the
+    """Tile sizes per kernel ``kind`` (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, sb_bwd_dkdv, rotate,
+    rowdot); ``gpu``: the GPU sizes even under the interpreter (for the compile report); ``arch``: 80 or 90 (the
     tables `SOFTMAX_CONFIGS` and `SB_CONFIGS`; default 90)."""
     if interpreting() and not gpu:
         return {"BM": INTERPRET_BLOCKS[0], "BN": INTERPRET_BLOCKS[1], "num_warps": 1, "num_stages": 1}
@@ -316,7 +318,8 @@ class _FusedAttention(torch.autograd.Function):
         if rot is not None and not plan.stick_breaking:  # rotate once; the softmax kernels take rotated q, k
             q = rotate(q, rot.cos_q, rot.sin_q, rot.idx_q, rot.layout, out_dtype=store_dtype(q.dtype)).to(q.dtype)
             k = rotate(k, rot.cos_k, rot.sin_k, rot.idx_k, rot.layout, out_dtype=store_dtype(k.dtype)).to(k.dtype)
-        # softmax: O in the operand dtype; stick-breaking: float32 (rebuilt by a later step)
+        # softmax: O in the operand dtype; stick-breaking: float32 (its backward's dO . o must be the sum
+        # of the g it recomputes: an O rounded to fp16 would add up over the unnormalized weights)
         out = torch.empty(b, h, nq, d, dtype=acc_dtype(q.dtype) if plan.stick_breaking else store_dtype(q.dtype),
                           device=q.device)
         lse = torch.empty(b, h, nq, dtype=acc_dtype(q.dtype), device=q.device)
