@@ -22,26 +22,30 @@ def test_every_kernel_config_compiles_for_sm80_and_sm90():
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500, check=False)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    kernels = ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd")
+    kernels = ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd", "sb_bwd_dkdv")
     lines = [ln for ln in r.stdout.splitlines() if ln.split()[:1] and ln.split()[0] in
              (*kernels, *(f"{k}_fire" for k in kernels), "rotate")]
-    # 5 attention kernels x 4 tilings, again with FIRE's MLP per tile, + the rotation kernel, for both targets
-    assert len(lines) == (2 * 5 * 4 + 1) * 2, out
-    assert sum(ln.split()[0].endswith("_fire") for ln in lines) == 5 * 4 * 2
+    # 6 attention kernels x 4 tilings, again with FIRE's MLP per tile, + the rotation kernel, for both targets
+    assert len(lines) == (2 * 6 * 4 + 1) * 2, out
+    assert sum(ln.split()[0].endswith("_fire") for ln in lines) == 6 * 4 * 2
     assert {ln.split()[3] for ln in lines} == {"sm80", "sm90"}
     assert all(ln.rstrip().endswith("ok") for ln in lines), out
 
 
-def _report(*args: str) -> list[dict]:
-    """Rows of ``resource_report`` for the softmax kernels (a subprocess: the interpreter is on here)."""
+SOFTMAX_KINDS = ("fwd", "bwd_dkdv", "bwd_dq")
+SB_KINDS = ("sb_fwd", "sb_bwd", "sb_bwd_dkdv")
+
+
+def _report(*args: str, kinds: tuple[str, ...] = SOFTMAX_KINDS) -> list[dict]:
+    """Rows of ``resource_report`` for ``kinds`` (a subprocess: the interpreter is on here)."""
     import json
     import tempfile
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, "-m", "posenc_lightning.kernels.resource_report", "--check", "--kinds", "fwd",
-               "bwd_dkdv", "bwd_dq", "--jobs", "2", "--json", path, *args]
+        cmd = [sys.executable, "-m", "posenc_lightning.kernels.resource_report", "--check", "--kinds", *kinds,
+               "--jobs", "2", "--json", path, *args]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500, check=False)
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
         with open(path) as f:
@@ -129,3 +133,94 @@ def test_recorded_softmax_report_has_no_spills():
         assert tile == f"{cfg['BM']}x{cfg['BN']}" and warps_stages == f"{cfg['num_warps']}/{cfg['num_stages']}", \
             (kind, d, dtype, target, tile)
         assert spills == "0/0" and status == "ok" and tf32 == "0", (kind, d, dtype, target, spills)
+
+
+def _sb_spills(kind: str, d, dtype: str, target: str) -> tuple[int, int]:
+    """The spilled bytes (stores, loads) allowed: 0, but for `fused.SB_SPILLS`' two fp32 entries."""
+    from posenc_lightning.kernels.fused import SB_SPILLS
+
+    return SB_SPILLS.get((kind, int(d), dtype, target), (0, 0))
+
+
+def test_stick_breaking_kernels_never_spill():
+    """fp16, bf16 and fp32, head_dim 64 and 128, sm80 and sm90, every feature on, at the tiles
+    of `fused.SB_CONFIGS`: 0 bytes of register spills (ptxas -v) in the stick-breaking forward,
+    its query-major backward (dQ) and its key-major backward (dK, dV), but for the fp32 head-dim-128
+    entries that `fused.SB_SPILLS` names, which stay at most at its bytes."""
+    rows = _report("--head-dims", "64", "128", "--dtypes", "float16", "bfloat16", "float32", kinds=SB_KINDS)
+    assert len(rows) == 3 * 2 * 3 * 2
+    for r in rows:
+        what = f"{r['kernel']} D={r['head_dim']} {r['dtype']} {r['target']} {r['BM']}x{r['BN']}"
+        st, ld = _sb_spills(r["kernel"], r["head_dim"], r["dtype"], r["target"])
+        assert r["spill_stores"] <= st and r["spill_loads"] <= ld, (what, r["spill_stores"], r["spill_loads"])
+
+
+def test_stick_breaking_kernels_instructions():
+    """bf16, head_dim 64 and 128, sm80 and sm90, every feature on, at the tiles of
+    `fused.SB_CONFIGS`:
+
+    - no 3xTF32 (``cvt.rna.tf32``): A and dS enter their products in the operand dtype, and
+      tensor-core products (``mma``) are there;
+    - at most two ``ex2`` per score (the base-2 softplus's and A's; the softplus's log is one
+      ``lg2``; the seed's softplus made it three): a loop body holds ``BM * BN / threads`` scores
+      per thread, and a tile of at most four scores per thread may repeat its layout on two warps
+      (32 x 16 and 16 x 16 on 4 warps do: 16 ``ex2`` for 4 scores, 8 for 2);
+    - no atomics in the forward or the dK/dV kernel; in the dQ kernel only the relative table's:
+      one scatter per score (masked off on tiles wholly past its clamp) and `EDGE_ADDS` per
+      program; none without the table (the dense bias's gradient is stored).
+    """
+    rows = _report("--head-dims", "64", "128", "--dtypes", "bfloat16", kinds=SB_KINDS)
+    assert len(rows) == 3 * 2 * 2
+    for r in rows:
+        what = f"{r['kernel']} D={r['head_dim']} {r['target']} {r['BM']}x{r['BN']}"
+        scores = r["BM"] * r["BN"] // r["threads"]
+        repeat = 2 if r["BM"] * r["BN"] <= 4 * r["threads"] else 1
+        assert r["tf32"] == 0 and r["mma"] > 0, (what, r["tf32"], r["mma"])
+        assert 0 < r["ex2"] <= 2 * scores * repeat, (what, r["ex2"], scores)
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (what, r["spill_stores"], r["spill_loads"])
+        want = [scores * k + EDGE_ADDS for k in range(1, repeat + 1)] if r["kernel"] == "sb_bwd" else [0]
+        assert r["atomics"] in want, (what, r["atomics"], want)
+    for r in _report("--head-dims", "64", "128", "--dtypes", "bfloat16", "--no-ptxas", "--without", "table",
+                     kinds=SB_KINDS):
+        assert r["atomics"] == 0, r
+
+
+def test_recorded_stick_breaking_report_has_no_spills():
+    """The recorded report (``benchmarks/results/triton_compile_sb_after_issue45.txt``, regenerated
+    by ``resource_report --kinds sb_fwd sb_bwd sb_bwd_dkdv --head-dims 64 128``) lists every
+    stick-breaking kernel, dtype and target at head dims 64 and 128, each at 0 spilled bytes (but
+    `fused.SB_SPILLS`), no tf32 conversion, no atomics outside the dQ sweep, and the tiles
+    `fused.SB_CONFIGS` pins now (a stale file fails)."""
+    import torch
+
+    from posenc_lightning.kernels.fused import block_config
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
+                        "triton_compile_sb_after_issue45.txt")
+    with open(path) as f:
+        rows = [ln.split() for ln in f if ln.split()[:1] and ln.split()[0] in SB_KINDS]
+    assert len(rows) == 3 * 2 * 3 * 2
+    for kind, d, dtype, target, tile, warps_stages, *_, spills, mma, tf32, atom, ex2, status in rows:
+        cfg = block_config(kind, int(d), getattr(torch, dtype), gpu=True, arch=int(target[2:]))
+        assert tile == f"{cfg['BM']}x{cfg['BN']}" and warps_stages == f"{cfg['num_warps']}/{cfg['num_stages']}", \
+            (kind, d, dtype, target, tile)
+        st, ld = (int(x) for x in spills.split("/"))
+        allowed = _sb_spills(kind, d, dtype, target)
+        assert st <= allowed[0] and ld <= allowed[1] and status == "ok" and tf32 == "0", (kind, d, dtype, target, spills)
+        if kind != "sb_bwd":
+            assert atom == "0", (kind, d, dtype, target, atom)
+        else:  # the relative table's scatter, one per score a thread holds, and its two edges
+            assert 0 < int(atom) <= 2 * int(tile.split("x")[0]) * int(tile.split("x")[1]) // (
+                32 * int(warps_stages.split("/")[0])) + EDGE_ADDS, (kind, d, dtype, target, atom)
+
+
+def test_stick_breaking_table_shares_the_key_block():
+    """The dK/dV sweep reads the row sums the dQ sweep leaves per key block: every entry of
+    `fused.SB_CONFIGS` gives both the same BN (and `fused` refuses a table that does not)."""
+    from posenc_lightning.kernels.fused import SB_CONFIGS
+
+    keys = [k for k in SB_CONFIGS if k[3] == "sb_bwd"]
+    assert len(keys) == 2 * 2 * 2
+    for arch, d, width, _ in keys:
+        assert SB_CONFIGS[(arch, d, width, "sb_bwd")][1] == SB_CONFIGS[(arch, d, width, "sb_bwd_dkdv")][1], \
+            (arch, d, width)

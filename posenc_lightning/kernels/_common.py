@@ -4,7 +4,7 @@
   eq. 34: ``x * cos + rotate(x) * sin``) with cos/sin gathered per token from a table at
   arbitrary per-token indices; ``SIGN=-1`` applies the transpose (used to rotate gradients back).
 * `visible`: which (query, key) pairs may attend (causal by index, packed documents, padding).
-* `bias_tile` / `bias_grads`: the structured biases of ``encodings/bias`` read in-kernel
+* `bias_tile` / `bias_grads2`: the structured biases of ``encodings/bias`` read in-kernel
   (``LinearBias``, ``RelativeBias``, ``DecayBias``, ``DenseBias``, and one `TileBias`: a
   parametric bias whose ``@triton.jit`` tile and gradient functions come in as compile-time
   constants ``TILE_VALUE`` / ``TILE_GRADS``) and their gradients.
@@ -103,38 +103,6 @@ def bias_tile(h, offs_m, offs_n, m_mask, n_mask, QP, KP, SLOPES, TABLE, RMAX, st
         ok = m_mask[:, None] & n_mask[None, :]
         bias += tl.load(DENSE + offs_m[:, None] * stride_dm + offs_n[None, :], mask=ok, other=0.0).to(ACC)
     return bias
-
-
-@triton.jit
-def bias_grads(ds, h, offs_m, offs_n, m_mask, n_mask, QP, KP, DTABLE, RMAX, stride_th,
-               DDENSE, stride_ddm, TILE, TILE_W, H, tile_eps,
-               HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DENSE: tl.constexpr,
-               ATOMIC_DENSE: tl.constexpr, HAS_TILE: tl.constexpr, TILE_GRADS: tl.constexpr,
-               TILE_GB: tl.constexpr, ACC: tl.constexpr):
-    """Scatter ``dL/dlogits`` (zero where masked) into the table / dense-bias gradients and
-    return this tile's contributions to ``dL/dslope[h]`` (``sum ds * -|i - j|``) and to the tile
-    bias's parameters (packed ``[TILE_GB]``, ``TILE_GRADS``: `TileBias.grads`)."""
-    dslope = 0.0
-    dtile = tl.zeros((TILE_GB,), ACC)
-    ok = m_mask[:, None] & n_mask[None, :]
-    if HAS_LIN or HAS_REL or HAS_TILE:
-        qp = tl.load(QP + offs_m, mask=m_mask, other=0.0)
-        kp = tl.load(KP + offs_n, mask=n_mask, other=0.0)
-        dist = qp[:, None] - kp[None, :]
-        if HAS_LIN:
-            dslope = tl.sum(tl.sum(-ds * tl.abs(dist), axis=1), axis=0)
-        if HAS_REL:
-            idx = tl.minimum(tl.maximum(dist.to(tl.int32), -RMAX), RMAX) + RMAX
-            tl.atomic_add(DTABLE + h * stride_th + idx, ds, mask=ok)
-        if HAS_TILE:
-            dtile = TILE_GRADS(ds.to(ACC), h, qp.to(ACC), kp.to(ACC), ok, TILE, TILE_W, H, tile_eps, TILE_GB, ACC)
-    if HAS_DENSE:
-        ptrs = DDENSE + offs_m[:, None] * stride_ddm + offs_n[None, :]
-        if ATOMIC_DENSE:
-            tl.atomic_add(ptrs, ds, mask=ok)
-        else:
-            tl.store(ptrs, ds, mask=ok)
-    return dslope, dtile
 
 
 @triton.jit
@@ -241,8 +209,8 @@ def bias_grads2(ds, h, offs_m, offs_n, m_mask, n_mask, qp, kp, DTABLE, RMAX, str
                 TILE, TILE_W, H, tile_eps, HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr,
                 HAS_DENSE: tl.constexpr, HAS_TILE: tl.constexpr, TILE_GRADS: tl.constexpr,
                 TILE_GB: tl.constexpr, ACC: tl.constexpr):
-    """`bias_grads` for the softmax dK/dV kernel: ``dL/dlogits`` (zero where hidden) stored into
-    this (batch, head)'s dense-bias gradient (plain stores: one program owns each element), and
+    """The bias gradients of one tile (softmax dK/dV, stick-breaking dQ): ``dL/dlogits`` (zero where
+    hidden) stored into this (batch, head)'s dense-bias gradient (plain stores: one program owns each element), and
     this tile's slope, relative-table edge and tile-bias parameter contributions returned for the
     program's sums. The relative table's gradient: a tile wholly past the clamp (`table_side`)
     returns its sum of ``ds`` as ``dhi`` (last entry) or ``dlo`` (first entry), added once per

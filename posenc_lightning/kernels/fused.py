@@ -91,6 +91,38 @@ SOFTMAX_CONFIGS: dict[tuple[int, int, str, str], tuple[int, int, int, int]] = {
 }
 
 
+#: stick-breaking kernels' (BM, BN, num_warps, num_stages), keyed as `SOFTMAX_CONFIGS` with the kinds
+#: sb_fwd, sb_bwd (query-major: dQ, the bias gradients, the row sums per key block) and sb_bwd_dkdv
+#: (key-major: dK, dV), whose BN is sb_bwd's (the row sums are per key block of that BN). Pinned from
+#: `benchmarks/sb_tile_search.py` with every feature on: the largest tiles without register spills on
+#: both targets (tests/test_triton_compile.py), but for two fp32 entries (`SB_SPILLS`). They hold more
+#: per score than the softmax kernels (softplus, its suffix sums, A; the backward g, its suffix sums,
+#: dS): smaller tiles.
+SB_CONFIGS: dict[tuple[int, int, str, str], tuple[int, int, int, int]] = {
+    (80, 64, "16", "sb_fwd"): (32, 32, 4, 2),
+    (90, 64, "16", "sb_fwd"): (64, 32, 4, 2),
+    **{(a, 128, "16", "sb_fwd"): (32, 16, 4, 1) for a in (80, 90)},
+    **{(a, 64, "16", k): (16, 32, 4, 1) for a in (80, 90) for k in ("sb_bwd", "sb_bwd_dkdv")},
+    **{(a, 128, "16", k): (16, 16, 4, 1) for a in (80, 90) for k in ("sb_bwd", "sb_bwd_dkdv")},
+    **{(a, 64, "32", "sb_fwd"): (32, 32, 4, 1) for a in (80, 90)},
+    **{(a, 64, "32", k): (16, 16, 4, 1) for a in (80, 90) for k in ("sb_bwd", "sb_bwd_dkdv")},
+    # fp32 at head dim 128 ("ieee" products on the CUDA cores hold their operands per thread): 16 x 16,
+    # 8 warps where 4 spill; two entries keep a few bytes of spills (`SB_SPILLS`)
+    (80, 128, "32", "sb_fwd"): (16, 16, 4, 1),
+    (90, 128, "32", "sb_fwd"): (16, 16, 8, 1),
+    **{(a, 128, "32", "sb_bwd"): (16, 16, 8, 1) for a in (80, 90)},
+    (80, 128, "32", "sb_bwd_dkdv"): (16, 16, 4, 1),
+    (90, 128, "32", "sb_bwd_dkdv"): (16, 16, 4, 1),
+}
+#: the spilled bytes (stores, loads) left in `SB_CONFIGS` at its tiles, every feature on (ptxas -v,
+#: Triton 3.7.1, 2026-12-06): fp32 at head dim 128, where no tile searched had none (16 x 16 on 2, 4
+#: and 8 warps, 16 x 32 and 32 x 32 on 4: `benchmarks/results/sb_tile_search-cpu-20261206.txt`)
+SB_SPILLS: dict[tuple[str, int, str, str], tuple[int, int]] = {
+    ("sb_fwd", 128, "float32", "sm90"): (4, 4),
+    ("sb_bwd_dkdv", 128, "float32", "sm80"): (8, 4),
+}
+
+
 def cuda_arch(device: torch.device) -> int:
     """90 on Hopper and later, else 80 (the two tables of `SOFTMAX_CONFIGS`)."""
     major, _ = torch.cuda.get_device_capability(device)
@@ -98,22 +130,20 @@ def cuda_arch(device: torch.device) -> int:
 
 
 def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False, arch: int | None = None) -> dict:
-    """Tile sizes per kernel ``kind`` (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, rotate, rowdot); ``gpu``:
-    the GPU sizes even under the interpreter (for the compile report); ``arch``: 80 or 90 (the
-    softmax kernels' table, `SOFTMAX_CONFIGS`; default 90)."""
+    """Tile sizes per kernel ``kind`` (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, sb_bwd_dkdv, rotate,
+    rowdot); ``gpu``: the GPU sizes even under the interpreter (for the compile report); ``arch``: 80 or 90 (the
+    tables `SOFTMAX_CONFIGS` and `SB_CONFIGS`; default 90)."""
     if interpreting() and not gpu:
         return {"BM": INTERPRET_BLOCKS[0], "BN": INTERPRET_BLOCKS[1], "num_warps": 1, "num_stages": 1}
     if kind in ("rotate", "rowdot"):
         return {"BM": 32, "BN": 32, "num_warps": 4, "num_stages": 1}
-    if kind in ("fwd", "bwd_dkdv", "bwd_dq"):
+    if kind in ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd", "sb_bwd_dkdv"):
         key = (90 if arch is None or arch >= 90 else 80, 64 if head_dim <= 64 else 128,
                "32" if dtype in (torch.float32, torch.float64) else "16", kind)
-        bm, bn, warps, stages = SOFTMAX_CONFIGS[key]
+        bm, bn, warps, stages = (SB_CONFIGS if kind.startswith("sb_") else SOFTMAX_CONFIGS)[key]
         return {"BM": bm, "BN": bn, "num_warps": warps, "num_stages": stages}
-    big = head_dim > 64 or dtype == torch.float32
-    if kind == "sb_fwd":
-        return {"BM": 64, "BN": 32 if big else 64, "num_warps": 4, "num_stages": 2 if big else 3}
-    return {"BM": 32 if big else 64, "BN": 32 if big else 64, "num_warps": 4, "num_stages": 1 if big else 2}
+    raise ValueError(f"block_config: unknown kernel kind {kind!r}; known: fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, "
+                     "sb_bwd_dkdv, rotate, rowdot")
 
 
 def head_block(head_dim: int) -> int:
@@ -228,9 +258,7 @@ def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense
              # the tile's own @triton.jit functions, compile-time constants of the kernels
              "TILE_VALUE": tile.value if tile is not None else None,
              "TILE_GRADS": tile.grads if tile is not None else None,
-             "POS_RANGE": ranged, "DOT_T": dot_t, "PREC": "ieee",
-             # stick-breaking: dS (gradient of the logits) stays float32 in dQ, dK, 3xTF32 on tensor cores
-             "PREC_G": "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32x3", "BD": head_block(d),
+             "POS_RANGE": ranged, "DOT_T": dot_t, "PREC": "ieee", "BD": head_block(d),
              "ACC": acc_tl(q.dtype)}
     return a, flags
 
@@ -298,7 +326,8 @@ class _FusedAttention(torch.autograd.Function):
         if rot is not None and not plan.stick_breaking:  # rotate once; the softmax kernels take rotated q, k
             q = rotate(q, rot.cos_q, rot.sin_q, rot.idx_q, rot.layout, out_dtype=store_dtype(q.dtype)).to(q.dtype)
             k = rotate(k, rot.cos_k, rot.sin_k, rot.idx_k, rot.layout, out_dtype=store_dtype(k.dtype)).to(k.dtype)
-        # softmax: O in the operand dtype; stick-breaking: float32 (rebuilt by a later step)
+        # softmax: O in the operand dtype; stick-breaking: float32 (its backward's dO . o must be the sum
+        # of the g it recomputes: an O rounded to fp16 would add up over the unnormalized weights)
         out = torch.empty(b, h, nq, d, dtype=acc_dtype(q.dtype) if plan.stick_breaking else store_dtype(q.dtype),
                           device=q.device)
         lse = torch.empty(b, h, nq, dtype=acc_dtype(q.dtype), device=q.device)
@@ -333,18 +362,33 @@ class _FusedAttention(torch.autograd.Function):
                 **_strides("o", dout)}
         arch = _arch(q)
         if plan.stick_breaking:
+            # two sweeps, no program adding into another's dQ, dK or dV: the query-major one (dQ, the
+            # bias gradients) leaves the row sums after each key block, the key-major one (dK, dV, dc_k)
+            # reads them
             dq = torch.empty(b, h, nq, d, **f32)
-            dk = torch.zeros(b, hkv, nk, d, **f32)
-            dv = torch.zeros(b, hkv, nk, d, **f32)
-            ddense = torch.zeros(dense.shape, **f32) if dense is not None else delta.new_zeros(1)
+            dk = torch.empty(b, hkv, nk, d, **f32)
+            dv = torch.empty(b, hkv, nk, d, **f32)
+            # one dense-bias gradient per batch row (plain stores), summed below where the bias is shared
+            ddense = torch.zeros(b, *dense.shape[1:], **f32) if dense is not None else delta.new_zeros(1)
             cfg = plan.config("sb_bwd", d, q.dtype, arch)
-            nqb = triton.cdiv(nq, cfg["BM"])
+            cfg_kv = plan.config("sb_bwd_dkdv", d, q.dtype, arch)
+            if cfg_kv["BN"] != cfg["BN"]:
+                raise RuntimeError(f"stick-breaking tile table: sb_bwd_dkdv's BN {cfg_kv['BN']} must equal "
+                                   f"sb_bwd's {cfg['BN']} (the row sums are per key block); fix SB_CONFIGS")
+            nqb, nkb = triton.cdiv(nq, cfg["BM"]), triton.cdiv(nk, cfg["BN"])
+            # O(N^2 / BN): two row sums per (row, key block)
+            tails = torch.empty(2, b * h, nkb, nq, **f32)
             dslope = torch.zeros(b, h, nqb, **f32)
             dtile = torch.zeros(b, h, nqb, plan.tile_block, **f32) if tile_params is not None else delta.new_zeros(1)
+            sums = {"DELTA": delta, "TAILS": tails[0], "GTAILS": tails[1], "n_kblocks": nkb}
             _launch(stick_breaking._sb_bwd_kernel, (nqb, b * h),
-                    {**head, "DELTA": delta, "DQ": dq, "DK": dk, "DV": dv, "DCQ": dcq, "DCK": dck, "DTABLE": dtable,
-                     "DSLOPE": dslope, "DDENSE": ddense, "DTILE": dtile, "n_qblocks": nqb, **args},
-                    {**flags, "ATOMIC_DENSE": True}, cfg)
+                    {**head, **sums, "DQ": dq, "DCQ": dcq, "DTABLE": dtable, "DSLOPE": dslope, "DDENSE": ddense,
+                     "DTILE": dtile, "n_qblocks": nqb, "s_ddb": ddense.stride(0) if dense is not None else 0,
+                     **args}, flags, cfg)
+            _launch(stick_breaking._sb_bwd_dkdv_kernel, (nkb, b * hkv),
+                    {**head, **sums, "DK": dk, "DV": dv, "DCK": dck, **args}, flags, cfg_kv)
+            if dense is not None and dense.shape[0] != b:
+                ddense = ddense.sum(0, keepdim=True)
         else:
             # gradients in the operand dtype; no program adds into another's
             dq = torch.empty(b, h, nq, d, dtype=store_dtype(q.dtype), device=q.device)
@@ -391,8 +435,8 @@ def _checked_tiles(tiles: dict[str, dict] | None) -> dict[str, dict] | None:
     if tiles is None:
         return None
     for kind, cfg in tiles.items():
-        if kind not in ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd") or set(cfg) != _TILE_KEYS:
-            raise ValueError(f"tiles[{kind!r}] = {cfg}: give a kernel kind (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd) "
+        if kind not in ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd", "sb_bwd_dkdv") or set(cfg) != _TILE_KEYS:
+            raise ValueError(f"tiles[{kind!r}] = {cfg}: give a kernel kind (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, sb_bwd_dkdv) "
                              f"-> a dict of exactly {sorted(_TILE_KEYS)}")
         if any(cfg[b] < 16 or cfg[b] & (cfg[b] - 1) for b in ("BM", "BN")):
             raise ValueError(f"tiles[{kind!r}]: BM and BN must be powers of two >= 16 (tl.dot), got {cfg}")

@@ -31,14 +31,14 @@ if TYPE_CHECKING:
     from posenc_lightning.encodings.bias import TileBias
 
 #: the attention kernels (every one also compiles with each example tile) and the rotation
-BASE_KINDS = ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd", "rotate")
+BASE_KINDS = ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd", "sb_bwd_dkdv", "rotate")
 #: heads of the example launches
 _HEADS = 2
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = ("float16", "bfloat16", "float32")
 #: compute capability -> opt-in shared memory per block (bytes): A100 163 KiB, H100 227 KiB
 TARGETS = {80: 163 * 1024, 90: 227 * 1024}
-_ACC = ("O", "LSE", "DELTA", "DQ", "DK", "DV", "DCQ", "DCK", "DTABLE", "DSLOPE", "DDENSE", "DTILE", "X")
+_ACC = ("O", "LSE", "DELTA", "DQ", "DK", "DV", "DCQ", "DCK", "DTABLE", "DSLOPE", "DDENSE", "DTILE", "TAILS", "GTAILS", "X")
 _TY = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
        torch.float64: "fp64", torch.int64: "i64"}
 
@@ -78,6 +78,7 @@ def _kernel(kind: str):
 
     return {"fwd": softmax._fwd_kernel, "bwd_dkdv": softmax._bwd_dkdv_kernel, "bwd_dq": softmax._bwd_dq_kernel,
             "sb_fwd": stick_breaking._sb_fwd_kernel, "sb_bwd": stick_breaking._sb_bwd_kernel,
+            "sb_bwd_dkdv": stick_breaking._sb_bwd_dkdv_kernel,
             "rotate": _common._rotate_kernel}[kind]
 
 
@@ -85,11 +86,13 @@ def _kernel(kind: str):
 FEATURES = ("rotary", "segments", "padding", "slopes", "table", "decay", "dense")
 
 
-def launch_spec(kind: str, head_dim: int, dtype: torch.dtype, cc: int = 90, without: tuple[str, ...] = ()):
+def launch_spec(kind: str, head_dim: int, dtype: torch.dtype, cc: int = 90, without: tuple[str, ...] = (),
+                tile_config: tuple[int, int, int, int] | None = None):
     """``(kernel, values by argument name, num_warps, num_stages)`` of the GPU launch of ``kind``
     for compute capability ``cc`` with every feature on (rotary, packed documents, padding, all
     four bias kinds; an example tile bias too for the ``<kernel>_<tile>`` variants) except those
-    named in ``without`` (`FEATURES`)."""
+    named in ``without`` (`FEATURES`), at the tiles `fused.block_config` picks or at
+    ``tile_config`` ``(BM, BN, num_warps, num_stages)`` (to search for a table entry)."""
     from posenc_lightning.kernels.fused import Plan, RotaryTables, block_config, common_args, head_block
 
     kind, tile = _split(kind)
@@ -111,6 +114,8 @@ def launch_spec(kind: str, head_dim: int, dtype: torch.dtype, cc: int = 90, with
                               torch.zeros(b, h, n, n) if on["dense"] else None,
                               tile.params if tile is not None else None)
     cfg = block_config(kind, d, dtype, gpu=True, arch=cc)  # a tile bias does not change the tiling
+    if tile_config is not None:
+        cfg = dict(zip(("BM", "BN", "num_warps", "num_stages"), tile_config))
     kernel = _kernel(kind)
     if kind == "rotate":
         flags = {"ROT": 1, "SIGN": -1, "BD": head_block(d), "ACC": flags["ACC"]}
@@ -118,7 +123,7 @@ def launch_spec(kind: str, head_dim: int, dtype: torch.dtype, cc: int = 90, with
                 "X": torch.zeros(1), "Y": torch.zeros(1, dtype=dtype)}  # float32 gradient -> input dtype
     else:
         vals = dict(args)
-        flags = {**flags, "ATOMIC_DENSE": True, "EVEN_N": 1}  # dK/dV: N a multiple of the key block
+        flags = {**flags, "EVEN_N": 1}  # dK/dV: N a multiple of the key block
     vals.update(flags)
     vals.update({"BM": cfg["BM"], "BN": cfg["BN"]})
     for p in kernel.params:
@@ -165,7 +170,8 @@ def ptx_counts(ptx: str) -> dict:
 
 
 def compile_one(kind: str, head_dim: int, dtype_name: str, cc: int, ptxas: bool = True,
-                without: tuple[str, ...] = ()) -> dict:
+                without: tuple[str, ...] = (), tile_config: tuple[int, int, int, int] | None = None) -> dict:
+    """One row of the report: ``kind`` compiled for ``sm{cc}`` (`launch_spec`'s arguments)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -173,7 +179,7 @@ def compile_one(kind: str, head_dim: int, dtype_name: str, cc: int, ptxas: bool 
     dtype = getattr(torch, dtype_name)
     row = {"kernel": kind, "head_dim": head_dim, "dtype": dtype_name, "target": f"sm{cc}"}
     try:
-        kernel, vals, warps, stages = launch_spec(kind, head_dim, dtype, cc, without)
+        kernel, vals, warps, stages = launch_spec(kind, head_dim, dtype, cc, without, tile_config)
         sig, consts, attrs = {}, {}, {}
         for i, p in enumerate(kernel.params):
             val = vals[p.name]

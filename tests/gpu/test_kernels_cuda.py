@@ -35,7 +35,8 @@ def test_the_triton_kernels_are_compiled_for_the_device():
     assert not interpreting()
     launched = {"softmax fwd": softmax._fwd_kernel, "softmax bwd dk dv": softmax._bwd_dkdv_kernel,
                 "softmax bwd dq": softmax._bwd_dq_kernel, "stick-breaking fwd": stick_breaking._sb_fwd_kernel,
-                "stick-breaking bwd": stick_breaking._sb_bwd_kernel}
+                "stick-breaking bwd dq": stick_breaking._sb_bwd_kernel,
+                "stick-breaking bwd dk dv": stick_breaking._sb_bwd_dkdv_kernel}
     assert all(type(k) is JITFunction for k in launched.values()), {n: type(k) for n, k in launched.items()}
     for name in ("rope", "alibi", "fox", "fire", "sba"):
         torch.manual_seed(0)
