@@ -188,7 +188,6 @@ def _inject_schedule(model: nn.Module, schedule: LayerSchedule, backend: str, sh
     same = not reset and held is not None and _normalized({**held, "backend": backend}) == _normalized(spec)
     if not attn:
         from posenc_lightning.adapters import hf
-        from posenc_lightning.adapters._hf_schedule import adapt_schedule
 
         models = hf.find_hf_models(model)
         if not models:
@@ -199,7 +198,7 @@ def _inject_schedule(model: nn.Module, schedule: LayerSchedule, backend: str, sh
                                                if isinstance(getattr(m, "posenc", None), Encoding)), backend)
         first = None
         for m in models:
-            placed = adapt_schedule(m, schedule, backend, share_across_layers)
+            placed = hf.adapt_schedule(m, schedule, backend, share_across_layers)
             first = first or placed[0]
             if m is not model:
                 setattr(m, SPEC_ATTR, spec)

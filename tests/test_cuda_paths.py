@@ -1,6 +1,6 @@
 """Every registered encoding has a path on CUDA of this project's own (a `CUSTOM_KERNELS` backend
 whose ``supports`` takes it for training on a cuda device), or is listed in
-`attention.backends.proven.NO_CUSTOM_KERNEL` with the reason (issue 49): adding an encoding without
+`encodings.proven_on_gpu.NO_CUSTOM_KERNEL` with the reason (issue 49): adding an encoding without
 a kernel fails here until it is listed, and a kernel that comes to take a listed one fails here
 until the entry goes. ``supports`` decides from the encoding and the device type alone, so this
 runs without a GPU."""
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from posenc_lightning.attention.backends import _why_not
-from posenc_lightning.attention.backends.proven import CUSTOM_KERNELS, NO_CUSTOM_KERNEL
+from posenc_lightning.attention.backends.proven import CUSTOM_KERNELS
+from posenc_lightning.encodings.proven_on_gpu import NO_CUSTOM_KERNEL
 from posenc_lightning.encodings.registry import available_encodings, build_encoding
 
 CUDA = torch.device("cuda")

@@ -23,14 +23,9 @@ from typing import Any
 
 from torch import nn
 
-from posenc_lightning.adapters import _hf_attention as attn
-from posenc_lightning.adapters._hf_arch import ADAPTED, ArchInfo, describe, refuse, rotary_owner
-from posenc_lightning.adapters._hf_modules import NoRotation
-from posenc_lightning.attention.backends import resolve_backend
-from posenc_lightning.attention.mask import local_kinds
-from posenc_lightning.encodings.base import Encoding
+from posenc_lightning.adapters._hf_arch import ADAPTED, ArchInfo, describe
 from posenc_lightning.encodings.hf import from_hf
-from posenc_lightning.encodings.registry import build_encoding, encoding_class
+from posenc_lightning.encodings.registry import encoding_class
 from posenc_lightning.encodings.schedule import LayerSchedule, LayerSpec
 
 #: model types whose full-attention layers skip the rotation in their attention code (no config field says so)
@@ -106,7 +101,7 @@ def model_schedule(hf: nn.Module) -> LayerSchedule:
     return LayerSchedule(rules, name=f"{hf.config.model_type}_own")
 
 
-def _layer_config(hf: nn.Module, implied: dict[str, Any], m: nn.Module, spec: LayerSpec) -> dict[str, Any]:
+def layer_config(hf: nn.Module, implied: dict[str, Any], m: nn.Module, spec: LayerSpec) -> dict[str, Any]:
     """``spec.config`` completed with what the model implies (``implied``: `hf.model_defaults`) for the
     arguments the encoding takes and the user left out, the RoPE base of the layer's type first."""
     params = inspect.signature(encoding_class(spec.encoding).__init__).parameters
@@ -115,64 +110,3 @@ def _layer_config(hf: nn.Module, implied: dict[str, Any], m: nn.Module, spec: La
     if "rope_theta" in p:
         implied["theta"] = float(p["rope_theta"])
     return {**{k: v for k, v in implied.items() if k in params}, **spec.config}
-
-
-def adapt_schedule(hf: nn.Module, schedule: LayerSchedule, backend: str, share_across_layers: bool
-                   ) -> list[Encoding]:
-    """Put ``schedule`` into ``hf`` (after `hf.restore`); returns the encodings placed, layer 0's first.
-
-    Raises:
-        ArchitectureRefused: what the model has that the adapter cannot carry (`describe`).
-        ValueError: a rule the model's layers cannot take (a stage-1 encoding, a rule out of range).
-    """
-    from posenc_lightning.adapters.hf import (
-        ORIGINALS,
-        _neutralize_tables,
-        head_dim_of,
-        model_defaults,
-        n_heads_of,
-        restore,
-    )
-
-    restore(hf)
-    info = describe(hf, layered=True)
-    implied = model_defaults(hf, layered=True)
-    cfg = hf.config
-    if getattr(hf.base_model, "wpe", None) is not None:
-        raise refuse(hf, "a layer schedule is per layer, and its absolute position table (wpe) is not",
-                     "one encoding for every layer: inject(model, 'alibi')")
-    layers = info.layers
-    specs = schedule.resolve(len(layers), getattr(cfg, "layer_types", None))
-    orig: dict[str, Any] = {"attn_implementation": cfg._attn_implementation or "sdpa", "layer_attrs": []}
-    if info.rotary is not None:
-        orig["rotary_emb"] = info.rotary.module
-        rotary_owner(hf).rotary_emb = NoRotation(info.rotary.dim, info.rotary.form, info.rotary.module)
-    built: dict[Any, Encoding] = {}
-    placed: list[Encoding] = []
-    for i, (m, spec) in enumerate(zip(layers, specs)):
-        config = _layer_config(hf, implied, m, spec)
-        key = (spec.encoding, repr(sorted(config.items())), n_heads_of(m, cfg), head_dim_of(m, cfg))
-        enc = built.get(key) if share_across_layers else None
-        if enc is None:
-            enc = build_encoding(spec.encoding, **config)
-            if "embed" in enc.stages:
-                raise ValueError(f"layer {i}: {spec.encoding} adds positions to the embeddings (stage 1), which "
-                                 f"is not per layer; schedule attention encodings only")
-            enc.bind(n_heads=n_heads_of(m, cfg), head_dim=head_dim_of(m, cfg), d_model=int(cfg.hidden_size))
-            weight = next(m.parameters())
-            enc.to(device=weight.device, dtype=weight.dtype if weight.is_floating_point() else None)
-            built[key] = enc
-        resolve_backend(backend, enc, next(m.parameters()).device, False, local_kinds(spec.window, spec.chunk))
-        m.posenc, m.posenc_backend = enc, backend
-        m.__dict__[attn.LOCAL] = (spec.window, spec.chunk)
-        m.posenc_window, m.posenc_chunk = spec.window, spec.chunk  # as on a mixin module (`inject`)
-        m._posenc_hooks = [m.register_forward_pre_hook(attn.record_call, with_kwargs=True)]
-        for name in LAYER_SWITCHES:
-            if getattr(m, name, False):
-                orig["layer_attrs"].append((m, name, getattr(m, name)))
-                setattr(m, name, False)
-        placed.append(enc)
-    hf.set_attn_implementation(attn.register(attn.FUSED))
-    _neutralize_tables(hf, info, orig)
-    object.__setattr__(hf, ORIGINALS, orig)
-    return placed

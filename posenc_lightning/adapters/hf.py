@@ -42,9 +42,12 @@ from posenc_lightning.adapters._hf_arch import (
     rotary_owner,
 )
 from posenc_lightning.adapters._hf_modules import EmbeddingPositions, NoRotation, RotaryTable, zero_table_forward
-from posenc_lightning.adapters._hf_schedule import adapt_schedule, model_schedule
+from posenc_lightning.adapters._hf_schedule import LAYER_SWITCHES, layer_config, model_schedule
 from posenc_lightning.attention.backends import resolve_backend
+from posenc_lightning.attention.mask import local_kinds
 from posenc_lightning.encodings.base import Encoding
+from posenc_lightning.encodings.registry import build_encoding
+from posenc_lightning.encodings.schedule import LayerSchedule
 
 MIN_VERSION = (5, 0)
 ORIGINALS = ADAPTED
@@ -319,6 +322,58 @@ def adapt(hf: nn.Module, proto: Encoding, backend: str, share_across_layers: boo
     if proto in encs:
         encs.remove(proto)
     return [proto, *encs]
+
+
+def adapt_schedule(hf: nn.Module, schedule: LayerSchedule, backend: str, share_across_layers: bool
+                   ) -> list[Encoding]:
+    """Put ``schedule`` into ``hf`` (after `hf.restore`); returns the encodings placed, layer 0's first.
+
+    Raises:
+        ArchitectureRefused: what the model has that the adapter cannot carry (`describe`).
+        ValueError: a rule the model's layers cannot take (a stage-1 encoding, a rule out of range).
+    """
+    restore(hf)
+    info = describe(hf, layered=True)
+    implied = model_defaults(hf, layered=True)
+    cfg = hf.config
+    if getattr(hf.base_model, "wpe", None) is not None:
+        raise refuse(hf, "a layer schedule is per layer, and its absolute position table (wpe) is not",
+                     "one encoding for every layer: inject(model, 'alibi')")
+    layers = info.layers
+    specs = schedule.resolve(len(layers), getattr(cfg, "layer_types", None))
+    orig: dict[str, Any] = {"attn_implementation": cfg._attn_implementation or "sdpa", "layer_attrs": []}
+    if info.rotary is not None:
+        orig["rotary_emb"] = info.rotary.module
+        rotary_owner(hf).rotary_emb = NoRotation(info.rotary.dim, info.rotary.form, info.rotary.module)
+    built: dict[Any, Encoding] = {}
+    placed: list[Encoding] = []
+    for i, (m, spec) in enumerate(zip(layers, specs)):
+        config = layer_config(hf, implied, m, spec)
+        key = (spec.encoding, repr(sorted(config.items())), n_heads_of(m, cfg), head_dim_of(m, cfg))
+        enc = built.get(key) if share_across_layers else None
+        if enc is None:
+            enc = build_encoding(spec.encoding, **config)
+            if "embed" in enc.stages:
+                raise ValueError(f"layer {i}: {spec.encoding} adds positions to the embeddings (stage 1), which "
+                                 f"is not per layer; schedule attention encodings only")
+            enc.bind(n_heads=n_heads_of(m, cfg), head_dim=head_dim_of(m, cfg), d_model=int(cfg.hidden_size))
+            weight = next(m.parameters())
+            enc.to(device=weight.device, dtype=weight.dtype if weight.is_floating_point() else None)
+            built[key] = enc
+        resolve_backend(backend, enc, next(m.parameters()).device, False, local_kinds(spec.window, spec.chunk))
+        m.posenc, m.posenc_backend = enc, backend
+        m.__dict__[attn.LOCAL] = (spec.window, spec.chunk)
+        m.posenc_window, m.posenc_chunk = spec.window, spec.chunk  # as on a mixin module (`inject`)
+        m._posenc_hooks = [m.register_forward_pre_hook(attn.record_call, with_kwargs=True)]
+        for name in LAYER_SWITCHES:
+            if getattr(m, name, False):
+                orig["layer_attrs"].append((m, name, getattr(m, name)))
+                setattr(m, name, False)
+        placed.append(enc)
+    hf.set_attn_implementation(attn.register(attn.FUSED))
+    _neutralize_tables(hf, info, orig)
+    object.__setattr__(hf, ORIGINALS, orig)
+    return placed
 
 
 def switch_to_fused_attention(model: nn.Module) -> Callable[[], None] | None:

@@ -32,19 +32,6 @@ from posenc_lightning.encodings.base import Encoding
 #: backends that run code of this project's own on the GPU (as opposed to PyTorch's SDPA)
 CUSTOM_KERNELS = ("triton", "flex")
 
-#: the registered encodings that no `CUSTOM_KERNELS` backend takes for training on CUDA (so they run
-#: on SDPA by blocks of rows or on the blockwise normalizers), each with why;
-#: tests/test_cuda_paths.py fails on an encoding missing here and on an entry a kernel now takes
-NO_CUSTOM_KERNEL: dict[str, str] = {
-    "cope": "no kernel yet, issue 49: its bias (gated position counts, interpolated) is a DenseBias "
-            "with no in-kernel form",
-    "exposb": "no kernel yet, issue 49: its stage-4 normalizer (ExpoSB) is not stick-breaking, the only "
-              "normalizer the Triton kernels implement, and flex cannot replace softmax",
-    "path": "no kernel yet, issue 49: the Householder-product bias is a DenseBias with no in-kernel form",
-    "path_fox": "no kernel yet, issue 49: PaTH's DenseBias (as path) plus FoX's gates",
-}
-
-
 def unproven(backend: str, encoding: Encoding, device_type: str,
              table: Mapping[tuple[str, str], Any] | None = None) -> bool:
     """Whether ``auto`` must pass over ``backend`` for ``encoding`` on ``device_type``: a custom
