@@ -113,7 +113,7 @@ def plan(names: list[str], lengths=LENGTHS, head_dims=HEAD_DIMS) -> list[Case]:
 
 
 #: tile ablation: (kernel kind, tiles) on ALiBi through the Triton softmax kernels; None: the pinned
-#: `kernels.fused.SOFTMAX_CONFIGS` entry
+#: `kernels.tile_table.SOFTMAX_CONFIGS` entry
 TILE_VARIANTS: list[tuple[str, tuple[int, int, int, int] | None]] = [
     ("fwd", None), ("fwd", (128, 64, 8, 3)), ("fwd", (128, 32, 8, 2)), ("fwd", (64, 64, 4, 3)), ("fwd", (32, 32, 4, 2)),
     ("bwd_dkdv", (64, 64, 8, 2)), ("bwd_dkdv", (32, 64, 4, 2)), ("bwd_dq", (64, 64, 8, 2)), ("bwd_dq", (64, 32, 4, 2))]

@@ -1,4 +1,4 @@
-"""Search tiles for the stick-breaking kernels' pinned table (`fused.SB_CONFIGS`): compile each
+"""Search tiles for the stick-breaking kernels' pinned table (`tile_table.SB_CONFIGS`): compile each
 candidate ``(BM, BN, num_warps, num_stages)`` for sm80 and sm90 with every feature on and print
 registers and spills (ptxas -v), largest tiles first. Needs ``TRITON_INTERPRET`` unset:
 

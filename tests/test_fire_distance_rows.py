@@ -18,6 +18,7 @@ from posenc_lightning.encodings.bias import DenseBias
 from posenc_lightning.encodings.fire import FireBias
 from posenc_lightning.encodings.fire import by_distance as bdist
 from posenc_lightning.encodings.fire.bias import FireTableSum
+from posenc_lightning.encodings.fire.layouts import distance_layout
 from posenc_lightning.functional.tunables import Tunables
 
 
@@ -101,7 +102,7 @@ def test_gradient_read_by_distance_equals_its_layout(dtype):
     torch.manual_seed(0)
     for h, r, k in [(4, 5, 9), (4, 5, 9), (3, 7, 6), (2, 6, 4), (4, 1, 7), (2, 6, 5), (4, 5, 9)]:
         g = torch.randn(h, r, k + 3, dtype=dtype)[..., 1:k + 1]  # not contiguous, as a slice of dS
-        dense = bdist._distance_layout(g.contiguous())  # [H, R, R + C - 1]
+        dense = distance_layout(g.contiguous())  # [H, R, R + C - 1]
         gd = bdist._Diagonals(g)
         m = torch.randn(2, r, dtype=dtype)
         u = torch.randn(h, r + k - 1, dtype=dtype)

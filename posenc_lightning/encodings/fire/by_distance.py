@@ -5,13 +5,13 @@ shares with the rows by key are in `functions`, its tuning knobs in the call's `
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from posenc_lightning.encodings.fire.functions import _distances, _runs
+from posenc_lightning.encodings.fire.layouts import distance_layout, end_layouts, padded_rows
 from posenc_lightning.functional.fire import fire_mlp_fold, fire_psi, fire_unit_states
 from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
@@ -142,7 +142,7 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
                    table: Tensor | None = None, keep: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
     """The block ``[1, H, R, C]`` of ``x = p / n`` and the folded units' per-column slope and
     intercept ``[2H, T]``: computed in the distance layout ``[H, R, T]`` of its own buffer
-    (`_padded`), per column the folded units' ``A x + B`` (one pass), then the runs' units per
+    (`padded_rows`), per column the folded units' ``A x + B`` (one pass), then the runs' units per
     element. No skewed copy: the rows are the buffer's other view.
 
     In float32 the folded pass is ``B + (A p) (1 / n)``: a ``[H, T]`` and an ``[R]`` factor, so no
@@ -154,7 +154,7 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
     quarter of the block's elements or 2^18 (None for a step past that: recomputed there)."""
     nr, nt = n.shape[0], p.shape[0]
     h = w2.shape[0]
-    rows, dist = _padded(h, nr, n_keys, dt, p.device)
+    rows, dist = padded_rows(h, nr, n_keys, dt, p.device)
     ab = _group_coef(on, w1, b1, w2, nt, group)
     b = ab[h:] + b2[:, None] if table is None else ab[h:] + b2[:, None] + table.to(dt)  # a table: per column
     if dt == p.dtype:
@@ -177,71 +177,11 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
     return rows, ab
 
 
-def _padded(h: int, r: int, k: int, dt: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``(rows [1, H, r, k], dist [H, r, r + k - 1])``: two views of one buffer, ``dist[h, i, m] =
-    rows[0, h, i, m - (r - 1 - i)]`` where that is a key (the distance layout; its other entries are
-    padding, ``r`` a row). ``rows`` is a tensor of its own over the buffer's storage (not a view:
-    the attention may write its mask into it, as into any fresh rows)."""
-    size = r - 1 + r * (k + r)
-    buf = torch.empty(h, size, dtype=dt, device=device)
-    dist = buf.as_strided((h, r, r + k - 1), (size, k + r + 1, 1))
-    rows = torch.empty(0, dtype=dt, device=device).set_(buf.untyped_storage(), r - 1, (1, h, r, k),
-                                                        (h * size, size, k + r, 1))
-    return rows, dist
-
-
-def _distance_layout(g: Tensor) -> Tensor:
-    """``g`` ``[H, R, C]`` in the distance layout ``[H, R, R + C - 1]`` (zeros outside the block's
-    columns): a view of one buffer, each row written at its offset (one copy, no full zeroing)."""
-    h, r, k = g.shape
-    buf = g.new_empty(h, r - 1 + r * (k + r))
-    buf[:, :r - 1] = 0
-    body = buf[:, r - 1:].view(h, r, k + r)
-    body[..., :k] = g
-    body[..., k:] = 0
-    return buf.as_strided((h, r, r + k - 1), (buf.stride(0), k + r + 1, 1))
-
-
-class _EndBuffer(threading.local):
-    """`_end_layouts`'s buffer, kept per thread for the last shape: the layouts' padding is zeroed
-    once, when it is made, and never written (each call copies the keys over the last's), so a
-    block's backward writes only its triangles' keys, not a fresh zeroed buffer (~1 MiB a block
-    of 128 rows, whose new pages cost more than the copy). Never handed out: read only by the
-    products of the call that filled it."""
-
-    key: tuple | None = None
-    buf: Tensor | None = None
-
-    def get(self, n: int, dt: torch.dtype, device: torch.device) -> Tensor:
-        key = (n, dt, device)
-        if self.key != key:
-            self.key, self.buf = key, torch.zeros(n, dtype=dt, device=device)
-        return self.buf
-
-
-_END_BUFFER = _EndBuffer()
-
-
-def _end_layouts(g: Tensor) -> Tensor:
-    """The distance layout's two end triangles of ``g`` ``[H, R, C]`` (``C >= R - 1``) ``[2H, R, R -
-    1]``: columns ``[0, R - 1)`` (the first ``R - 1`` keys) of each head, then columns ``[C, C + R -
-    1)`` (the last), zeros outside the block's keys, each laid out as `_distance_layout`'s. One
-    buffer (`_EndBuffer`) written by one strided copy; the second triangles' layouts start ``R - 1``
-    elements early, so that all ``2H`` are one batch (one stride: a product takes them as they are)."""
-    h, r, k = g.shape
-    w = r - 1
-    size = 2 * w + r * (w + r)  # `_distance_layout` of w keys, and w to spare
-    buf = _END_BUFFER.get(2 * h * size, g.dtype, g.device)
-    ends = g.as_strided((2, h, r, w), (k - w, g.stride(0), g.stride(1), 1), g.storage_offset())
-    buf.as_strided((2, h, r, w), (h * size - w, size, w + r, 1), w).copy_(ends)  # the layouts' bodies
-    return buf.as_strided((2 * h, r, w), (size, w + r + 1, 1))
-
-
 class _Diagonals:
-    """``g`` ``[H, R, C]`` read in the distance layout (`_distance_layout`) without copying most of
+    """``g`` ``[H, R, C]`` read in the distance layout (`distance_layout`) without copying most of
     it: columns ``m`` in ``[R - 1, C)`` see every row, ``g[h, r, m - (R - 1) + r]``, a strided view
     of ``g`` itself (rows one element further apart); the two triangles at either end (the first
-    and the last ``R - 1`` keys) are laid out on their own, together (`_end_layouts`). `pieces`
+    and the last ``R - 1`` keys) are laid out on their own, together (`end_layouts`). `pieces`
     are ``(first column, [H, R, width])`` covering ``[0, R + C - 1)`` in order."""
 
     def __init__(self, g: Tensor) -> None:
@@ -249,13 +189,13 @@ class _Diagonals:
         g = g if g.stride(-1) == 1 else g.contiguous()
         self.ends: Tensor | None = None
         if k < r - 1:  # the triangles would overlap: one layout of the whole
-            self.pieces = [(0, _distance_layout(g))]
+            self.pieces = [(0, distance_layout(g))]
             return
         mid = g.as_strided((h, r, k - r + 1), (g.stride(0), g.stride(1) + 1, 1), g.storage_offset())
         if r == 1:
             self.pieces = [(0, mid)]
             return
-        self.ends = _end_layouts(g)
+        self.ends = end_layouts(g)
         self.pieces = [(0, self.ends[:h]), (r - 1, mid), (k, self.ends[h:])]
 
     def columns(self, a: int, z: int) -> Tensor:
@@ -333,7 +273,7 @@ def _forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Ten
         return rows, n, p, on, spans, ab
     # every row the same (one normalizer): its one row of the distance layout, then copied to each
     one, ab = _diagonal_rows(p, n[:1], dt, w1, b1, w2, b2, on, runs, p.shape[0], group, table, keep)
-    rows, dist = _padded(w2.shape[0], n.shape[0], k_pos.shape[1], dt, p.device)
+    rows, dist = padded_rows(w2.shape[0], n.shape[0], k_pos.shape[1], dt, p.device)
     dist.copy_(one[0].expand_as(dist))
     return rows, n, p, on, spans, ab
 

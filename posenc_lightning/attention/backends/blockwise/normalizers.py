@@ -30,7 +30,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posenc_lightning.attention.backends.blockwise.tiles import BiasTiles, Tile, Tiling, flat, grouped, ungrouped
+from posenc_lightning.attention.backends.blockwise.tiles import (
+    BiasTiles,
+    Tile,
+    Tiling,
+    add_product,
+    batched,
+    flat,
+    grouped,
+    skipping_rows,
+    ungrouped,
+    wide_dtype,
+)
 from posenc_lightning.attention.backends.engine.denormals import _flush_denormals
 from posenc_lightning.encodings.base import Bias, KeyOnly
 from posenc_lightning.functional.mode import Mode
@@ -163,7 +174,7 @@ class FoldedBias:
 def _block_queries(q: Tensor, s: int, e: int, h_kv: int, wt: torch.dtype, scale: float,
                    fold: FoldedBias | None, kf: Tensor | None) -> Tensor:
     """The block's scaled queries ``[B * H_kv, g * r, d]`` (``d + 2`` with the fold's channels)."""
-    x = _batched(flat(grouped(q, s, e, h_kv, wt)))
+    x = batched(flat(grouped(q, s, e, h_kv, wt)))
     if fold is None:
         return x.mul(scale)
     qb = torch.empty((*x.shape[:-1], x.shape[-1] + 2), dtype=wt, device=q.device)
@@ -190,41 +201,13 @@ def _tile_grads(t: Tile, span: slice, dz: Tensor, w3: Tensor, dz3: Tensor, qb: T
     """One tile's share of the gradients from ``dz`` (of the scaled logits; ``dz3`` its ``bmm``
     view) and its weights ``w3``: ``dq += dz k``, ``dk += dz^T q``, ``dv += w^T dO`` accumulated in
     place (``dk3``, ``dv3``, ``kw``: ``[B * H_kv, N, d]`` in walking order, ``span`` the tile's
-    keys there; ``qb``, ``dob``: the tile's rows, `_skipping` its first `Tile.r0`), and the tile's
+    keys there; ``qb``, ``dob``: the tile's rows, `skipping_rows` its first `Tile.r0`), and the tile's
     bias gradient."""
-    _add_product(dq_b, g, t.r0, dz3, kw[:, span])
+    add_product(dq_b, g, t.r0, dz3, kw[:, span])
     d = dk3.shape[-1]
     dk3[:, span].baddbmm_(dz3.transpose(1, 2), qb if qb.shape[-1] == d else qb[..., :d])  # without the fold's channels
     dv3[:, span].baddbmm_(w3.transpose(1, 2), dob)
     bt.tile_grad(t, dz)
-
-
-def _skipping(x: Tensor, g: int, r0: int) -> Tensor:
-    """A block's ``[B * H_kv, g * r, X]`` without each head's first ``r0`` rows (a copy when ``g > 1``)."""
-    if r0 == 0:
-        return x
-    if g == 1:
-        return x[:, r0:]
-    n, gr, d = x.shape
-    return x.view(n, g, gr // g, d)[:, :, r0:].reshape(n, -1, d)
-
-
-def _add_product(acc: Tensor, g: int, r0: int, a: Tensor, b: Tensor) -> None:
-    """``acc`` (``[B * H_kv, g * r, X]``) without each head's first ``r0`` rows ``+= a @ b``."""
-    if r0 == 0 or g == 1:
-        acc[:, r0:].baddbmm_(a, b)
-    else:
-        n, gr, d = acc.shape
-        acc.view(n, g, gr // g, d)[:, :, r0:].add_(torch.bmm(a, b).view(n, g, -1, d))
-
-
-def _batched(x: Tensor) -> Tensor:
-    """``[B, H_kv, m, n]`` as ``[B * H_kv, m, n]`` (a view: ``baddbmm_`` accumulates a product in place)."""
-    return x.flatten(0, 1)
-
-
-def _wide(q: Tensor) -> torch.dtype:
-    return torch.promote_types(q.dtype, torch.float32)
 
 
 def _flushing(fn: Callable) -> Callable:
@@ -249,7 +232,7 @@ class StickBreakingBlocks(torch.autograd.Function):
     @staticmethod
     @_flushing
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, *extra: Tensor) -> Tensor:
-        out, tails = _sb_forward(q, k, v, spec, _wide(q))
+        out, tails = _sb_forward(q, k, v, spec, wide_dtype(q))
         ctx.save_for_backward(q, k, v, *(() if tails is None else (tails,)))
         ctx.spec = spec
         return out.to(q.dtype)
@@ -260,14 +243,14 @@ class StickBreakingBlocks(torch.autograd.Function):
         q, k, v, *kept = ctx.saved_tensors
         spec: TilesSpec = ctx.spec
         b, h, _, d = q.shape
-        h_kv, g, wt = k.shape[1], h // k.shape[1], _wide(q)
+        h_kv, g, wt = k.shape[1], h // k.shape[1], wide_dtype(q)
         tl = spec.tiling
-        kw, vw = _batched(tl.walked(k, wt)), _batched(tl.walked(v, wt))
+        kw, vw = batched(tl.walked(k, wt)), batched(tl.walked(v, wt))
         fold = _fold(spec, tl, b, h_kv, g, d, wt)
         kw = kw if fold is None else fold.keys(kw)
         kwt, vwt = kw.transpose(1, 2), vw.transpose(1, 2)
         dq, dk, dv, bt = _grad_buffers(ctx, spec, q, k, v, wt)
-        dk3, dv3 = _batched(dk), _batched(dv)
+        dk3, dv3 = batched(dk), batched(dv)
         buf = TileBuffers(4, tl, b, h, wt, q.device)  # logits, dP (then dz), softplus (then A), sigmoid
         made: dict = {}  # the pass's masks (`Tiling.keep`)
         reads = spec.stop_spent and Mode.of(q).host_reads
@@ -276,7 +259,7 @@ class StickBreakingBlocks(torch.autograd.Function):
                 continue
             shape = (b, h_kv, g, e - s)
             qb = _block_queries(q, s, e, h_kv, wt, spec.scale, fold, kw)
-            dob = _batched(flat(grouped(d_out, s, e, h_kv, wt)))
+            dob = batched(flat(grouped(d_out, s, e, h_kv, wt)))
             bt.start(s, e, k_stop, grad=True)
             tiles = tl.tiles(s, k_stop, e)
             if kept:
@@ -285,7 +268,7 @@ class StickBreakingBlocks(torch.autograd.Function):
                 tails = [torch.zeros(shape, dtype=wt, device=q.device)]
                 for t in tiles[:-1]:
                     sub = (*shape[:3], e - s - t.r0)
-                    z = _logits(_skipping(qb, g, t.r0), kwt[:, :, tl.span(t)], bt, t, buf.views(0, sub, t.k1 - t.k0))
+                    z = _logits(skipping_rows(qb, g, t.r0), kwt[:, :, tl.span(t)], bt, t, buf.views(0, sub, t.k1 - t.k0))
                     tails.append(_rows_set(tails[-1].clone(), t.r0, stick_breaking_tail(
                         z, tl.keep(s + t.r0, e, t, wt, q.device, made), tails[-1][..., t.r0:])))
                     if reads and bool(stick_spent(tails[-1])):
@@ -298,7 +281,7 @@ class StickBreakingBlocks(torch.autograd.Function):
             for t, tail in zip(reversed(tiles), reversed(tails)):
                 span, c, r0 = tl.span(t), t.k1 - t.k0, t.r0
                 zv, (dp, dp3), (sp, a3), (beta, _) = (buf.views(i, (*shape[:3], e - s - r0), c) for i in range(4))
-                qs, dos = _skipping(qb, g, r0), _skipping(dob, g, r0)
+                qs, dos = skipping_rows(qb, g, r0), skipping_rows(dob, g, r0)
                 z = _logits(qs, kwt[:, :, span], bt, t, zv, grad=True)
                 torch.bmm(dos, vwt[:, :, span], out=dp3)
                 _, dz, gf = stick_breaking_tile_backward(z, tl.keep(s + r0, e, t, wt, q.device, made), tail[..., r0:],
@@ -348,31 +331,31 @@ def _sb_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch.dtyp
     made: dict = {}  # the pass's masks (`Tiling.keep`)
     # training: the keys and values flipped once (backward keeps as much); inference: tile by tile
     # (with a fold: the keys walked once, with its channels)
-    walked = (_batched(tl.walked(k, wt)), _batched(tl.walked(v, wt))) if kept is not None else None
+    walked = (batched(tl.walked(k, wt)), batched(tl.walked(v, wt))) if kept is not None else None
     fold = _fold(spec, tl, b, h_kv, g, k.shape[-1], wt)
-    kf = None if fold is None else fold.keys(walked[0] if walked is not None else _batched(tl.walked(k, wt)))
+    kf = None if fold is None else fold.keys(walked[0] if walked is not None else batched(tl.walked(k, wt)))
     reads = spec.stop_spent and Mode.of(q).host_reads
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt, fold, kf):
         tail = torch.zeros(shape, dtype=wt, device=q.device)
-        acc3 = _batched(acc)
+        acc3 = batched(acc)
         for i, t in enumerate(tl.tiles(s, k_stop, e)):
             if kept is not None and i > 0:
                 kept[:, :, s:e, i] = tail.view(b, h, e - s)
             if i > 0 and reads and bool(stick_spent(tail)):
                 break  # the farther weights are all below exp(EXP_FLOOR): 0, not computed (backward reads it in kept)
             if walked is None:
-                kt, vt = _batched(tl.key_tile(k, t, wt)), _batched(tl.key_tile(v, t, wt))
+                kt, vt = batched(tl.key_tile(k, t, wt)), batched(tl.key_tile(v, t, wt))
             else:
                 kt, vt = walked[0][:, tl.span(t)], walked[1][:, tl.span(t)]
             if kf is not None:
                 kt = kf[:, tl.span(t)]
             sub, c = (*shape[:3], e - s - t.r0), t.k1 - t.k0
             zv = buf.views(0, sub, c)
-            z = _logits(_skipping(qb, g, t.r0), kt.transpose(1, 2), bt, t, zv)
+            z = _logits(skipping_rows(qb, g, t.r0), kt.transpose(1, 2), bt, t, zv)
             _, new = stick_breaking_tile(z, tl.keep(s + t.r0, e, t, wt, q.device, made), tail[..., t.r0:],
                                          out=z)  # A in z's buffer
             tail = _rows_set(tail, t.r0, new)
-            _add_product(acc3, g, t.r0, zv[1], vt)
+            add_product(acc3, g, t.r0, zv[1], vt)
         out[:, :, s:e] = ungrouped(acc.view(*shape, d_v))
     return out, kept
 
@@ -384,7 +367,7 @@ class SoftmaxBlocks(torch.autograd.Function):
     @staticmethod
     @_flushing
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, *extra: Tensor) -> Tensor:
-        wt = _wide(q)
+        wt = wide_dtype(q)
         out, lse = _softmax_forward(q, k, v, spec, wt)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec = spec
@@ -398,19 +381,19 @@ class SoftmaxBlocks(torch.autograd.Function):
         b, h, _, d = q.shape
         h_kv, g, wt = k.shape[1], h // k.shape[1], out.dtype
         tl = spec.tiling
-        kw, vw = _batched(tl.walked(k, wt)), _batched(tl.walked(v, wt))
+        kw, vw = batched(tl.walked(k, wt)), batched(tl.walked(v, wt))
         kwt, vwt = kw.transpose(1, 2), vw.transpose(1, 2)
         dq, dk, dv, bt = _grad_buffers(ctx, spec, q, k, v, wt)
-        dk3, dv3 = _batched(dk), _batched(dv)
+        dk3, dv3 = batched(dk), batched(dv)
         buf = TileBuffers(2, tl, b, h, wt, q.device)  # logits (then P), dP (then dz)
         made: dict = {}  # the pass's masks (`Tiling.keep`) and modulations (`_modulation`)
         for s, e, k_stop in tl.blocks():
             if k_stop == 0:
                 continue
             shape = (b, h_kv, g, e - s)
-            qb, dob = _batched(flat(grouped(q, s, e, h_kv, wt))).mul(spec.scale), grouped(d_out, s, e, h_kv, wt)
+            qb, dob = batched(flat(grouped(q, s, e, h_kv, wt))).mul(spec.scale), grouped(d_out, s, e, h_kv, wt)
             delta = (dob * grouped(out, s, e, h_kv, wt)).sum(-1, keepdim=True)
-            dob = _batched(flat(dob))
+            dob = batched(flat(dob))
             neg_lse = lse[:, :, s:e].reshape(*shape, 1).neg()
             bt.start(s, e, k_stop, grad=True)
             dq_b = torch.zeros_like(qb)
@@ -485,10 +468,10 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch
     for s, e, k_stop, shape, qb, acc in _forward_blocks(q, v, spec, bt, h_kv, wt):
         m = torch.full(shape, float("-inf"), dtype=wt, device=q.device)
         den = torch.zeros(shape, dtype=wt, device=q.device)
-        acc3 = _batched(acc)
+        acc3 = batched(acc)
         for t in tl.tiles(s, k_stop):
             zv = buf.views(0, shape, t.k1 - t.k0)
-            z = _logits(qb, _batched(tl.key_tile(k, t, wt)).transpose(1, 2), bt, t, zv)
+            z = _logits(qb, batched(tl.key_tile(k, t, wt)).transpose(1, 2), bt, t, zv)
             mod, vis = _modulation(spec, s, e, t.k0, t.k1, wt, made), tl.keep(s, e, t, wt, q.device, made)
             if vis is None:
                 z = z if mod is None else z.mul_(mod)
@@ -503,7 +486,7 @@ def _softmax_forward(q: Tensor, k: Tensor, v: Tensor, spec: TilesSpec, wt: torch
                 p = p.mul_(vis)
             alpha = (m - m_safe).exp_()
             den = den.mul_(alpha).add_(p.sum(-1))
-            acc3.mul_(alpha.view(acc3.shape[0], -1, 1)).baddbmm_(zv[1], _batched(tl.key_tile(v, t, wt)))
+            acc3.mul_(alpha.view(acc3.shape[0], -1, 1)).baddbmm_(zv[1], batched(tl.key_tile(v, t, wt)))
             m = m_new
         m_safe = m.masked_fill(torch.isneginf(m), 0.0)
         o = acc.view(*shape, d_v) / den[..., None].clamp_min(torch.finfo(wt).tiny)

@@ -338,3 +338,32 @@ class _Routed:
         if grads[slot] is None:
             grads[slot] = wide_zeros(self.tiles.inputs[slot])
         return grads[slot]
+
+
+def skipping_rows(x: Tensor, g: int, r0: int) -> Tensor:
+    """A block's ``[B * H_kv, g * r, X]`` without each head's first ``r0`` rows (a copy when ``g > 1``)."""
+    if r0 == 0:
+        return x
+    if g == 1:
+        return x[:, r0:]
+    n, gr, d = x.shape
+    return x.view(n, g, gr // g, d)[:, :, r0:].reshape(n, -1, d)
+
+
+def add_product(acc: Tensor, g: int, r0: int, a: Tensor, b: Tensor) -> None:
+    """``acc`` (``[B * H_kv, g * r, X]``) without each head's first ``r0`` rows ``+= a @ b``."""
+    if r0 == 0 or g == 1:
+        acc[:, r0:].baddbmm_(a, b)
+    else:
+        n, gr, d = acc.shape
+        acc.view(n, g, gr // g, d)[:, :, r0:].add_(torch.bmm(a, b).view(n, g, -1, d))
+
+
+def batched(x: Tensor) -> Tensor:
+    """``[B, H_kv, m, n]`` as ``[B * H_kv, m, n]`` (a view: ``baddbmm_`` accumulates a product in place)."""
+    return x.flatten(0, 1)
+
+
+def wide_dtype(q: Tensor) -> torch.dtype:
+    """The dtype a block accumulates ``q``'s products in: at least float32."""
+    return torch.promote_types(q.dtype, torch.float32)
