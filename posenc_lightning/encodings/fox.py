@@ -28,6 +28,12 @@ class ForgettingAttention(Encoding):
         rope: also rotate q and k with RoPE (the paper's "FoX + RoPE" ablation); default off
             (FoX needs no positional encoding).
         theta, layout: RoPE's arguments when ``rope`` is on.
+        gate_init_std: the gate weight ``w`` starts at ``N(0, gate_init_std)``.
+
+    Initialization: the paper's reference code (github.com/zhixuan-lin/forgetting-transformer,
+    ``ForgettingAttentionLayer``) starts the data-dependent gate with weight ``N(0, 0.02)`` and bias
+    0, so ``f ~ 0.5`` per token; the defaults are those values. Its special bias initialization
+    (decay times between ``T_min`` and ``T_max``) is only for its data-independent gates.
     """
 
     bias_kinds = (DecayBias,)
@@ -37,9 +43,12 @@ class ForgettingAttention(Encoding):
     context_parallel = True  # gates of gathered keys from ctx.k_hidden (`bias`)
 
     def __init__(self, gate_bias_init: float = 0.0, rope: bool = False, theta: float = 10000.0,
-                 layout: Literal["half", "interleaved"] = "half") -> None:
+                 layout: Literal["half", "interleaved"] = "half", gate_init_std: float = 0.02) -> None:
         super().__init__()
+        if gate_init_std < 0:
+            raise ValueError(f"fox: gate_init_std must be >= 0, got {gate_init_std}")
         self.gate_bias_init = gate_bias_init
+        self.gate_init_std = float(gate_init_std)
         self.rope = RoPE(theta=theta, layout=layout) if rope else None
         if rope:
             self.needs_even_head_dim = True
@@ -55,7 +64,10 @@ class ForgettingAttention(Encoding):
 
     def build(self) -> None:
         self.gate = nn.Linear(self.d_model, self.n_heads)
-        nn.init.normal_(self.gate.weight, std=self.d_model ** -0.5)
+        # the paper's data-dependent ("full") gate as its reference code starts it: weight
+        # N(0, initializer_range = 0.02), bias 0, so f = sigmoid(~0) = 0.5 at every token
+        # (zhixuan-lin/forgetting-transformer, ForgettingAttentionLayer._initialize_weights)
+        nn.init.normal_(self.gate.weight, std=self.gate_init_std)
         nn.init.constant_(self.gate.bias, self.gate_bias_init)
 
     @property
