@@ -7,9 +7,12 @@ one works or is refused, and compares the page with the outcome.
 
 An architecture *works* when, on its tiny model:
 
-- injecting its own rope law (its ``rope_parameters``) reproduces its logits (rotary models);
+- injecting its own rope law (its ``rope_parameters``; for a model whose layers differ, its own
+  per-layer schedule, `adapters.hf.model_schedule`) reproduces its logits (rotary models);
 - after injecting each relative encoding (rope, alibi, fire, nope), the logits do not change when
-  every position shifts by a constant (nothing absolute left behind);
+  every position shifts by a constant (nothing absolute left behind); a model whose own layers
+  depend on absolute positions by design (kept as the layer does it) moves them by at most twice
+  what its own schedule moves them (``shift_own``);
 - posenc's fused attention with a zero bias (alibi with zero slopes) equals the model's own
   attention with its positions neutralized (``nope``), on weights scaled so that the logits reach
   the model's softcap and its score scaling matters;
@@ -202,6 +205,13 @@ def _describe(model: Any) -> Any:
     return describe(model)
 
 
+def describe_layered(model: Any) -> Any:
+    """`describe` of a model with its own per-layer schedule (`adapters.hf.own_schedule`)."""
+    from posenc_lightning.adapters._hf_arch import describe
+
+    return describe(model, layered=True)
+
+
 def trial(model_type: str, config: dict[str, Any] | None = None) -> Outcome:
     """Build ``model_type`` tiny (``config``: fields set on its config) and check every invariant of the
     module docstring (or the refusal)."""
@@ -212,8 +222,11 @@ def trial(model_type: str, config: dict[str, Any] | None = None) -> Outcome:
     model = build(model_type, config=config)
     if isinstance(model, str):
         return Outcome(model_type, "skipped", model, {})
+    from posenc_lightning.adapters.hf import model_schedule, own_schedule
+
+    layered = own_schedule(model)  # its layers differ: an encoding by name goes through its schedule
     try:
-        info = _describe(model)
+        info = _describe(model) if layered is None else describe_layered(model)
     except ArchitectureRefused as e:
         return Outcome(model_type, "refused", str(e).split(": ", 1)[1], {})
     ids, _ = _ids()
@@ -222,9 +235,11 @@ def trial(model_type: str, config: dict[str, Any] | None = None) -> Outcome:
     names = ["rope", "alibi", "fire", "nope"]
     refused: list[str] = []
     if info.rotary is not None:
-        enc, cfg = _own_rope(model)
+        enc, cfg = (model_schedule(model), {}) if layered else _own_rope(model)
         inject(model, enc, **cfg)
         nums["own_rope"] = (_logits(model, ids) - original).abs().max().item()
+        if layered:  # what its own layers do with absolute positions (kept): the shift checks' floor
+            nums["shift_own"] = (_logits(model, ids, SHIFT) - _logits(model, ids)).abs().max().item()
         nums["gen_rope"] = _generate_error(model)
     for name in names:
         try:
@@ -241,17 +256,24 @@ def trial(model_type: str, config: dict[str, Any] | None = None) -> Outcome:
         own = _logits(model, ids)
         inject(model, "alibi")
         for m in info.layers:
-            m.posenc.slopes.zero_()
+            if m.posenc.name == "alibi":  # a model's NoPE layers stay NoPE (`adapters.hf.with_law`)
+                m.posenc.slopes.zero_()
         nums["zero_bias"] = (_logits(model, ids) - own).abs().max().item()
         nums["logit_range"] = own.abs().max().item()
-    detail = info.summary() + ("; " + "; ".join(refused) if refused else "")
+    detail = info.summary() + (f"; per layer: {layered}, so an encoding by name takes the place of the "
+                               f"positions of the layers that have them" if layered else "")
+    detail += "; " + "; ".join(refused) if refused else ""
     return Outcome(model_type, "works", detail, nums)
 
 
 def violations(o: Outcome) -> list[str]:
     """Invariants an outcome breaks (empty: it works as the table says)."""
     tol = {"own_rope": 5e-4}  # fp32 angles computed in another order (bases up to 5e6)
-    return [f"{k}={v:.3g}" for k, v in o.numbers.items() if k != "logit_range" and not v < tol.get(k, 1e-4)]
+    # a model's own absolute dependence (Beam's NoPE layers scale queries by (1 + (pos + 1) / 2048)^0.1
+    # themselves, kept as the layer does it) bounds how far any encoding's logits may move under a shift
+    floor = 2 * o.numbers.get("shift_own", 0.0)
+    return [f"{k}={v:.3g}" for k, v in o.numbers.items() if k not in ("logit_range", "shift_own")
+            and not v < tol.get(k, 1e-4) + (floor if k.startswith("shift_") else 0.0)]
 
 
 def markdown(outcomes: list[Outcome]) -> str:

@@ -120,6 +120,11 @@ def inject(model: nn.Module, encoding: str | Encoding | LayerSchedule, backend: 
             raise ValueError(f"{type(model).__name__} has no module that inherits PosEncAttentionMixin or "
                              f"PosEncEmbeddingMixin, and holds no Hugging Face PreTrainedModel: inherit the "
                              f"mixins in your attention / embedding modules")
+    if isinstance(encoding, str) and models and hf.own_schedule(models[0]) is not None:
+        # a model whose layers differ (NoPE layers, chunks): the encoding takes the place of the
+        # positions of the layers that have them, the others stay as they are (`hf.with_law`)
+        encoding_class(encoding)  # an unknown name fails here, naming the registered ones
+        return _inject_schedule(model, hf.with_law(models[0], encoding, cfg), backend, share_across_layers, reset)
     if isinstance(encoding, Encoding):
         proto = encoding
     elif models:

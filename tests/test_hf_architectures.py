@@ -62,9 +62,7 @@ def test_the_families_of_the_issue_work(arch: str, found: str) -> None:
 @pytest.mark.parametrize("arch,why", [("bloom", "BloomAttention computes its scores itself"),
                                       ("mpt", "computes its scores itself"),
                                       ("deepseek_v3", "decoupled-rope"),
-                                      ("kolibri1_1", "indexed sparse-attention layers"),
-                                      ("ergo", "NoPE layers (layer types full_attention"),
-                                      ("llama4_text", "NoPE layers")])
+                                      ("kolibri1_1", "indexed sparse-attention layers")])
 def test_the_refusals_of_the_issue_name_what_is_missing(arch: str, why: str) -> None:
     model = build(arch)
     with pytest.raises(ValueError, match="Closest supported route") as e:

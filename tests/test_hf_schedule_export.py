@@ -120,5 +120,51 @@ def test_gemma3_same_type_different_laws_and_unknown_model_type_are_refused():
                        {"layers": "rest", "encoding": "rope", "config": {"theta": 2e4}, "window": 8}])
     with pytest.raises(ScheduleExportError, match="rope_parameters of its sliding_attention layers"):
         schedule_config(_tiny(s, 2), "gemma3_text")
-    with pytest.raises(ValueError, match=r"model_type='gpt2' is not one of \('llama', 'smollm3', 'gemma3_text', 'phi3'\)"):
+    with pytest.raises(ValueError, match=r"model_type='gpt2' is not one of \('llama', 'smollm3', 'gemma3_text', 'phi3', 'llama4_text'\)"):
         schedule_config(_tiny(build_preset("smollm3_nope"), 4), "gpt2")
+
+
+def test_llama4_irope_round_trips_through_transformers_own_reading():
+    """iRoPE exported to ``llama4_text`` keys: the tiny transformers model built from them has NoPE
+    layers, chunks, temperature and rope law where the schedule has them, read back by the adapter
+    (`model_schedule`) as the same layers; with the schedule's weights the model equals TinyGPT's
+    layers' encodings: the same name, config and chunk per layer."""
+    from posenc_lightning.adapters.hf import model_schedule
+
+    m = _tiny(build_preset("irope", chunk=8, theta=5e4, floor_scale=4.0, attn_scale=0.2), n_layers=8)
+    keys = schedule_config(m, "llama4_text")
+    assert keys["no_rope_layers"] == [1, 1, 1, 0, 1, 1, 1, 0]
+    assert keys["layer_types"] == (["chunked_attention"] * 3 + ["full_attention"]) * 2
+    assert (keys["attention_chunk_size"], keys["attn_temperature_tuning"]) == (8, True)
+    assert (keys["floor_scale"], keys["attn_scale"]) == (4.0, 0.2)
+    cfg = transformers.Llama4TextConfig(num_hidden_layers=8, head_dim=16, max_position_embeddings=64,
+                                        num_local_experts=2, intermediate_size_mlp=64, **TINY, **keys)
+    cfg = transformers.Llama4TextConfig.from_dict(cfg.to_dict())  # what config.json round-trips to
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    back = model_schedule(hf).resolve(8, cfg.layer_types)
+    for block, spec in zip(m.blocks, back):
+        enc = block.attn.posenc
+        assert (spec.encoding, spec.chunk) == (enc.name, block.attn.posenc_chunk)
+        if enc.name == "rope":
+            assert (spec.config["theta"], spec.config["layout"]) == (5e4, "interleaved")
+        else:
+            assert spec.config == {"floor_scale": 4.0, "attn_scale": 0.2}
+
+
+@pytest.mark.parametrize("schedule,match", [
+    (LayerSchedule([{"layers": "every 4", "encoding": "nope"}, {"layers": "rest", "encoding": "rope", "chunk": 8}]),
+     "rotates half pairs"),
+    (LayerSchedule([{"layers": "every 4", "encoding": "nope"},
+                    {"layers": "rest", "encoding": "rope", "config": {"layout": "interleaved"}, "window": 8}]),
+     "sliding window"),
+    (LayerSchedule([{"layers": [3], "encoding": "nope"}, {"layers": [7], "encoding": "log_temperature"},
+                    {"layers": "rest", "encoding": "rope", "config": {"layout": "interleaved"}}]),
+     "attn_temperature_tuning is every NoPE layer's"),
+    (LayerSchedule([{"layers": "every 4", "encoding": "nope", "chunk": 8},
+                    {"layers": "rest", "encoding": "rope", "config": {"layout": "interleaved"}}]),
+     "chunked NoPE layers"),
+])
+def test_llama4_refuses_what_its_config_cannot_say(schedule, match):
+    m = _tiny(schedule, n_layers=8)
+    with pytest.raises(ScheduleExportError, match=match):
+        schedule_config(m, "llama4_text")

@@ -272,6 +272,22 @@ SCHEDULE_ROUTE = ("a per-layer schedule: inject(model, posenc_lightning.adapters
                   "the model's own, a LayerSchedule replaces it")
 
 
+def own_schedule(hf: nn.Module) -> str | None:
+    """What makes ``hf``'s layers differ in their positions (NoPE layers, chunks, a query temperature
+    applied in its attention module), or None when one encoding can serve every layer."""
+    cfg = hf.config
+    params = getattr(cfg, "rope_parameters", None)
+    unrotated = sorted(t for t, v in params.items() if v is None) if isinstance(params, dict) else []
+    if unrotated and set(unrotated) <= set(getattr(cfg, "layer_types", None) or ()):
+        return (f"its NoPE layers (layer types {', '.join(unrotated)}, whose rope_parameters are None) "
+                f"rotate nothing while its other layers rotate")
+    found = [k for k in ("no_rope_layers", "attention_chunk_size", "attn_temperature_tuning") if getattr(cfg, k, None)]
+    if found:
+        return (f"its NoPE layers / chunked attention / position-dependent query temperature ({', '.join(found)}) "
+                f"are applied inside its attention module, outside the attention function")
+    return None
+
+
 def _known_refusals(hf: nn.Module, layered: bool = False) -> None:
     cfg = hf.config
     if getattr(cfg, "model_type", None) in NOT_YET_SUPPORTED:
@@ -284,16 +300,9 @@ def _known_refusals(hf: nn.Module, layered: bool = False) -> None:
         raise refuse(hf, "its indexed sparse-attention layers choose each query's keys (index_topk) inside the "
                      "attention module, from a 4-D mask the fused path does not build",
                      "a model that rotates every layer (e.g. 'llama')")
-    params = getattr(cfg, "rope_parameters", None)
-    unrotated = sorted(t for t, v in params.items() if v is None) if isinstance(params, dict) else []
-    if unrotated and set(unrotated) <= set(getattr(cfg, "layer_types", None) or ()) and not layered:
-        raise refuse(hf, f"its NoPE layers (layer types {', '.join(unrotated)}, whose rope_parameters are None) "
-                     f"rotate nothing while its other layers rotate", SCHEDULE_ROUTE)
-    found = [k for k in ("no_rope_layers", "attention_chunk_size", "attn_temperature_tuning") if getattr(cfg, k, None)]
-    if found and not layered:
-        raise refuse(hf, f"its NoPE layers / chunked attention / position-dependent query temperature ({', '.join(found)}) "
-                     f"are applied inside its attention module, outside the attention function",
-                     SCHEDULE_ROUTE)
+    reason = own_schedule(hf)
+    if reason is not None and not layered:
+        raise refuse(hf, reason, SCHEDULE_ROUTE)
     for key, value in cfg.to_dict().items():
         if key in HANDLED_CONFIG or not MECHANISM_CONFIG.search(key) or not value or (layered and key in SCHEDULE_CONFIG):
             continue

@@ -32,6 +32,10 @@ from posenc_lightning.encodings.schedule import LayerSchedule, LayerSpec
 NOPE_FULL_LAYERS = frozenset({"cohere2"})
 #: attributes of an attention module that apply what a schedule carries: switched off while one is injected
 LAYER_SWITCHES = ("attn_temperature_tuning",)
+#: the model's own schedule as `model_schedule` read it (an entry of the model's ``__dict__``)
+OWN_SCHEDULE = "_posenc_own_schedule"
+#: the encodings `_own_spec` gives a layer that has no positions of its own (`with_law` keeps them)
+POSITIONLESS = frozenset({"nope", "log_temperature"})
 
 
 def _layer_type(cfg: Any, m: nn.Module) -> str | None:
@@ -80,15 +84,19 @@ def model_schedule(hf: nn.Module) -> LayerSchedule:
     """The model's own per-layer schedule (see the module docstring).
 
     Args:
-        hf: a transformers ``PreTrainedModel`` (with nothing injected).
+        hf: a transformers ``PreTrainedModel``; with an encoding injected, the schedule read before
+            the first injection (read now if the model was never read clean).
 
     Returns:
         One rule per distinct layer spec, naming its layers by index, named ``"<model_type>_own"``.
 
     Raises:
         ArchitectureRefused: a mechanism the adapter cannot carry (`describe`).
+        ValueError: an encoding is injected and the model's own schedule was never read.
     """
     if hf.__dict__.get(ADAPTED) is not None:
+        if hf.__dict__.get(OWN_SCHEDULE) is not None:
+            return hf.__dict__[OWN_SCHEDULE]
         raise ValueError(f"{type(hf).__name__}: an encoding is injected; model_schedule reads the model's own "
                          f"schedule: call posenc_lightning.adapters.hf.restore(model) first")
     info = describe(hf, layered=True)
@@ -98,7 +106,34 @@ def model_schedule(hf: nn.Module) -> LayerSchedule:
         by_spec.setdefault((spec.key(), spec.window, spec.chunk), (spec, []))[1].append(i)
     rules = [{"layers": idx, "encoding": s.encoding, "config": s.config, "window": s.window, "chunk": s.chunk}
              for s, idx in by_spec.values()]
-    return LayerSchedule(rules, name=f"{hf.config.model_type}_own")
+    schedule = LayerSchedule(rules, name=f"{hf.config.model_type}_own")
+    object.__setattr__(hf, OWN_SCHEDULE, schedule)  # read again while an encoding is injected
+    return schedule
+
+
+def with_law(hf: nn.Module, encoding: str, config: dict[str, Any]) -> LayerSchedule:
+    """The model's own schedule with ``encoding`` in place of the positions of every layer that has
+    them (its rotary layers: ``rope_parameters`` moves to a new law the way transformers applies
+    it), and every layer without them (NoPE, Llama 4's temperature-only layers) kept as it is, with
+    each layer's window and chunk. What `inject(model, name)` does on such a model.
+
+    Args:
+        hf: a transformers ``PreTrainedModel`` with its own per-layer schedule (`own_schedule`).
+        encoding: the registered name put into the positional layers.
+        config: its arguments; what the user leaves out the model implies per layer (`layer_config`).
+
+    Returns:
+        A `LayerSchedule` named ``"<model_type>_own+<encoding>"``.
+    """
+    own = model_schedule(hf)
+    rules = []
+    for rule in own.rules:
+        spec = rule.spec
+        if spec.encoding not in POSITIONLESS:
+            spec = LayerSpec(encoding, dict(config), spec.window, spec.chunk)
+        rules.append({"layers": rule.layers, "encoding": spec.encoding, "config": spec.config, "window": spec.window,
+                      "chunk": spec.chunk})
+    return LayerSchedule(rules, name=f"{own.name}+{encoding}")
 
 
 def layer_config(hf: nn.Module, implied: dict[str, Any], m: nn.Module, spec: LayerSpec) -> dict[str, Any]:

@@ -210,8 +210,11 @@ class Encoding(nn.Module):
         cfg = dict(getattr(self, "_init_args", {}))
         return {k: v for k, v in cfg.items() if not isinstance(v, (nn.Module, Tensor))}
 
-    def to_rope_parameters(self) -> tuple[dict[str, Any], int | None] | None:
+    def to_rope_parameters(self, layout: str = "half") -> tuple[dict[str, Any], int | None] | None:
         """This encoding as a transformers rope law (`models.hf_export.export_pretrained` writes it).
+
+        Args:
+            layout: how the target model pairs the rotated channels (``"half"`` or ``"interleaved"``).
 
         Returns:
             ``(rope_parameters, max_position_embeddings or None)`` for which transformers'

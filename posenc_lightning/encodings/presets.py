@@ -95,7 +95,7 @@ def rnope_swa(window: int = 4096, theta: float = 10000.0, interval: int = 4) -> 
 
 @preset("irope")
 def irope(chunk: int = 8192, theta: float = 500000.0, interval: int = 4, floor_scale: float = 8192.0,
-          attn_scale: float = 0.1) -> LayerSchedule:
+          attn_scale: float = 0.1, layout: str = "interleaved") -> LayerSchedule:
     """iRoPE of Llama 4 (Meta, Llama 4 model card, 2025; transformers' ``Llama4TextConfig``:
     ``attention_chunk_size`` 8192, ``no_rope_layers`` every 4th, ``attn_temperature_tuning`` with
     ``floor_scale`` 8192 and ``attn_scale`` 0.1, ``rope_theta`` 500000): chunked local attention with
@@ -107,11 +107,13 @@ def irope(chunk: int = 8192, theta: float = 500000.0, interval: int = 4, floor_s
         theta: RoPE's base.
         interval: every ``interval``-th layer is a global NoPE layer.
         floor_scale, attn_scale: the NoPE layers' query temperature.
+        layout: RoPE's channel pairs; Llama 4 rotates adjacent (``"interleaved"``) pairs, so a model
+            trained with this preset exports to ``llama4_text`` (`models.hf_schedule`).
     """
     return LayerSchedule([
         {"layers": f"every {interval}", "encoding": "log_temperature",
          "config": {"floor_scale": floor_scale, "attn_scale": attn_scale}},
-        {"layers": "rest", "encoding": "rope", "config": {"theta": theta}, "chunk": chunk}])
+        {"layers": "rest", "encoding": "rope", "config": {"theta": theta, "layout": layout}, "chunk": chunk}])
 
 
 @preset("smollm3_nope")

@@ -162,14 +162,18 @@ class RotaryEncoding(Encoding):
                              f"(got {sorted(rope_parameters)})")
         return rope_parameters[key]
 
-    def to_rope_parameters(self) -> tuple[dict[str, Any], int | None] | None:
+    def to_rope_parameters(self, layout: str = "half") -> tuple[dict[str, Any], int | None] | None:
         """``rope_theta``, ``partial_rotary_factor`` (when not 1) and `hf_rope_type`, then the law's
-        own fields; None for a law with no `hf_rope_type` or with the interleaved layout.
+        own fields; None for a law with no `hf_rope_type` or whose layout is not ``layout``.
+
+        Args:
+            layout: how the target model pairs channels: ``"half"`` (Llama, most models) or
+                ``"interleaved"`` (Llama 4, Cohere: adjacent pairs).
 
         Returns:
             ``(rope_parameters, max_position_embeddings or None)``, or None.
         """
-        if self.hf_rope_type is None or self.layout != "half":
+        if self.hf_rope_type is None or self.layout != layout:
             return None
         law = self._rope_law_parameters()
         if law is None:

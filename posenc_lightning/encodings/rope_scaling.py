@@ -109,12 +109,12 @@ class NTKAware(ScaledRotary):
                  layout: Layout = "half", partial_rotary_factor: float = 1.0) -> None:
         super().__init__(factor, original_max_position_embeddings, theta, layout, partial_rotary_factor)
 
-    def to_rope_parameters(self) -> tuple[dict[str, Any], int | None] | None:
+    def to_rope_parameters(self, layout: str = "half") -> tuple[dict[str, Any], int | None] | None:
         if type(self) is not NTKAware:  # a subclass may change the law
             return None
         d = self.rotary_dim  # a new base: b' = b s^(d/(d-2)) (bloc97)
         return RoPE(theta=self.theta * self.factor ** (d / (d - 2)), layout=self.layout,
-                    partial_rotary_factor=self.partial_rotary_factor).to_rope_parameters()
+                    partial_rotary_factor=self.partial_rotary_factor).to_rope_parameters(layout)
 
     def frequencies(self, seq_len: int | None = None, device: torch.device | None = None) -> tuple[Tensor, float]:
         return ntk_inv_freq(self.rotary_dim, self.theta, self.factor, device), 1.0

@@ -10,6 +10,7 @@ reads:
 | ``smollm3`` | ``no_rope_layers`` (1 = rope, 0 = NoPE), ``layer_types``, ``use_sliding_window``, ``sliding_window``, ``rope_parameters`` |
 | ``phi3`` | ``rope_parameters`` (one law, ``partial_rotary_factor`` inside it), ``sliding_window`` (every layer's) |
 | ``gemma3_text`` | ``layer_types`` (``"sliding_attention"`` / ``"full_attention"``), ``sliding_window``, ``rope_parameters`` per layer type (``{"sliding_attention": {...}, "full_attention": {...}}``) |
+| ``llama4_text`` | ``no_rope_layers``, ``layer_types`` (``"chunked_attention"`` / ``"full_attention"``), ``attention_chunk_size``, ``attn_temperature_tuning``, ``floor_scale``, ``attn_scale``, ``rope_parameters`` (interleaved pairs) |
 
 A schedule no key of that model type expresses (a NoPE layer in llama or gemma3, two rope laws in
 layers of one type, two windows, a chunk, a bias or normalizer encoding, a rope law transformers
@@ -27,13 +28,15 @@ from posenc_lightning.encodings.base import Encoding
 
 __all__ = ["MODEL_TYPES", "ScheduleExportError", "layers_of", "schedule_config"]
 
-MODEL_TYPES = ("llama", "smollm3", "gemma3_text", "phi3")
+MODEL_TYPES = ("llama", "smollm3", "gemma3_text", "phi3", "llama4_text")
 # model types whose attention rotates only the first partial_rotary_factor of each head's channels;
 # llama, smollm3 and gemma3 rotate every channel (their default law ignores the key)
 PARTIAL_ROTARY = ("phi3",)
 # the rope_type values a model type's config validates (absent: every transformers law)
 ROPE_TYPES = {"phi3": ("default", "longrope")}
-SLIDING, FULL = "sliding_attention", "full_attention"
+SLIDING, FULL, CHUNKED = "sliding_attention", "full_attention", "chunked_attention"
+#: how a model type pairs the rotated channels (absent: "half")
+LAYOUTS = {"llama4_text": "interleaved"}
 
 Layer = tuple[Encoding | None, int | None, int | None]  # (encoding, window, chunk)
 
@@ -74,10 +77,14 @@ def _rope_law(enc: Encoding | None, i: int, model_type: str) -> tuple[dict[str, 
         raise ScheduleExportError(f"layer {i}: {enc.name} acts at stages {sorted(enc.stages)}; a {model_type} "
                                   f"config expresses only rotary laws and NoPE (export it with export_pretrained's "
                                   f"posenc_lightning format instead)")
-    law = enc.to_rope_parameters()
+    layout = LAYOUTS.get(model_type, "half")
+    law = enc.to_rope_parameters(layout)
     if law is None:
+        if getattr(enc, "layout", layout) != layout and enc.to_rope_parameters(enc.layout) is not None:
+            raise ScheduleExportError(f"layer {i}: {enc.name} rotates {enc.layout} pairs; a {model_type} model "
+                                      f"rotates {layout} pairs (build the schedule with layout={layout!r})")
         raise ScheduleExportError(f"layer {i}: {enc.name} ({enc.config()}) is no transformers rope law "
-                                  f"(p-RoPE with p < 1, an interleaved layout and learned rotations have none); "
+                                  f"(p-RoPE with p < 1 and learned rotations have none); "
                                   f"no rope_parameters expresses it")
     params = dict(law[0])
     allowed = ROPE_TYPES.get(model_type)
@@ -141,10 +148,12 @@ def schedule_config(layers: Sequence[Layer] | nn.Module, model_type: str) -> dic
         layers = layers_of(layers)
     if not layers:
         raise ValueError("schedule_config: layers is empty; give one (encoding, window, chunk) per layer")
+    if model_type == "llama4_text":
+        return _llama4(layers)
     for i, (_, _, chunk) in enumerate(layers):
         if chunk is not None:
             raise ScheduleExportError(f"layer {i}: chunked attention (chunk={chunk}) has no key in a {model_type} "
-                                      f"config (llama4's attention_chunk_size is not exported here)")
+                                      f"config (export to llama4_text, whose attention_chunk_size it is)")
     found = [_rope_law(enc, i, model_type) for i, (enc, _, _) in enumerate(layers)]
     laws = [None if f is None else f[0] for f in found]
     max_pos = _one({i: f[1] for i, f in enumerate(found) if f is not None and f[1] is not None},
@@ -186,4 +195,44 @@ def schedule_config(layers: Sequence[Layer] | nn.Module, model_type: str) -> dic
     out["rope_parameters"] = {t: dict(per_type[t] or filler) for t in (SLIDING, FULL)}
     if window is None:
         out.pop("sliding_window")  # gemma3_text's default window stays; no layer is sliding
+    return out
+
+
+def _llama4(layers: Sequence[Layer]) -> dict[str, Any]:
+    """`schedule_config` for ``llama4_text``: RoPE layers (one law, adjacent pairs, chunked or not)
+    and NoPE layers, all with the log-position query temperature (`log_temperature`, one
+    ``floor_scale`` and ``attn_scale``) or none; no sliding window."""
+    mt = "llama4_text"
+    windows = [i for i, (_, w, _) in enumerate(layers) if w is not None]
+    if windows:
+        raise ScheduleExportError(f"layers {windows} have a sliding window; a {mt} config has none (its local "
+                                  f"layers are chunked: give them a chunk)")
+    temps = {i: (float(e.floor_scale), float(e.attn_scale)) for i, (e, _, _) in enumerate(layers)
+             if e is not None and e.name == "log_temperature"}
+    plain = [i for i, (e, _, _) in enumerate(layers) if e is None or e.name == "nope"]
+    if temps and plain:
+        raise ScheduleExportError(f"layers {sorted(temps)} carry the query temperature and layers {plain} are NoPE "
+                                  f"without it; a {mt} config's attn_temperature_tuning is every NoPE layer's")
+    found = [None if (e is None or i in temps) else _rope_law(e, i, mt) for i, (e, _, _) in enumerate(layers)]
+    roped = {i: f[0] for i, f in enumerate(found) if f is not None}
+    chunks = {i: c for i, (_, _, c) in enumerate(layers) if c is not None}
+    nope_chunked = sorted(set(chunks) - set(roped))
+    if nope_chunked:
+        raise ScheduleExportError(f"layers {nope_chunked} are chunked NoPE layers; a {mt} config chunks only "
+                                  f"its RoPE layers")
+    max_pos = _one({i: f[1] for i, f in enumerate(found) if f is not None and f[1] is not None},
+                   "max_position_embeddings", mt)
+    out: dict[str, Any] = {
+        "no_rope_layers": [int(f is not None) for f in found],
+        "layer_types": [CHUNKED if i in chunks else FULL for i in range(len(layers))],
+        "attention_chunk_size": _one(chunks, "attention_chunk_size", mt),
+        "attn_temperature_tuning": bool(temps), **_max_pos(max_pos)}
+    if temps:
+        floor_scale, out["attn_scale"] = _one(temps, "query temperature (floor_scale, attn_scale)", mt)
+        if not floor_scale.is_integer():
+            raise ScheduleExportError(f"floor_scale={floor_scale}: a {mt} config's floor_scale is an integer "
+                                      f"number of tokens")
+        out["floor_scale"] = int(floor_scale)
+    if roped:
+        out["rope_parameters"] = _one(roped, "rope_parameters", mt)
     return out
