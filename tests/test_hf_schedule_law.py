@@ -16,10 +16,10 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_hf_schedule import IDS, build, run  # noqa: E402
+from test_hf_schedule import IDS, build, run
 
-from posenc_lightning import inject, injected_spec  # noqa: E402
-from posenc_lightning.adapters import hf as adapter  # noqa: E402
+from posenc_lightning import inject, injected_spec
+from posenc_lightning.adapters import hf as adapter
 
 warnings.filterwarnings("ignore")
 
