@@ -109,3 +109,45 @@ def test_an_unknown_name_and_an_instance_are_refused_clearly() -> None:
 
     with pytest.raises(ValueError, match="per-layer schedule"):
         inject(model, RoPE())
+
+
+EXPORTS = [("smollm3", "yarn"), ("llama4_text", "llama3"), ("ergo", "yarn"), ("beam", "pi"),
+           ("gemma3_text", "pi"), ("cohere2", "yarn")]
+
+
+@pytest.mark.parametrize("arch,law", EXPORTS)
+def test_an_injected_law_exports_to_plain_transformers(arch: str, law: str, tmp_path) -> None:
+    """`export_pretrained` writes the law into the model's own config shape (one law; one per layer
+    type for Gemma 3, Ergo and Beam, NoPE types left None; Llama 4's and Cohere 2's adjacent pairs),
+    and transformers alone loads the directory to the same logits."""
+    from posenc_lightning.models.hf_export import export_pretrained
+
+    model = build(arch)
+    if getattr(model.config, "mlp_layer_types", None):  # the tiny config was shrunk to 4 layers after building
+        model.config.mlp_layer_types = model.config.mlp_layer_types[:4]
+    inject(model, law, **LAWS[law][0])
+    with torch.no_grad():
+        want = model(IDS).logits
+    assert export_pretrained(model, str(tmp_path))["format"] == "transformers"
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    with torch.no_grad():
+        assert (back(IDS).logits - want).abs().max() <= 1e-5
+
+
+def test_a_schedule_no_config_says_exports_in_posenc_format(tmp_path) -> None:
+    """ALiBi put into SmolLM3's NoPE layer too (a user's schedule): no transformers config says it, so
+    the export is posenc_lightning's own format (with its warning), never a plain config that drops it."""
+    from posenc_lightning import LayerSchedule
+    from posenc_lightning.models.hf_export import export_pretrained, load_pretrained
+
+    model = build("smollm3")
+    inject(model, LayerSchedule([{"layers": "rest", "encoding": "yarn", "config": LAWS["yarn"][0]},
+                                 {"layers": [3], "encoding": "rope"}]))
+    with torch.no_grad():
+        want = model(IDS).logits
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert export_pretrained(model, str(tmp_path))["format"] == "posenc_lightning"
+    assert any("not a transformers rope law" in str(w.message) for w in caught)
+    with torch.no_grad():
+        assert (load_pretrained(str(tmp_path)).eval()(IDS).logits - want).abs().max() <= 1e-5

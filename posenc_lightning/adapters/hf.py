@@ -334,6 +334,7 @@ def adapt_schedule(hf: nn.Module, schedule: LayerSchedule, backend: str, share_a
         ValueError: a rule the model's layers cannot take (a stage-1 encoding, a rule out of range).
     """
     restore(hf)
+    model_schedule(hf)  # read (and kept) while the model is its own: an export compares against it
     info = describe(hf, layered=True)
     implied = model_defaults(hf, layered=True)
     cfg = hf.config

@@ -24,6 +24,7 @@ from torch import nn
 
 from posenc_lightning.adapters import hf as adapter
 from posenc_lightning.encodings.base import Encoding
+from posenc_lightning.models.hf_rope_config import rope_config
 
 SPEC_FILE, STATE_FILE = "posenc_lightning.json", "posenc_lightning.pt"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -54,7 +55,7 @@ def _single_hf(module: nn.Module) -> nn.Module:
 
 def injected_encoding(hf: nn.Module) -> Encoding | None:
     """The encoding the adapter placed in ``hf`` (the first layer's), or None."""
-    table = getattr(hf.base_model, "rotary_emb", None)
+    table = adapter.rotary_module(hf)
     if isinstance(table, adapter.RotaryTable):
         return table.posenc
     wpe = getattr(hf.base_model, "wpe", None)
@@ -83,7 +84,7 @@ def export_pretrained(module: nn.Module, out_dir: str, tokenizer_dir: str | None
     originals = getattr(hf, adapter.ORIGINALS, None) or {}
     state = {k: v for k, v in hf.state_dict().items() if not _is_posenc_key(k)}
     has_rope = adapter.rotary_module(hf) is not None
-    rope = to_rope_parameters(enc) if enc is not None and has_rope and enc.stages == frozenset({"rotate"}) else None
+    rope = rope_config(hf, scheduled="schedule" in (spec or {})) if enc is not None and has_rope else None
     config = hf.config.__class__.from_dict(hf.config.to_dict())
     if "wpe" in originals:  # the model's own table, so that transformers loads the files cleanly
         state[_wpe_key(hf)] = originals["wpe"].weight.detach()
@@ -126,14 +127,12 @@ def load_pretrained(path: str, **kwargs: Any) -> nn.Module:
     `export_pretrained` directory names re-injected and its parameters loaded."""
     from transformers import AutoModelForCausalLM
 
-    from posenc_lightning.inject import inject
+    from posenc_lightning.inject import CHECKPOINT_KEY, restore_from_checkpoint
 
     hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
     spec_file = Path(path) / SPEC_FILE
-    if spec_file.is_file():
-        spec = json.loads(spec_file.read_text())
-        inject(hf, spec["encoding"], backend=spec.get("backend", "auto"),
-               share_across_layers=spec.get("share_across_layers", True), **spec.get("config", {}))
+    if spec_file.is_file():  # one encoding or a layer schedule, as a checkpoint names it
+        restore_from_checkpoint(hf, {CHECKPOINT_KEY: json.loads(spec_file.read_text())})
         saved = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
         missing = {k for k in hf.state_dict() if _is_posenc_key(k)} - set(saved)
         if missing:
