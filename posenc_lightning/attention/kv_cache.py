@@ -4,6 +4,10 @@ Static encodings cache *rotated* keys. Dynamic encodings (``Encoding.dynamic``: 
 long_rope's switching factor sets, clex) cache keys *before* rotation and the mixin rotates all
 of them at attend time, so growing past a switch point never leaves keys rotated with stale
 frequencies. Encodings with per-token state (FoX's cumulative gates) keep it in ``extra``.
+
+A layer with a sliding window or chunk drops the keys no later query can see (`LayerKVCache.drop`,
+called by the mixin after each step): its memory stays O(window) however long the decoding runs.
+Keys are counted in two ways: `LayerKVCache.length` held, `LayerKVCache.seen` ever appended.
 """
 
 from __future__ import annotations
@@ -27,10 +31,43 @@ class LayerKVCache:
         #: the cached positions are ``start + arange(length)`` in every row, known without reading
         #: them (every update said so), else None
         self.start: int | None = None
+        #: keys dropped from the front (`drop`): held key ``j`` is the ``dropped + j``-th appended
+        self.dropped = 0
 
     @property
     def length(self) -> int:
+        """Keys held now."""
         return 0 if self.k is None else self.k.shape[-2]
+
+    @property
+    def seen(self) -> int:
+        """Keys appended since the last reset (held and dropped): the next token's index."""
+        return self.dropped + self.length
+
+    def invisible(self, window: int | None, chunk: int | None) -> int:
+        """How many of the oldest held keys no later query can see under a causal ``window`` (a
+        query sees itself and the ``window - 1`` keys before it) and ``chunk`` (keys of its own
+        chunk of indices); with a chunk the count stops at a chunk boundary, so that held indices
+        keep their chunks. 0 while ``extra`` holds per-token state (it is indexed like the keys)."""
+        if self.extra or self.k is None:
+            return 0
+        first = 0  # the first index (of all appended) a later query can see
+        if window is not None:
+            first = self.seen - window + 1
+        if chunk is not None:
+            first = max(first, self.seen // chunk * chunk) // chunk * chunk
+        return max(0, first - self.dropped)
+
+    def drop(self, n: int) -> None:
+        """Forget the ``n`` oldest held keys (and their values, positions and segments)."""
+        if n <= 0:
+            return
+        self.k, self.v, self.positions = self.k[..., n:, :], self.v[..., n:, :], self.positions[:, n:]
+        if self.segments is not None:
+            self.segments = self.segments[:, n:]
+        if self.start is not None:
+            self.start += n
+        self.dropped += n
 
     def update(self, k: Tensor, v: Tensor, positions: Tensor, rotated: bool,
                segments: Tensor | None = None, start: int | None = None
@@ -96,7 +133,8 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        return self.layers[0].length if self.layers else 0
+        """Tokens appended so far (a windowed layer may hold fewer keys: `LayerKVCache.seen`)."""
+        return self.layers[0].seen if self.layers else 0
 
     def reset(self) -> None:
         """Empty every layer's cache."""

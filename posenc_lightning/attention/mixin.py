@@ -78,7 +78,7 @@ class PosEncAttentionMixin:
         enc = self.encoding or NO_ENCODING
         check_attend(enc, q, k, v, positions, hidden, cache, segment_ids, key_padding_mask)
         b, _, n, _ = q.shape
-        offset = cache.length if cache is not None else 0
+        offset = cache.seen if cache is not None else 0  # the first new token's index
         start = None  # positions known to be start + arange(n) in every row (`AttentionContext`)
         group = self.posenc_context_parallel if cache is None else None  # q, k, v: this rank's shard
         if positions is None:
@@ -128,13 +128,19 @@ class PosEncAttentionMixin:
         if not rotate_later and "rotate" in enc.stages:  # the cache holds rotated keys
             q, k = enc.rotate(q, k, context(enc, None, positions, positions, causal=causal, hidden=hidden,
                                             cache=cache, module=self, q_start=start, k_start=start))
+        if key_padding_mask is not None and cache.dropped:  # given for every key: the dropped ones go
+            key_padding_mask = key_padding_mask[:, cache.dropped:]
+        held = cache.length  # the mask counts the keys held, the first new one at index `held`
         k, v, k_pos, k_seg = cache.update(k, v, positions, rotated=not rotate_later, segments=segment_ids,
                                           start=start)
         ctx = context(enc, backend, positions, k_pos, causal=causal, hidden=hidden, cache=cache, module=self,
                       q_start=start, k_start=cache.start)
-        mask = AttentionMask(causal, offset, n, k.shape[-2], segment_ids,
+        mask = AttentionMask(causal, held, n, k.shape[-2], segment_ids,
                              k_seg if segment_ids is not None else None, key_padding_mask, window, chunk)
-        return run_stages(enc, backend, q, k, v, ctx, mask, scale, rotated=not rotate_later)
+        out = run_stages(enc, backend, q, k, v, ctx, mask, scale, rotated=not rotate_later)
+        if (window is not None or chunk is not None) and not enc.dynamic:
+            cache.drop(cache.invisible(window, chunk))
+        return out
 
 
 class PosEncEmbeddingMixin:

@@ -67,7 +67,7 @@ def check_attend(enc: Any, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | 
     if segment_ids is not None and (segment_ids.shape != (b, n) or not _is_index(segment_ids)):
         _fail("segment_ids", f"integer document ids of shape [B, Nq] = [{b}, {n}]", segment_ids)
     if key_padding_mask is not None:
-        n_k = (cache.length if cache is not None else 0) + k.shape[-2]
+        n_k = (cache.seen if cache is not None else 0) + k.shape[-2]
         if key_padding_mask.shape != (b, n_k) or key_padding_mask.dtype != torch.bool:
             _fail("key_padding_mask", f"bool [B, Nk] = [{b}, {n_k}] (every key, cached ones included; "
                                       f"False = padding)", key_padding_mask)
