@@ -16,6 +16,7 @@ from torch import Tensor
 
 from posenc_lightning.encodings.bias._distance_table import DistanceTable, accumulate
 from posenc_lightning.encodings.bias.forms import (
+    GatedCounts,
     HandRows,
     HeadScaled,
     KernelBias,
@@ -26,8 +27,20 @@ from posenc_lightning.encodings.bias.forms import (
 from posenc_lightning.encodings.bias.windows import Index, cut, span
 from posenc_lightning.functional.mode import Mode
 
-__all__ = ["Bias", "BiasSum", "HandRows", "HeadScaled", "KernelBias", "KeyOnly", "OpaqueOperands", "ScaledBias",
-           "ValueDependentForm", "cut", "span"]
+__all__ = [
+    "Bias",
+    "BiasSum",
+    "GatedCounts",
+    "HandRows",
+    "HeadScaled",
+    "KernelBias",
+    "KeyOnly",
+    "OpaqueOperands",
+    "ScaledBias",
+    "ValueDependentForm",
+    "cut",
+    "span",
+]
 
 #: ``f(b, h, q_idx, kv_idx) -> value`` (float32), one term of a flex ``score_mod``
 ScoreTerm = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]

@@ -1,4 +1,6 @@
-"""`cope_attention`: the autograd Function around the CoPE kernels (`kernels.cope`) and their tiles.
+"""`gated_count_attention`: the autograd Function around the CoPE kernels (`kernels.cope`), which the
+Triton backend calls for a bias read at positions counted by content gates
+(`encodings.bias.GatedCounts`), and their tiles.
 
 Inputs: q ``[B, H, Nq, D]``, k, v ``[B, Hkv, Nk, D]`` (grouped-query allowed), the position
 embeddings ``E [Hp, D, P]`` (``Hp`` 1: shared by the heads, or ``H``). ``Z = q E`` (``[B, H, Nq, P]``,
@@ -15,9 +17,8 @@ import torch
 import triton
 from torch import Tensor
 
-from posenc_lightning.kernels import cope
+from posenc_lightning.kernels import cope, fused
 from posenc_lightning.kernels.fused import (
-    INTERPRET_BLOCKS,
     Plan,
     acc_dtype,
     common_args,
@@ -38,7 +39,8 @@ def cope_block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = 
     if kind not in COPE_KINDS:
         raise ValueError(f"cope_block_config: unknown kernel kind {kind!r}; known: {', '.join(COPE_KINDS)}")
     if interpreting() and not gpu:
-        return {"BM": INTERPRET_BLOCKS[0], "BN": INTERPRET_BLOCKS[1], "num_warps": 1, "num_stages": 1}
+        # read at the call: tests change the interpreter's tiles
+        return {"BM": fused.INTERPRET_BLOCKS[0], "BN": fused.INTERPRET_BLOCKS[1], "num_warps": 1, "num_stages": 1}
     key = (90 if arch is None or arch >= 90 else 80, 64 if head_dim <= 64 else 128,
            "32" if dtype in (torch.float32, torch.float64) else "16", kind)
     bm, bn, warps, stages = COPE_CONFIGS[key]
@@ -115,10 +117,11 @@ class _CoPEAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dz.to(z.dtype), None, None
 
 
-def cope_attention(q: Tensor, k: Tensor, v: Tensor, pos_emb: Tensor, *, gate_scale: float,
+def gated_count_attention(q: Tensor, k: Tensor, v: Tensor, pos_emb: Tensor, *, gate_scale: float,
                    scale: float | None = None, q_offset: int = 0, q_segments: Tensor | None = None,
                    k_segments: Tensor | None = None, k_valid: Tensor | None = None) -> Tensor:
-    """Causal softmax attention with the CoPE bias computed in the kernels (no N x N tensor).
+    """Causal softmax attention with the CoPE bias (`encodings.bias.GatedCounts`) computed in the
+    kernels (no N x N tensor).
 
     Args:
         q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` (``H`` a multiple of ``Hkv``), one dtype
@@ -135,12 +138,12 @@ def cope_attention(q: Tensor, k: Tensor, v: Tensor, pos_emb: Tensor, *, gate_sca
         ``[B, H, Nq, D]`` in q's dtype.
     """
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"cope_attention wants q [B,H,Nq,D], k = v [B,Hkv,Nk,D] of one dtype; got "
+        raise ValueError(f"gated_count_attention wants q [B,H,Nq,D], k = v [B,Hkv,Nk,D] of one dtype; got "
                          f"{tuple(q.shape)} {q.dtype}, {tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}")
     d = q.shape[-1]
     if d > 128 or q.shape[1] % k.shape[1] or pos_emb.dim() != 3 or pos_emb.shape[0] not in (1, q.shape[1]) \
             or pos_emb.shape[1] != d:
-        raise ValueError(f"cope_attention: head_dim {d} must be <= 128, n_heads {q.shape[1]} a multiple of "
+        raise ValueError(f"gated_count_attention: head_dim {d} must be <= 128, n_heads {q.shape[1]} a multiple of "
                          f"n_kv_heads {k.shape[1]}, pos_emb [1|H, D, P]; got {tuple(pos_emb.shape)}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     z = torch.matmul(q.to(acc_dtype(q.dtype)), pos_emb.to(acc_dtype(q.dtype))).contiguous()  # [B, H, Nq, P]
