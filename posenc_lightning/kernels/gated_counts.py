@@ -59,11 +59,12 @@ def _run(kernel, grid, args: dict, cfg: dict) -> None:
                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def _args(q: Tensor, k: Tensor, z: Tensor, plan: Plan, gate_scale: float) -> dict:
-    """The keyword arguments and flags every CoPE kernel reads."""
+def kernel_args(q: Tensor, k: Tensor, n_positions: int, plan: Plan, gate_scale: float) -> dict:
+    """The keyword arguments and compile-time flags every CoPE kernel reads besides its tensors
+    (``n_positions``: ``P``, the table's integer positions)."""
     a, flags = common_args(q, k, plan, None, None, None, None, None)
-    return {**a, **flags, "P": z.shape[-1], "gate_scale": float(gate_scale), "BP": triton.next_power_of_2(z.shape[-1]),
-            "BD": head_block(q.shape[-1])}
+    return {**a, **flags, "P": int(n_positions), "gate_scale": float(gate_scale),
+            "BP": triton.next_power_of_2(int(n_positions)), "BD": head_block(q.shape[-1])}
 
 
 class _CoPEAttention(torch.autograd.Function):
@@ -82,7 +83,7 @@ class _CoPEAttention(torch.autograd.Function):
         # each row's sum of gates after every key block: O(N^2 / BN)
         gtail = torch.empty(b * h, nkb, nq, dtype=acc_dtype(q.dtype), device=q.device)
         args = {**_heads(q, "Q"), **_heads(k, "K"), **_heads(v, "V"), **_heads(out, "O"), "Z": z, "LSE": lse,
-                "GTAIL": gtail, "n_kblocks": nkb, **_args(q, k, z, plan, gate_scale)}
+                "GTAIL": gtail, "n_kblocks": nkb, **kernel_args(q, k, z.shape[-1], plan, gate_scale)}
         _run(cope._cope_fwd_kernel, (triton.cdiv(nq, cfg["BM"]), b * h), args, cfg)
         ctx.save_for_backward(q, k, v, z, out, lse, gtail)
         ctx.plan, ctx.gate_scale = plan, gate_scale
@@ -111,7 +112,7 @@ class _CoPEAttention(torch.autograd.Function):
         dptail = torch.empty(gtail.shape, **acc)  # each row's sum of dp before every key block
         args = {**_heads(q, "Q"), **_heads(k, "K"), **_heads(v, "V"), **_heads(dout, "O"), "DO": dout, "Z": z,
                 "LSE": lse, "DELTA": delta, "GTAIL": gtail, "DPTAIL": dptail, "n_kblocks": nkb, "DQ": dq, "DZ": dz,
-                "DK": dk, "DV": dv, **_args(q, k, z, plan, ctx.gate_scale)}
+                "DK": dk, "DV": dv, **kernel_args(q, k, z.shape[-1], plan, ctx.gate_scale)}
         _run(cope._cope_bwd_dq_kernel, (triton.cdiv(nq, cfg["BM"]), b * h), args, cfg)
         _run(cope._cope_bwd_dkdv_kernel, (triton.cdiv(nk, cfg_kv["BN"]), b * hkv), args, cfg_kv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dz.to(z.dtype), None, None
