@@ -214,3 +214,42 @@ def test_compile_report_sm80_sm90_no_spills_no_atomics():
         assert r["ok"] and r["spill_stores"] == 0 and r["spill_loads"] == 0, (what, r)
         assert r["atomics"] == 0 and r["tf32"] == 0, what
         assert r["mma"] > 0 or r["dtype"] == "float32", what  # tensor-core products for fp16
+
+
+def test_a_sum_with_other_kinds_is_refused_up_front():
+    """A mixture summing CoPE with ALiBi: the CoPE kernels take no other term, so the backend
+    refuses the encoding (before any N x N tensor), naming sdpa."""
+    from posenc_lightning.attention.backends import triton as triton_backend
+    from posenc_lightning.encodings.registry import build_encoding
+
+    enc = build_encoding("mixture", members=("alibi", "cope")).bind(n_heads=2, head_dim=16, d_model=32)
+    why = triton_backend.supports(enc, torch.device("cuda"), True)
+    assert why is not None and "CoPEBias" in why and "sdpa" in why
+    assert triton_backend.supports(build_encoding("cope").bind(n_heads=2, head_dim=16, d_model=32),
+                                   torch.device("cuda"), True) is None
+
+
+def test_a_scaled_bias_is_still_counted_in_the_kernels():
+    """``w * bias`` keeps its kind (the table scaled by ``w``): the kernels give softmax of
+    ``scale q.k + w z[p]``, with ``w``'s gradient, equal to the float64 rows times ``w``."""
+    from posenc_lightning.encodings.base import AttentionContext, KernelBias
+    from posenc_lightning.encodings.registry import build_encoding
+
+    enc = build_encoding("cope", max_position=5, init_std=0.5).bind(n_heads=2, head_dim=16, d_model=32).double()
+    q, k, v, _ = _inputs(1, 2, 2, 23, 23, 16, 5, False, torch.float64, seed=3)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    w = torch.tensor(0.6, dtype=torch.float64, requires_grad=True)
+    bias = enc.bias(q, k, AttentionContext(torch.arange(23)[None], torch.arange(23)[None])).scaled(w)
+    args = KernelBias()
+    bias.fold_into(args)
+    c = args.counted
+    assert c is not None and args.dense is None
+    out = gated_count_attention(q, k, v, c.table, gate_scale=c.gate_scale, q_offset=c.q_offset)
+    causal = torch.ones(23, 23, dtype=torch.bool).tril()
+    logits = (q @ k.mT * 16 ** -0.5 + bias.materialize().double()).masked_fill(~causal, float("-inf"))
+    ref = torch.softmax(logits, -1) @ v
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    got = [out, *torch.autograd.grad(out, (q, k, v, w, enc.pos_emb), cot)]
+    want = [ref, *torch.autograd.grad(ref, (q, k, v, w, enc.pos_emb), cot)]
+    for a, r in zip(got, want):
+        torch.testing.assert_close(a, r, rtol=0, atol=1e-6 * max(1.0, r.abs().max().item()))  # rows: float32

@@ -57,6 +57,9 @@ class Bias(ABC):
     fused_in: ClassVar[frozenset[str]] = frozenset()
     #: whether compiled flex attention (CUDA) differentiates this kind's ``score_term``
     score_mod_backward: ClassVar[bool] = True
+    #: the fused forms take this kind only as the one bias of an attention (kernels of its own compute
+    #: the whole attention: `GatedCounts`); an encoding declaring it beside other kinds is refused
+    fused_alone: ClassVar[bool] = False
 
     @abstractmethod
     def materialize(self) -> Tensor:
