@@ -27,10 +27,13 @@ B, H, N, D = 1, 2, 192, 16
 CASES = {**{n: (n, {}) for n in available_encodings() if "bias" in build_encoding(n).stages},
          "fire_past_L": ("fire", {"init_L": 8.0, "mlp_width": 8}),
          "mixture_rope": ("mixture", {"members": ("alibi", "fire", "rope"), "member_cfgs": {"fire": {"init_L": 8.0}}}),
-         "fox_rope": ("fox", {"rope": True})}
+         "fox_rope": ("fox", {"rope": True}),
+         # CoPE's table z = q E is N x P: P well below N, so that N x P is told from N x N
+         "cope": ("cope", {"max_position": 16})}
 #: where ``auto`` lands on CUDA once a recorded run has proven every custom kernel
-#: (`proven_on_gpu.PROVEN`): the fused kernels, except for rows that read q and k
-EXPECTED = {case: "sdpa" if case in ("cope", "mixture_rope", "path", "path_fox") else "triton" for case in CASES}
+#: (`proven_on_gpu.PROVEN`): the fused kernels, except for rows that read q and k (CoPE's gated counts
+#: are computed in its own kernels' tile)
+EXPECTED = {case: "sdpa" if case in ("mixture_rope", "path", "path_fox") else "triton" for case in CASES}
 
 
 @pytest.fixture
@@ -54,7 +57,7 @@ def _bound(case: str):
 def test_the_cases_cover_every_registered_bias_encoding_and_kind():
     assert {"alibi", "relative_bias", "fire", "cope", "fox", "mixture", "rope_alibi", "rse"} <= set(CASES)
     kinds = {k.__name__ for case in CASES for k in _bound(case).bias_kinds}
-    assert kinds == {"LinearBias", "RelativeBias", "DecayBias", "FireBias", "DenseBias"}
+    assert kinds == {"LinearBias", "RelativeBias", "DecayBias", "FireBias", "DenseBias", "CoPEBias"}
 
 
 @pytest.mark.parametrize("case", list(CASES))

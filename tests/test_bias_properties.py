@@ -266,9 +266,9 @@ def test_incremental_decoding_equals_full_forward(name):
 
 
 # --------------------------------------------------------------- triton kernels (interpreted)
-# cope is refused by triton (its rows read q and k: the kernels would take them N x N; test_auto_plan.py)
 @pytest.mark.parametrize("name,cfg", [("rse", {}), ("sba", {}), ("rope_alibi", {}), ("fox", {"rope": True}),
-                                      ("fire", {}), ("fire", {"init_L": 8.0}), ("mixture", {})])
+                                      ("fire", {}), ("fire", {"init_L": 8.0}), ("mixture", {}),
+                                      ("cope", {"max_position": 6, "per_head": True, "init_std": 0.5})])
 def test_triton_backend_equals_eager_forward_and_backward(name, cfg):
     pytest.importorskip("triton")
     res = {}

@@ -49,7 +49,7 @@ def test_the_plan_names_every_encoding_through_every_backend_with_a_status(dry_r
     assert not [r for r in rows if not r["status"].startswith(("ok: ", "unsupported: "))]
     # the refusals are the backends' own reasons
     status = {(r["section"], r["label"]): r["status"] for r in rows if r["section"] in perf_cases.ENCODING_BACKENDS}
-    assert "replaces softmax" in status[("flex", "sba")] and "N x N" in status[("triton", "cope")]
+    assert "replaces softmax" in status[("flex", "sba")] and "N x N" in status[("triton", "path")]
     assert status[("auto", "rope")].startswith("ok: ran fwd+bwd on CPU")
     sections = {r["section"] for r in rows}
     assert sections == {s for s, _ in perf_cases.SECTIONS}

@@ -30,6 +30,7 @@ from posenc_lightning.encodings.bias import (
     BiasSum,
     DecayBias,
     DenseBias,
+    GatedCounts,
     KernelBias,
     KeyOnly,
     LinearBias,
@@ -42,8 +43,24 @@ from posenc_lightning.encodings.normalizer import Normalizer, Walk
 from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.positions import max_position
 
-__all__ = ["AttentionContext", "Bias", "BiasSum", "DecayBias", "DenseBias", "Encoding", "KernelBias", "KeyOnly",
-           "LinearBias", "Normalizer", "RelativeBias", "ScaledBias", "Walk", "cut", "span"]
+__all__ = [
+    "AttentionContext",
+    "Bias",
+    "BiasSum",
+    "DecayBias",
+    "DenseBias",
+    "Encoding",
+    "GatedCounts",
+    "KernelBias",
+    "KeyOnly",
+    "LinearBias",
+    "Normalizer",
+    "RelativeBias",
+    "ScaledBias",
+    "Walk",
+    "cut",
+    "span",
+]
 
 
 # --------------------------------------------------------------------------------------------

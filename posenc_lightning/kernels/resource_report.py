@@ -172,6 +172,13 @@ def ptx_counts(ptx: str) -> dict:
 def compile_one(kind: str, head_dim: int, dtype_name: str, cc: int, ptxas: bool = True,
                 without: tuple[str, ...] = (), tile_config: tuple[int, int, int, int] | None = None) -> dict:
     """One row of the report: ``kind`` compiled for ``sm{cc}`` (`launch_spec`'s arguments)."""
+    return compile_launch(kind, head_dim, dtype_name, cc, lambda dtype: launch_spec(kind, head_dim, dtype, cc, without,
+                                                                                    tile_config), ptxas)
+
+
+def compile_launch(kind: str, head_dim: int, dtype_name: str, cc: int, spec, ptxas: bool = True) -> dict:
+    """One row of the report: the launch ``spec(dtype) -> (kernel, values by argument name, num_warps,
+    num_stages)`` compiled for ``sm{cc}`` (kernels of an encoding's own report their launches here too)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -179,7 +186,7 @@ def compile_one(kind: str, head_dim: int, dtype_name: str, cc: int, ptxas: bool 
     dtype = getattr(torch, dtype_name)
     row = {"kernel": kind, "head_dim": head_dim, "dtype": dtype_name, "target": f"sm{cc}"}
     try:
-        kernel, vals, warps, stages = launch_spec(kind, head_dim, dtype, cc, without, tile_config)
+        kernel, vals, warps, stages = spec(dtype)
         sig, consts, attrs = {}, {}, {}
         for i, p in enumerate(kernel.params):
             val = vals[p.name]

@@ -57,3 +57,20 @@ SB_SPILLS: dict[tuple[str, int, str, str], tuple[int, int]] = {
     ("sb_fwd", 128, "float32", "sm90"): (4, 4),
     ("sb_bwd_dkdv", 128, "float32", "sm80"): (8, 4),
 }
+
+
+#: CoPE kernels' (BM, BN, num_warps, num_stages), keyed as `SOFTMAX_CONFIGS` with the kinds cope_fwd,
+#: cope_bwd_dq (query-major: dQ, dZ) and cope_bwd_dkdv (key-major: dK, dV); the three share BN (the
+#: carries are stored per key block). From the compile report with packed documents and padding on
+#: (`kernels/cope_report.py`, Triton 3.7.1, 2026-12-06): the largest tiles searched without register
+#: spills at sm80 and sm90 (tests/test_triton_cope.py); 8 warps where 4 spill (the fp16 backward at
+#: head dim 64, fp32 at 128, but for sm80's fp32 dK/dV, which spills on 8). Not yet timed on a GPU.
+COPE_CONFIGS: dict[tuple[int, int, str, str], tuple[int, int, int, int]] = {
+    **{(a, 64, "16", "cope_fwd"): (32, 32, 4, 1) for a in (80, 90)},
+    **{(a, 64, "16", k): (32, 32, 8, 1) for a in (80, 90) for k in ("cope_bwd_dq", "cope_bwd_dkdv")},
+    **{(a, 128, "16", k): (16, 16, 4, 1) for a in (80, 90) for k in ("cope_fwd", "cope_bwd_dq", "cope_bwd_dkdv")},
+    **{(a, 64, "32", k): (16, 16, 4, 1) for a in (80, 90) for k in ("cope_fwd", "cope_bwd_dq", "cope_bwd_dkdv")},
+    **{(a, 128, "32", k): (16, 16, 8, 1) for a in (80, 90) for k in ("cope_fwd", "cope_bwd_dq")},
+    (80, 128, "32", "cope_bwd_dkdv"): (16, 16, 4, 1),
+    (90, 128, "32", "cope_bwd_dkdv"): (16, 16, 8, 1),
+}

@@ -41,6 +41,10 @@ def unfused_bias(encoding: Encoding, form: str, who: str) -> str | None:
     if bad:
         return (f"{who} would materialize {encoding.name}'s {', '.join(bad)} as an N x N tensor; "
                 f"backend='sdpa' computes it by blocks of rows")
+    alone = [k.__name__ for k in encoding.bias_kinds if k.fused_alone]
+    if alone and len(encoding.bias_kinds) > 1:
+        return (f"{who} take {', '.join(alone)} only as the one bias of an attention, and {encoding.name} sums it "
+                f"with others (else an N x N tensor); backend='sdpa' computes them by blocks of rows")
     return None
 
 

@@ -1,7 +1,9 @@
 """Triton fused attention (``posenc_lightning/kernels``): rotary, ``LinearBias``,
 ``RelativeBias``, ``DecayBias``, one parametric bias a kind evaluates per tile (`TileBias`, its
 own ``@triton.jit`` functions; and a given ``DenseBias``), packed documents, padding and
-stick-breaking are computed inside the kernels, forward and backward, with no N x N tensor.
+stick-breaking are computed inside the kernels, forward and backward, with no N x N tensor; so is a
+bias read at positions counted by content gates (`GatedCounts`, ``KernelBias.counted``), by kernels
+of its own that take it alone (`kernels.gated_counts`).
 Encodings that may return a kind the kernels cannot read (``fused_in`` without "kernel": rows
 that read q and k) are refused: the kernels would take them as a materialized N x N tensor.
 
@@ -116,6 +118,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
     if tables is not None and tables.cos_q.dim() == 4 and tables.cos_q.shape[1] > 1 and k.shape[1] != q.shape[1]:
         raise ValueError(f"{rot.name}: per-head frequencies need n_kv_heads == n_heads")
     kb = split_bias(bias, q.shape[1])
+    if kb.counted is not None:
+        return _counted(q, k, v, kb, mask, scale, sb or tables is not None)
     starts = {}
     if (ctx is not None and kb.q_pos is not None and kb.q_pos is ctx.q_pos and kb.k_pos is ctx.k_pos
             and ctx.q_start is not None and ctx.k_start is not None):  # a plain range: distances from indices
@@ -128,6 +132,27 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         q_segments=seg, k_segments=k_seg, k_valid=mask.k_valid,
         slopes=kb.slopes, table=kb.table, bias_q_pos=kb.q_pos, bias_k_pos=kb.k_pos, c_q=kb.c_q, c_k=kb.c_k,
         dense=kb.dense, tile=kb.tile, stick_breaking=sb, attend_current=attend_current, **starts)
+    return out.to(q.dtype)
+
+
+def _counted(q: Tensor, k: Tensor, v: Tensor, kb: KernelBias, mask: AttentionMask, scale: float,
+             fused_more: bool) -> Tensor:
+    """Softmax attention with a bias counted by content gates (`GatedCounts`), by its own kernels."""
+    from posenc_lightning.kernels.gated_counts import gated_count_attention
+
+    c = kb.counted
+    others = (kb.slopes, kb.table, kb.c_q, kb.c_k, kb.dense, kb.tile)
+    if fused_more or any(t is not None for t in others):
+        raise ValueError("the Triton kernels take a bias counted by content gates alone (no rotary, other bias "
+                         "term or stick-breaking with it); use backend='sdpa'")
+    if not (mask.causal and c.causal) or c.q is not q or c.k is not k or mask.q_offset != c.q_offset:
+        raise ValueError("the Triton kernels count gated positions causally, from the q and k they attend with "
+                         "and at the mask's offset; use backend='sdpa'")
+    if mask.window is not None:
+        raise ValueError("the triton kernels take no sliding window (LOCAL_MASKS); use backend='sdpa' or 'flex'")
+    seg, k_seg = _chunk_segments(mask, q.shape[0], q.device)
+    out = gated_count_attention(q, k, v, c.table, gate_scale=c.gate_scale, scale=scale, q_offset=mask.q_offset,
+                                q_segments=seg, k_segments=k_seg, k_valid=mask.k_valid)
     return out.to(q.dtype)
 
 

@@ -35,6 +35,7 @@ from posenc_lightning.encodings.bias.dense import DenseBias
 from posenc_lightning.encodings.bias.kinds import (
     Bias,
     BiasSum,
+    GatedCounts,
     HandRows,
     HeadScaled,
     Index,
@@ -51,6 +52,28 @@ from posenc_lightning.encodings.bias.opaque import rebuild_bias, register_opaque
 from posenc_lightning.encodings.bias.structured import DecayBias, LinearBias, RelativeBias
 from posenc_lightning.encodings.bias.tile import TileBias, register_tile_kind, tile_kinds
 
-__all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "HandRows", "HeadScaled", "Index", "KernelBias", "KeyOnly",
-           "LinearBias", "OpaqueOperands", "RelativeBias", "ScaledBias", "ScoreTerm", "TileBias", "ValueDependentForm",
-           "cut", "rebuild_bias", "register_opaque_kind", "register_tile_kind", "span", "tile_kinds"]
+__all__ = [
+    "Bias",
+    "BiasSum",
+    "DecayBias",
+    "DenseBias",
+    "GatedCounts",
+    "HandRows",
+    "HeadScaled",
+    "Index",
+    "KernelBias",
+    "KeyOnly",
+    "LinearBias",
+    "OpaqueOperands",
+    "RelativeBias",
+    "ScaledBias",
+    "ScoreTerm",
+    "TileBias",
+    "ValueDependentForm",
+    "cut",
+    "rebuild_bias",
+    "register_opaque_kind",
+    "register_tile_kind",
+    "span",
+    "tile_kinds",
+]

@@ -2,7 +2,8 @@
 `ValueDependentForm` (a form chosen by values, run as an opaque operator: its `OpaqueOperands` and
 hooks), `HandRows` (rows computed and differentiated by the kind's own algorithm), `HeadScaled` (a
 per-head weight times a shared pattern, the blockwise tiles), `KernelBias` (the Triton kernels'
-arguments, `Bias.fold_into`)."""
+arguments, `Bias.fold_into`) and `GatedCounts` (positions counted by
+content gates, computed in the kernels' tile)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import Tensor
 from posenc_lightning.encodings.bias.tile import TileBias
 from posenc_lightning.encodings.bias.windows import same_positions
 
-__all__ = ["HandRows", "HeadScaled", "KernelBias", "KeyOnly", "OpaqueOperands", "ValueDependentForm"]
+__all__ = ["GatedCounts", "HandRows", "HeadScaled", "KernelBias", "KeyOnly", "OpaqueOperands", "ValueDependentForm"]
 
 
 @dataclass(eq=False)
@@ -128,11 +129,37 @@ class HeadScaled:
 
 
 @dataclass(eq=False)
+class GatedCounts:
+    """A bias read at positions counted by content gates, which the Triton kernels compute from the
+    scores of the same tile (`KernelBias.counted`): ``g_ij = sigmoid(gate_scale q_i.k_j)``, the
+    position ``p_ij = sum_{t=j..i} g_it`` over the keys the causal rule allows (query ``i`` at key
+    ``i + q_offset``), clamped to ``P - 1``, and the bias ``z_i[p_ij]`` with ``z_i[n] = q_i . table[:, n]``
+    linearly interpolated between ``floor(p)`` and ``ceil(p)``.
+
+    Attributes:
+        q: the queries the bias reads; k: its keys (a backend checks that they are the ones it
+            attends with).
+        table: ``[1|H, D, P]`` the embeddings of the integer positions (differentiable).
+        gate_scale: the gates' logit scale.
+        q_offset: query ``i`` sits at key ``i + q_offset``.
+        causal: False where the counts run both ways from the query (the kernels count causally only).
+    """
+
+    q: Tensor
+    k: Tensor
+    table: Tensor
+    gate_scale: float
+    q_offset: int
+    causal: bool = True
+
+
+@dataclass(eq=False)
 class KernelBias:
     """The bias arguments of the fused Triton kernels, filled term by term (`Bias.fold_into`):
     summed ALiBi ``slopes [H]`` and relative tables (one ``table [H, 2R+1]`` over the widest
     range), both at ``q_pos``/``k_pos``, summed cumulative decays ``c_q``/``c_k``, one parametric
-    bias ``tile`` (evaluated per tile, `TileBias`), and a ``dense`` rest."""
+    bias ``tile`` (evaluated per tile, `TileBias`), and a ``dense`` rest; or positions ``counted``
+    by content gates (`GatedCounts`), which the kernels take with no other term."""
 
     slopes: Tensor | None = None
     table: Tensor | None = None
@@ -142,6 +169,7 @@ class KernelBias:
     tile: TileBias | None = None
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
+    counted: GatedCounts | None = None
 
     def claim_positions(self, q_pos: Tensor, k_pos: Tensor) -> bool:
         """The position-based terms are read at these positions: True when no positions were

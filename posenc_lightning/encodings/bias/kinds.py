@@ -16,6 +16,7 @@ from torch import Tensor
 
 from posenc_lightning.encodings.bias._distance_table import DistanceTable, accumulate
 from posenc_lightning.encodings.bias.forms import (
+    GatedCounts,
     HandRows,
     HeadScaled,
     KernelBias,
@@ -26,8 +27,20 @@ from posenc_lightning.encodings.bias.forms import (
 from posenc_lightning.encodings.bias.windows import Index, cut, span
 from posenc_lightning.functional.mode import Mode
 
-__all__ = ["Bias", "BiasSum", "HandRows", "HeadScaled", "KernelBias", "KeyOnly", "OpaqueOperands", "ScaledBias",
-           "ValueDependentForm", "cut", "span"]
+__all__ = [
+    "Bias",
+    "BiasSum",
+    "GatedCounts",
+    "HandRows",
+    "HeadScaled",
+    "KernelBias",
+    "KeyOnly",
+    "OpaqueOperands",
+    "ScaledBias",
+    "ValueDependentForm",
+    "cut",
+    "span",
+]
 
 #: ``f(b, h, q_idx, kv_idx) -> value`` (float32), one term of a flex ``score_mod``
 ScoreTerm = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -44,6 +57,9 @@ class Bias(ABC):
     fused_in: ClassVar[frozenset[str]] = frozenset()
     #: whether compiled flex attention (CUDA) differentiates this kind's ``score_term``
     score_mod_backward: ClassVar[bool] = True
+    #: the fused forms take this kind only as the one bias of an attention (kernels of its own compute
+    #: the whole attention: `GatedCounts`); an encoding declaring it beside other kinds is refused
+    fused_alone: ClassVar[bool] = False
 
     @abstractmethod
     def materialize(self) -> Tensor:

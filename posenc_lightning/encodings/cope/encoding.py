@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, span
+from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, GatedCounts, span
+from posenc_lightning.encodings.cope.bias import CoPEBias
 from posenc_lightning.encodings.cope.rows import cope_band_rows, cope_causal_rows, cope_lookup
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.functional.cope import (
@@ -32,8 +33,8 @@ class CoPE(Encoding):
         init_std: embeddings start at ``N(0, init_std)`` (0 = zeros, the paper's init).
     """
 
-    #: rows read q and k (the gates): computed by blocks of rows only
-    bias_kinds = (DenseBias,)
+    #: rows by blocks (sdpa, blockwise) or the gated counts in the Triton kernels' tile (`CoPEBias`)
+    bias_kinds = (CoPEBias,)
 
     def __init__(self, max_position: int = 64, per_head: bool = False, init_std: float = 0.0) -> None:
         super().__init__()
@@ -256,6 +257,9 @@ class CoPE(Encoding):
         def run_rows(s: int, e: int, k0: int, ke: int, q_rows: Tensor, k_keys: Tensor, pos_emb: Tensor) -> Tensor:
             return past(s, e, k0, ke, q_rows, k_keys, pos_emb, banded=True)
 
-        return DenseBias.lazy(rows, n_q, n_k, inputs=(q, k, self.pos_emb),
-                              window=lambda s, e, ke: (span(s, e, -2), span(first(s, e, ke), keys(e, ke), -2), None),
-                              backward_share=self.BACKWARD_SHARE, constant_before=run, rows_past=run_rows)
+        out = CoPEBias.lazy(rows, n_q, n_k, inputs=(q, k, self.pos_emb),
+                            window=lambda s, e, ke: (span(s, e, -2), span(first(s, e, ke), keys(e, ke), -2), None),
+                            backward_share=self.BACKWARD_SHARE, constant_before=run, rows_past=run_rows)
+        # what the Triton kernels read to count the positions in their tile (query i at key n_k - n_q + i)
+        out.counts = GatedCounts(q, k, self.pos_emb, self.softmax_scale(q.shape[-1]), n_k - n_q, causal)
+        return out
