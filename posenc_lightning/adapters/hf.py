@@ -43,7 +43,7 @@ from posenc_lightning.adapters._hf_arch import (
     rotary_owner,
 )
 from posenc_lightning.adapters._hf_modules import EmbeddingPositions, NoRotation, RotaryTable, zero_table_forward
-from posenc_lightning.adapters._hf_schedule import LAYER_SWITCHES, layer_config, model_schedule, with_law
+from posenc_lightning.adapters._hf_schedule import LAYER_SWITCHES, POSITIONLESS, layer_config, model_schedule, with_law
 from posenc_lightning.attention.backends import resolve_backend
 from posenc_lightning.attention.mask import local_kinds
 from posenc_lightning.encodings.base import Encoding
@@ -417,6 +417,6 @@ def switch_to_fused_attention(model: nn.Module) -> Callable[[], None] | None:
     return undo
 
 
-__all__ = ["ArchInfo", "ArchitectureRefused", "EmbeddingPositions", "NoRotation", "RotaryTable", "adapt",
+__all__ = ["POSITIONLESS", "ArchInfo", "ArchitectureRefused", "EmbeddingPositions", "NoRotation", "RotaryTable", "adapt",
            "adapt_schedule", "attention_modules", "describe", "find_hf_models", "model_schedule", "own_schedule",
            "restore", "switch_to_fused_attention", "with_law"]

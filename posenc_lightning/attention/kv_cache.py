@@ -45,10 +45,19 @@ class LayerKVCache:
         return self.dropped + self.length
 
     def invisible(self, window: int | None, chunk: int | None) -> int:
-        """How many of the oldest held keys no later query can see under a causal ``window`` (a
-        query sees itself and the ``window - 1`` keys before it) and ``chunk`` (keys of its own
-        chunk of indices); with a chunk the count stops at a chunk boundary, so that held indices
-        keep their chunks. 0 while ``extra`` holds per-token state (it is indexed like the keys)."""
+        """How many of the oldest held keys no later query can see.
+
+        With a chunk the count stops at a chunk boundary, so that held indices keep their chunks;
+        0 while ``extra`` holds per-token state (it is indexed like the keys).
+
+        Args:
+            window: a causal sliding window (a query sees itself and the ``window - 1`` keys
+                before it), or None.
+            chunk: chunked attention (a query sees the keys of its own chunk of indices), or None.
+
+        Returns:
+            The number of keys `drop` may forget.
+        """
         if self.extra or self.k is None:
             return 0
         first = 0  # the first index (of all appended) a later query can see
@@ -59,7 +68,11 @@ class LayerKVCache:
         return max(0, first - self.dropped)
 
     def drop(self, n: int) -> None:
-        """Forget the ``n`` oldest held keys (and their values, positions and segments)."""
+        """Forget the oldest held keys, with their values, positions and segments.
+
+        Args:
+            n: how many (`invisible` says how many no later query sees).
+        """
         if n <= 0:
             return
         self.k, self.v, self.positions = self.k[..., n:, :], self.v[..., n:, :], self.positions[:, n:]

@@ -43,18 +43,16 @@ def _per_type(params: Any) -> bool:
 def _positionless_kept(hf: nn.Module, layers: list[nn.Module], encs: list[Encoding | None]) -> list[bool] | None:
     """Per layer whether the model's own layer has positions (None: an injected schedule changed a
     layer without positions, or a window or chunk, which the config cannot say)."""
-    from posenc_lightning.adapters._hf_schedule import POSITIONLESS
-
     own = adapter.model_schedule(hf).resolve(len(layers), getattr(hf.config, "layer_types", None))
     out = []
     for m, enc, o in zip(layers, encs, own):
         if (getattr(m, "posenc_window", None), getattr(m, "posenc_chunk", None)) != (o.window, o.chunk):
             return None
-        if o.encoding in POSITIONLESS:
+        if o.encoding in adapter.POSITIONLESS:
             name = enc.name if enc is not None else "nope"
             if name != o.encoding or (enc is not None and enc.config() != o.config and name != "nope"):
                 return None
-        out.append(o.encoding not in POSITIONLESS)
+        out.append(o.encoding not in adapter.POSITIONLESS)
     return out
 
 
