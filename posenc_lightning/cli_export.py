@@ -167,7 +167,16 @@ def check_serving(path: str, trained: str | None = None, engines: tuple[str, ...
             f"{facts['max_position_embeddings']}")
     lines = [head]
     findings = [f for f in check_rules(facts, versions) if f.engine in engines]
-    diverges = bool(findings)
+    reasons: dict[str, list[str]] = {e: [] for e in engines}  # the summary: what diverges, per engine
+    for f in findings:
+        reasons[f.engine].append(("refuses: " if f.refuses else "") + f.what)
+    held: list[Any] = []
+
+    def reference() -> Any:  # loaded once, for the engines that are run
+        if not held:
+            held.append(load_trained(trained) if trained else reference_model(path))
+        return held[0]
+
     for engine in engines:
         mine = [f for f in findings if f.engine == engine]
         lines.append(f"{engine} {at[engine]}: reads {READS[engine]}")
@@ -175,10 +184,10 @@ def check_serving(path: str, trained: str | None = None, engines: tuple[str, ...
             tag = "REFUSES" if f.refuses else "DIVERGES"
             lines.append(f"  {tag} [{f.what}] {f.computes}\n    override: {f.override}\n    source: {f.source}")
         if engine == "transformers" and compare:
-            reference = load_trained(trained) if trained else reference_model(path)
-            err = compare_transformers(path, reference)
+            err = compare_transformers(path, reference())
             bad = max(err.values()) > TOLERANCE
-            diverges |= bad
+            if bad:
+                reasons[engine].append("measured logits")
             lines.append(f"  {'DIVERGES' if bad else 'equal'} [measured] max |logits - trained|: full forward "
                          f"{err['full']:.2e}, KV-cached decoding {err['cached']:.2e} (tolerance {TOLERANCE:g})")
         elif not mine:
@@ -186,23 +195,37 @@ def check_serving(path: str, trained: str | None = None, engines: tuple[str, ...
         if engine == "llama.cpp":  # a field GGUF cannot carry diverges too
             more, cannot = gguf_lines(path, facts)
             lines += more
-            diverges |= cannot
-    return lines, diverges
+            if cannot:
+                reasons[engine].append("GGUF cannot carry " + ", ".join(cannot))
+            if compare:
+                from posenc_lightning.models.llama_cpp_check import llama_cpp_lines
+
+                more, bad = llama_cpp_lines(path, facts, reference)
+                lines += more
+                if bad:
+                    reasons[engine].append("measured logits")
+    lines.append("summary (per engine):")
+    for engine in engines:
+        why = list(dict.fromkeys(reasons[engine]))
+        lines.append(f"  {engine}: " + ("OK" if not why else "diverges: " + "; ".join(why)))
+    return lines, any(reasons.values())
 
 
-def gguf_lines(path: str, facts: dict[str, Any]) -> tuple[list[str], bool]:
-    """The GGUF pre-conversion check's lines (`posenc_lightning.models.gguf_check`) and whether a
-    field cannot be expressed."""
+def gguf_lines(path: str, facts: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The GGUF pre-conversion check's lines (`posenc_lightning.models.gguf_check`) and the fields
+    llama.cpp cannot be given (with the keys ``posenc export --format gguf`` adds when it wrote the
+    directory, without them for a plain conversion)."""
     import json
 
     from posenc_lightning.models.gguf_check import gguf_precheck
 
     cfg = json.loads((Path(path) / "config.json").read_text())
-    checks = gguf_precheck(facts, dict(cfg.get("rope_parameters") or {}))
-    lines = ["  gguf pre-conversion check (LLaMA loader):"]
+    checks = gguf_precheck(facts, dict(cfg.get("rope_parameters") or {}), posenc_keys=facts["posenc_gguf"])
+    lines = ["  gguf pre-conversion check (LLaMA loader" + (", with the keys posenc export --format gguf adds):"
+                                                            if facts["posenc_gguf"] else ", plain converter):")]
     for c in checks:
         lines.append(f"    {c.field}={c.value!r}: " + (f"-> {c.key} ({c.reason})" if c.key else f"CANNOT ({c.reason})"))
-    return lines, any(c.key is None for c in checks)
+    return lines, [c.field for c in checks if c.key is None]
 
 
 def cmd_check_serving(args: argparse.Namespace) -> int:
