@@ -29,7 +29,8 @@ READS: dict[str, str] = {
     "sglang": "config.json through its own model classes; --model-impl transformers as vLLM's",
     "llama.cpp": "GGUF keys written by convert_hf_to_gguf.py: rope.freq_base, rope.scaling.type "
                  "(none, linear, yarn, longrope), rope.scaling.factor, rope.scaling.original_context_length, "
-                 "rope.scaling.attn_factor, context_length",
+                 "rope.scaling.attn_factor, context_length; the rope_freqs (llama3) and rope_factors_long/short "
+                 "(longrope) tensors",
 }
 
 
