@@ -96,6 +96,8 @@ def _unpack(sdist: Path, dest: Path) -> Path:
         prefix = f"{names[0].split('/')[0]}/vendor/llama.cpp/"
         wanted = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())
                   and m.name[len(prefix):].startswith(_MEMBERS)]
+        if dest.exists() and (_tree(dest) is None or _version_of(dest) != LLAMA_CPP_VERSION):
+            shutil.rmtree(dest, ignore_errors=True)  # a broken or stale cache
         tmp = Path(tempfile.mkdtemp(dir=dest.parent))
         for m in wanted:
             m.name = m.name[len(prefix):]
@@ -103,9 +105,10 @@ def _unpack(sdist: Path, dest: Path) -> Path:
                 continue
             tar.extract(m, tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     (tmp / "VERSION").write_text(LLAMA_CPP_VERSION)
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp.rename(dest)
+    try:
+        tmp.rename(dest)
+    except OSError:  # another process (a parallel test worker) unpacked it first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
@@ -227,8 +230,8 @@ def export_gguf(module: nn.Module, out: str, converter: str | None = None, outty
         tokenizer_dir: the tokenizer's files, when ``module`` does not name them (the converter needs them).
 
     Returns:
-        ``{"format": "gguf", "gguf": path, "rope_type", "encoding", "added": the keys posenc wrote,
-        "keys": the rope keys read back}``.
+        ``{"format": "gguf", "gguf": path, "rope_type", "encoding": the injected encoding's name (None
+        for a model exported as it was), "added": the keys posenc wrote, "keys": the rope keys read back}``.
 
     Raises:
         GGUFRefused: a field or encoding llama.cpp cannot express (before anything is converted).
@@ -281,5 +284,9 @@ def export_gguf(module: nn.Module, out: str, converter: str | None = None, outty
             shutil.move(str(f), str(dest / f.name))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    from posenc_lightning.inject import injected_spec
+    from posenc_lightning.models.hf_export import _single_hf
+
+    spec = injected_spec(_single_hf(module)) or injected_spec(module) or {}
     return {"format": "gguf", "gguf": str(dest / gguf.name), "rope_type": facts["rope_type"],
-            "encoding": facts["encoding"], "added": added, "keys": keys}
+            "encoding": spec.get("encoding"), "added": added, "keys": keys}
