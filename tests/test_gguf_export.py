@@ -337,3 +337,36 @@ def test_check_serving_measures_a_plain_conversion_diverging(ggufs, hf_exports, 
     assert code == 1, out
     assert "DIVERGES [measured, llama.cpp] plain.gguf" in out and "greedy tokens" in out
     assert "llama.cpp: diverges: attention factor; GGUF cannot carry" in out and "measured logits" in out
+
+
+@needs_llama_cpp
+def test_trained_checkpoint_exports_through_the_cli(tok_dir, tmp_path):
+    """A tiny Llama trained here (2 steps of `HFCausalLM` with PosEncCallback's yarn x8, sequences of
+    ``ORIGINAL`` tokens), saved as a Lightning checkpoint, goes ``posenc export CKPT OUT --format gguf``;
+    llama.cpp equals the trained model at 8x its training length, greedy tokens included."""
+    from lightning.pytorch import Trainer
+
+    from posenc_lightning import PosEncCallback
+    from posenc_lightning.models.hf import HFCausalLM
+
+    _converter()
+    vocab = tok_dir[1]
+    torch.manual_seed(0)
+    module = HFCausalLM(config={"model_type": "llama", "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "max_position_embeddings": ORIGINAL, "initializer_range": 0.3, "bos_token_id": 1,
+                                "eos_token_id": 2}, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(2)
+    data = [(x[:-1], x[1:]) for x in torch.randint(3, vocab, (4, ORIGINAL + 1), generator=g)]
+    trainer = Trainer(max_steps=2, callbacks=[PosEncCallback("yarn", factor=FACTOR)], logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(tmp_path))
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+    trainer.save_checkpoint(str(tmp_path / "last.ckpt"))
+    code, out = run_posenc("export", str(tmp_path / "last.ckpt"), str(tmp_path / "out"), "--format", "gguf",
+                           "--tokenizer", str(tok_dir[0]))
+    assert code == 0 and "gguf, yarn" in out, out
+    err = compare_llama_cpp(str(tmp_path / "out" / "model-f32.gguf"), module.eval().model, _ids(vocab), prompt=N - 16)
+    assert err["full"] <= TOLERANCE["f32"] * max(1.0, err["scale"]), err
+    assert err["cached"] <= TOLERANCE["f32"] * max(1.0, err["scale"]), err
+    assert err["greedy_equal"], err
