@@ -71,7 +71,7 @@ def test_yarn_mscale_all_dim_flagged_for_vllm_and_llama_cpp(exports):
     override = json.loads(vllm.override.split("'")[1])["rope_parameters"]
     assert override["attn_factor"] == pytest.approx(1 / default, abs=1e-6)  # 1.2773 x attn_factor = 1.0
     assert override["factor"] == 16.0 and "mscale_all_dim" not in override
-    assert found["llama.cpp"][0].override == f"--override-kv llama.rope.scaling.attn_factor=float:{1 / default:.6g}"
+    assert found["llama.cpp"][0].override.startswith(f"--override-kv llama.rope.scaling.attn_factor=float:{1 / default:.6g},")
 
 
 def test_yarn_attention_factor_dropped_by_vllm(exports):
@@ -119,7 +119,8 @@ def test_alibi_remote_code_loses_its_bias_in_vllm_and_sglang(exports):
         assert "alibi's score-level term is silently lost" in lost[0].computes
     assert "transformers" not in found
     lines, diverges = check_serving(path, engines=("transformers",))
-    assert not diverges and "equal [measured]" in lines[-1]
+    assert not diverges and any("equal [measured]" in line for line in lines)
+    assert lines[-2:] == ["summary (per engine):", "  transformers: OK"]
 
 
 @pytest.mark.parametrize("key", ["yarn", "pi"])
@@ -181,3 +182,14 @@ def test_gguf_precheck_refuses_a_beta_llama_cpp_cannot_read(exports, tmp_path):
     assert _gguf(str(tmp_path))["beta_fast"] is None
     code, out = run_posenc("check-serving", str(tmp_path), "--no-compare", "--engines", "llama.cpp")
     assert code == 1 and "beta_fast=16.0: CANNOT" in out
+
+
+def test_summary_has_one_line_per_engine(exports):
+    """The report ends with one line per engine: OK, or what diverges."""
+    _, out = run_posenc("check-serving", exports["yarn_mscale"][0], "--no-compare")
+    tail = out.strip().splitlines()[-4:]
+    assert tail[0].startswith("  transformers: OK") and tail[2] == "  sglang: OK"
+    assert tail[1] == "  vllm: diverges: attention factor"
+    assert tail[3].startswith("  llama.cpp: diverges: attention factor; GGUF cannot carry mscale, mscale_all_dim")
+    _, out = run_posenc("check-serving", exports["alibi"][0], "--no-compare")
+    assert "  vllm: diverges: score-level encoding; refuses: architecture" in out

@@ -59,7 +59,8 @@ def test_export_checks_its_arguments_before_loading(run_dir, tmp_path):
     root, _, _ = run_dir
     assert "does not exist" in precheck_export(str(tmp_path / "nope"), str(tmp_path / "o"), "hf")
     assert "holds no .ckpt" in precheck_export(str(tmp_path), str(tmp_path / "o"), "hf")
-    assert "not one of" in precheck_export(str(root), str(tmp_path / "o"), "gguf")
+    assert "not one of" in precheck_export(str(root), str(tmp_path / "o"), "onnx")
+    assert precheck_export(str(root), str(tmp_path / "o"), "gguf") is None
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     assert "not empty" in precheck_export(str(root), str(tmp_path / "full"), "hf")

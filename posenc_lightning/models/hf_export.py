@@ -86,6 +86,8 @@ def export_pretrained(module: nn.Module, out_dir: str, tokenizer_dir: str | None
     has_rope = adapter.rotary_module(hf) is not None
     rope = rope_config(hf, scheduled="schedule" in (spec or {})) if enc is not None and has_rope else None
     config = hf.config.__class__.from_dict(hf.config.to_dict())
+    # engines pick their model class from it (vLLM, llama.cpp's converter); a config built in code lacks it
+    config.architectures = config.architectures or [type(hf).__name__]
     if "wpe" in originals:  # the model's own table, so that transformers loads the files cleanly
         state[_wpe_key(hf)] = originals["wpe"].weight.detach()
     hf.save_pretrained(str(out), state_dict=state)

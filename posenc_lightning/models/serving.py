@@ -22,6 +22,9 @@ from posenc_lightning.models.serving_rules import PINNED, RULES, Rule, in_range
 
 #: what makes a directory divergent in `compare_transformers`
 TOLERANCE = 1e-4
+#: what ``posenc export --format gguf`` writes beside the GGUF file: its name, the llama.cpp version
+#: that converted it, the keys posenc added
+GGUF_MANIFEST = "posenc_gguf.json"
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -39,7 +42,8 @@ def export_facts(path: str) -> dict[str, Any]:
         ``format`` (``transformers``, ``remote-code`` or ``posenc``), ``model_type``, ``encoding``,
         ``score_level``, ``rope_type``, ``fields`` (the rope parameters set), ``factor``, ``original``,
         ``max_position_embeddings``, ``extended``, and YaRN's ``yarn_default``, ``hf_attention``,
-        ``attention_differs``, ``attn_ratio``; ``vllm_twice``.
+        ``attention_differs``, ``attn_ratio``; ``vllm_twice``; ``layer_types`` (per-layer-type attention);
+        ``posenc_gguf`` (``posenc export --format gguf`` wrote a GGUF file here, `GGUF_MANIFEST`).
 
     Raises:
         ValueError: ``path`` has no config.json.
@@ -65,7 +69,8 @@ def export_facts(path: str) -> dict[str, Any]:
         "rope_type": rope_type, "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
         "fields": frozenset(k for k, v in rope.items() if v is not None), "factor": factor, "original": original,
         "max_position_embeddings": max_pos, "extended": factor > 1 and max_pos >= factor * original > original,
-        "vllm_twice": int(max_pos * factor), "gguf_arch": str(cfg.get("model_type", "")).removeprefix("posenc_")}
+        "vllm_twice": int(max_pos * factor), "gguf_arch": str(cfg.get("model_type", "")).removeprefix("posenc_"),
+        "layer_types": bool(cfg.get("layer_types")), "posenc_gguf": (d / GGUF_MANIFEST).is_file()}
     # YaRN's attention factor as transformers computes it (_compute_yarn_parameters) and as vLLM and
     # llama.cpp do (0.1 ln(s) + 1 times their own multiplier, attn_factor / --yarn-attn-factor)
     default = _yarn_mscale(factor)

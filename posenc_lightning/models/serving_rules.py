@@ -29,7 +29,8 @@ READS: dict[str, str] = {
     "sglang": "config.json through its own model classes; --model-impl transformers as vLLM's",
     "llama.cpp": "GGUF keys written by convert_hf_to_gguf.py: rope.freq_base, rope.scaling.type "
                  "(none, linear, yarn, longrope), rope.scaling.factor, rope.scaling.original_context_length, "
-                 "rope.scaling.attn_factor, context_length",
+                 "rope.scaling.attn_factor, context_length; the rope_freqs (llama3) and rope_factors_long/short "
+                 "(longrope) tensors",
 }
 
 
@@ -116,11 +117,13 @@ RULES: tuple[Rule, ...] = (
          "no native class for model_type {model_type}: refused unless --model-impl transformers, which "
          "drops the encoding (above)", "serve with transformers", "SGLang supported-models docs", refuses=True),
     # ---- llama.cpp (as vendored by llama-cpp-python 0.3.36) ----
-    Rule("llama.cpp", None, None, (("rope_type", YARN), ("attention_differs", (True,))), "attention factor",
+    Rule("llama.cpp", None, None, (("rope_type", YARN), ("attention_differs", (True,)), ("posenc_gguf", (False,))),
+         "attention factor",
          "mscale = (1 + 0.1 ln s) x rope.scaling.attn_factor = {yarn_default:.4f} (transformers: "
          "{hf_attention:.4f}): the converter writes attention_factor as rope.scaling.yarn_attn_factor, which the "
          "LLaMA loader does not read, and leaves mscale_all_dim out; --yarn-attn-factor is overwritten for YaRN",
-         "--override-kv {gguf_arch}.rope.scaling.attn_factor=float:{attn_ratio:.6g}",
+         "--override-kv {gguf_arch}.rope.scaling.attn_factor=float:{attn_ratio:.6g}, or posenc export --format gguf "
+         "(writes that key)",
          "llama.cpp conversion/base.py, src/llama-context.cpp (llama_context constructor)"),
     Rule("llama.cpp", None, None, (("rope_type", ("dynamic",)),), "rope law",
          "the converter writes no scaling type for dynamic (HunYuan only): plain rope (theta {rope_theta:g})",
