@@ -28,15 +28,19 @@ from posenc_lightning.kernels._common import bias_grads2, in_window, log2e, logi
 
 
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, lo, hi, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh, skn, svn, Nk,
+def _fwd_tiles(acc, l_i, m_i, q, lo, hi, gap_at, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh, skn, svn, Nk,
                qk_scale, q_offset, window, QSEG, KSEG, KVALID, KP, k_start, CK, SLOPES, TABLE, RMAX, s_th, DENSE, s_dm,
                TILE, TILE_W, H, tile_eps,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
                HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, POS_RANGE: tl.constexpr, DOT_T: tl.constexpr,
                PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr):
-    """The online softmax over key tiles ``[lo, hi)``."""
+    """The online softmax over key tiles ``[lo, hi)``. With ``WINDOW``, the masked loop (``MASKED`` 1)
+    jumps ``gap`` at ``gap_at``: its tiles are ``[lo, gap_at)`` and ``[gap_at + gap, hi + gap)``, the
+    edge tiles on both sides of the unmasked ones."""
     for start_n in range(lo, hi, BN):
+        if WINDOW and MASKED == 1:
+            start_n = start_n + tl.where(start_n >= gap_at, gap, 0)
         offs_n = start_n + tl.arange(0, BN)
         n_mask = offs_n < Nk
         kt = tl.load(Kh + offs_n[None, :] * skn + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None],
@@ -77,13 +81,13 @@ def _key_split(m0, Nk, q_offset, CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.
 
 @triton.jit
 def _window_split(m0, full, q_offset, window, BM: tl.constexpr, BN: tl.constexpr):
-    """``(lo, inner)`` for the query block at ``m0`` under a sliding window ``window``: key tiles
-    before ``lo`` lie below the window of every row and are never visited (O(N W) work); tiles
-    ``[lo, inner)`` straddle its lower edge (masked); ``[inner, full)`` lie inside it for every row.
-    Both are clamped to ``full`` (`_key_split`), where the diagonal tiles, masked, take over."""
-    lo = tl.minimum(tl.maximum(m0 + q_offset - window + 1, 0) // BN * BN, full)
-    inner = tl.minimum(tl.maximum(lo, tl.cdiv(tl.maximum(m0 + BM + q_offset - window, 0), BN) * BN), full)
-    return lo, inner
+    """``(edge, inner)`` for the query block at ``m0`` under a sliding window ``window``: key tiles
+    before ``edge`` lie below the window of every row and are never visited (O(N W) work); tiles
+    ``[edge, inner)`` straddle its lower edge (masked); ``[inner, full)`` lie inside it for every
+    row. Both are clamped to ``full`` (`_key_split`), where the diagonal tiles, masked, take over."""
+    edge = tl.minimum(tl.maximum(m0 + q_offset - window + 1, 0) // BN * BN, full)
+    inner = tl.minimum(tl.maximum(edge, tl.cdiv(tl.maximum(m0 + BM + q_offset - window, 0), BN) * BN), full)
+    return edge, inner
 
 
 @triton.jit
@@ -119,21 +123,19 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
     full, end = _key_split(m0, Nk, q_offset, CAUSAL, BM, BN)
     Kh = K + b * skb + hk * skh
     Vh = V + b * svb + hk * svh
-    lo = 0
-    if WINDOW:  # tiles before `lo` are never visited; `[lo, inner)` straddle the window's edge
-        lo, inner = _window_split(m0, full, q_offset, window, BM, BN)
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, lo, inner, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
-                                   skn, svn, Nk, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th,
-                                   DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1, CAUSAL, WINDOW, HAS_SEG,
-                                   HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE,
-                                   DOT_T, PREC, BM, BN, ACC)
-        lo = inner
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, lo, full, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
+    lo = 0  # unmasked key tiles [lo, full), masked [edge, end) (with a window, but the gap [lo, full))
+    edge = full
+    gap = 0
+    if WINDOW:  # tiles before `edge` lie below the window of every row: never visited (O(N W) work)
+        edge, lo = _window_split(m0, full, q_offset, window, BM, BN)
+        gap = full - lo
+        end = end - gap
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, lo, full, lo, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
                                skn, svn, Nk, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th,
                                DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 0, CAUSAL, WINDOW, HAS_SEG,
                                HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE,
                                DOT_T, PREC, BM, BN, ACC)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, full, end, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, edge, end, lo, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
                                skn, svn, Nk, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th,
                                DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1, CAUSAL, WINDOW, HAS_SEG,
                                HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE,
@@ -148,7 +150,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, hi, h, offs_n, n_mask, offs_d, d_mask, kp, ck2,
+def _dkdv_tiles(dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, hi, gap_at, gap, h, offs_n, n_mask, offs_d, d_mask, kp, ck2,
                 Qh, DOh, LSEh, DELTAh, sqn, son, Nq, qk_scale, q_offset, window, QSEG, KSEG, KVALID, QP, q_start, CQ,
                 SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE, DDENSE, s_dm, TILE, TILE_W, H, tile_eps,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
@@ -156,8 +158,12 @@ def _dkdv_tiles(dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, hi, h, offs_n, n
                 HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, TILE_GRADS: tl.constexpr, TILE_GB: tl.constexpr,
                 POS_RANGE: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, ACC: tl.constexpr):
-    """dK, dV (and the bias gradients) of one key block over query tiles ``[lo, hi)`` of head ``h``."""
+    """dK, dV (and the bias gradients) of one key block over query tiles ``[lo, hi)`` of head ``h``.
+    With ``WINDOW``, the masked loop (``MASKED`` 1) jumps ``gap`` at ``gap_at``: its tiles are ``[lo, gap_at)`` and
+    ``[gap_at + gap, hi + gap)``, the edge tiles on both sides of the unmasked ones."""
     for start_m in range(lo, hi, BM):
+        if WINDOW and MASKED == 1:
+            start_m = start_m + tl.where(start_m >= gap_at, gap, 0)
         offs_m = start_m + tl.arange(0, BM)
         m_mask = offs_m < Nq
         qd_mask = m_mask[:, None] & d_mask[None, :]
@@ -230,12 +236,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
     if CAUSAL != 0:  # query blocks from `mid` on see every key of this block
         lo = tl.maximum(n0 - q_offset, 0) // BM * BM
         mid = tl.minimum(tl.maximum(lo, tl.cdiv(tl.maximum(n0 + BN - 1 - q_offset, 0), BM) * BM), Nq)
-    inner = Nq
-    hi = Nq
+    inner = Nq  # unmasked query tiles [mid, inner), masked [lo, edge) (with a window, but the gap [mid, inner))
+    edge = mid
+    gap = 0
     if WINDOW:  # query blocks `[mid, inner)` see every key of this block, `[inner, hi)` are cut by the
-        # window's lower edge, those from `hi` on see none (O(N W) work)
+        # window's lower edge, those from `hi` on see none: never visited (O(N W) work)
         hi = tl.maximum(tl.minimum(n0 + BN - 1 + window - q_offset, Nq), mid)
         inner = tl.minimum(tl.maximum(tl.maximum(n0 + window - q_offset, 0) // BM * BM, mid), hi)
+        gap = inner - mid
+        edge = hi - gap
     for g in range(GROUP):
         h = hk * GROUP + g
         ck2 = tl.zeros((BN,), ACC)
@@ -247,18 +256,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
         dhi = tl.zeros((1,), ACC).sum(0)  # the relative table's edge entries, summed in the program
         dlo = tl.zeros((1,), ACC).sum(0)
         dk, dv, dck, dslope, dtile, dhi, dlo = _dkdv_tiles(
-            dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, mid, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1,
+            dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, edge, mid, gap, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1,
             CAUSAL, WINDOW, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, TILE_GRADS,
             TILE_GB, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
         dk, dv, dck, dslope, dtile, dhi, dlo = _dkdv_tiles(
-            dk, dv, dck, dslope, dtile, dhi, dlo, k, v, mid, inner, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps,
+            dk, dv, dck, dslope, dtile, dhi, dlo, k, v, mid, inner, mid, gap, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps,
             2 - 2 * EVEN_N, CAUSAL, WINDOW, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE,
             TILE_VALUE, TILE_GRADS, TILE_GB, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
-        if WINDOW:
-            dk, dv, dck, dslope, dtile, dhi, dlo = _dkdv_tiles(
-                dk, dv, dck, dslope, dtile, dhi, dlo, k, v, inner, hi, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps,
-                1, CAUSAL, WINDOW, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE,
-                TILE_VALUE, TILE_GRADS, TILE_GB, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
         if HAS_DEC:
             tl.store(DCK + (b * H + h) * Nk + offs_n, dck, mask=n_mask)
         if HAS_LIN:
@@ -274,15 +278,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
 
 
 @triton.jit
-def _dq_tiles(dq, dcq, q, do, lse, delta, lo, hi, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh, skn, svn,
+def _dq_tiles(dq, dcq, q, do, lse, delta, lo, hi, gap_at, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh, skn, svn,
               Nk, qk_scale, q_offset, window, QSEG, KSEG, KVALID, KP, k_start, CK, SLOPES, TABLE, RMAX, s_th, DENSE, s_dm,
               TILE, TILE_W, H, tile_eps,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
               HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
               HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, POS_RANGE: tl.constexpr, DOT_T: tl.constexpr,
               PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr):
-    """dQ of one query block over key tiles ``[lo, hi)``."""
+    """dQ of one query block over key tiles ``[lo, hi)``. With ``WINDOW``, the masked loop (``MASKED`` 1)
+    jumps ``gap`` at ``gap_at``: its tiles are ``[lo, gap_at)`` and ``[gap_at + gap, hi + gap)``, the
+    edge tiles on both sides of the unmasked ones."""
     for start_n in range(lo, hi, BN):
+        if WINDOW and MASKED == 1:
+            start_n = start_n + tl.where(start_n >= gap_at, gap, 0)
         offs_n = start_n + tl.arange(0, BN)
         n_mask = offs_n < Nk
         kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -345,17 +353,17 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DCQ,
     full, end = _key_split(m0, Nk, q_offset, CAUSAL, BM, BN)
     Kh = K + b * skb + hk * skh
     Vh = V + b * svb + hk * svh
-    lo = 0
-    if WINDOW:  # tiles before `lo` are never visited; `[lo, inner)` straddle the window's edge
-        lo, inner = _window_split(m0, full, q_offset, window, BM, BN)
-        dq, dcq = _dq_tiles(dq, dcq, q, do, lse, delta, lo, inner, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
-                            skn, svn, Nk, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1, CAUSAL, WINDOW, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL,
-                            HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
-        lo = inner
-    dq, dcq = _dq_tiles(dq, dcq, q, do, lse, delta, lo, full, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
+    lo = 0  # unmasked key tiles [lo, full), masked [edge, end) (with a window, but the gap [lo, full))
+    edge = full
+    gap = 0
+    if WINDOW:  # tiles before `edge` lie below the window of every row: never visited (O(N W) work)
+        edge, lo = _window_split(m0, full, q_offset, window, BM, BN)
+        gap = full - lo
+        end = end - gap
+    dq, dcq = _dq_tiles(dq, dcq, q, do, lse, delta, lo, full, lo, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
                         skn, svn, Nk, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 0, CAUSAL, WINDOW, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL,
                         HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
-    dq, dcq = _dq_tiles(dq, dcq, q, do, lse, delta, full, end, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
+    dq, dcq = _dq_tiles(dq, dcq, q, do, lse, delta, edge, end, lo, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
                         skn, svn, Nk, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1, CAUSAL, WINDOW, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL,
                         HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
     tl.store(DQ + b * sgb + h * sgh + offs_m[:, None] * sgn + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
