@@ -57,3 +57,11 @@ SB_SPILLS: dict[tuple[str, int, str, str], tuple[int, int]] = {
     ("sb_fwd", 128, "float32", "sm90"): (4, 4),
     ("sb_bwd_dkdv", 128, "float32", "sm80"): (8, 4),
 }
+#: a sliding-window layer's kernels (``WINDOW``: its loop bounds and edge mask hold a few more
+#: registers) where the tile above spills with the window on: (BM, BN, num_warps, num_stages) by the
+#: keys of `SB_CONFIGS`, from the compile report with every feature on (``resource_report --window``):
+#: no spills at these tiles (the fp32 `SB_SPILLS` entries keep theirs, the same bytes)
+WINDOW_CONFIGS: dict[tuple[int, int, str, str], tuple[int, int, int, int]] = {
+    (90, 64, "16", "sb_fwd"): (32, 32, 4, 2),  # 64 x 32: 76/48 bytes spilled
+    (80, 128, "16", "sb_bwd_dkdv"): (16, 16, 8, 1),  # 4 warps: 8/4 bytes spilled
+}
