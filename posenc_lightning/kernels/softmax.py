@@ -123,7 +123,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
     full, end = _key_split(m0, Nk, q_offset, CAUSAL, BM, BN)
     Kh = K + b * skb + hk * skh
     Vh = V + b * svb + hk * svh
-    lo = 0  # unmasked key tiles [lo, full), masked [edge, end) (with a window, but the gap [lo, full))
+    lo = 0  # unmasked key tiles [lo, full); masked [edge, lo) and [full, end), one loop jumping the gap
     edge = full
     gap = 0
     if WINDOW:  # tiles before `edge` lie below the window of every row: never visited (O(N W) work)
@@ -236,7 +236,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
     if CAUSAL != 0:  # query blocks from `mid` on see every key of this block
         lo = tl.maximum(n0 - q_offset, 0) // BM * BM
         mid = tl.minimum(tl.maximum(lo, tl.cdiv(tl.maximum(n0 + BN - 1 - q_offset, 0), BM) * BM), Nq)
-    inner = Nq  # unmasked query tiles [mid, inner), masked [lo, edge) (with a window, but the gap [mid, inner))
+    inner = Nq  # unmasked query tiles [mid, inner); masked [lo, mid) and [inner, hi), one loop jumping the gap
     edge = mid
     gap = 0
     if WINDOW:  # query blocks `[mid, inner)` see every key of this block, `[inner, hi)` are cut by the
@@ -353,7 +353,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DCQ,
     full, end = _key_split(m0, Nk, q_offset, CAUSAL, BM, BN)
     Kh = K + b * skb + hk * skh
     Vh = V + b * svb + hk * svh
-    lo = 0  # unmasked key tiles [lo, full), masked [edge, end) (with a window, but the gap [lo, full))
+    lo = 0  # unmasked key tiles [lo, full); masked [edge, lo) and [full, end), one loop jumping the gap
     edge = full
     gap = 0
     if WINDOW:  # tiles before `edge` lie below the window of every row: never visited (O(N W) work)
