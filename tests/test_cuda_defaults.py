@@ -44,6 +44,23 @@ def test_a_proven_pair_is_taken_for_its_encoding_only(monkeypatch):
     assert resolve_backend("auto", _bound("fire"), CPU, True).NAME == "sdpa"  # CPU never reads the table
 
 
+def test_a_windowed_layer_takes_a_custom_kernel_only_once_the_local_mask_is_proven(monkeypatch):
+    """A pair proven without local masks (the recorded run's) does not carry over to a windowed or
+    chunked layer: on CUDA ``auto`` leaves that layer to SDPA's rows until `proven.PROVEN_LOCAL` says a
+    recorded run validated the kernel with that mask; an explicit ``backend="triton"`` still runs it."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(proven_on_gpu, "PROVEN", {("triton", "fire"): "r.md", ("triton", "alibi"): "r.md"})
+    window, chunk = frozenset({"window"}), frozenset({"chunk"})
+    assert resolve_backend("auto", _bound("fire"), CUDA, True).NAME == "triton"
+    assert resolve_backend("auto", _bound("fire"), CUDA, True, window).NAME == "sdpa"
+    assert resolve_backend("auto", _bound("alibi"), CUDA, True, chunk).NAME == "sdpa"
+    monkeypatch.setattr(proven, "PROVEN_LOCAL", {"triton": window})
+    assert resolve_backend("auto", _bound("fire"), CUDA, True, window).NAME == "triton"
+    assert resolve_backend("auto", _bound("alibi"), CUDA, True, window | chunk).NAME == "sdpa"
+    monkeypatch.setattr(proven, "PROVEN_LOCAL", {})
+    assert resolve_backend("triton", _bound("fire"), CUDA, True, window).NAME == "triton"
+
+
 def test_the_triton_kernels_stay_available_by_name_on_cuda(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setattr(proven_on_gpu, "PROVEN", {})

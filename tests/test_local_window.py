@@ -130,24 +130,35 @@ def test_windowed_bias_flex_forward(name):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["alibi", "fire"])
-def test_chunked_bias_triton_interpreter(name, monkeypatch):
-    """The kernels take a chunk as segment ids; a sliding window is routed away (`LOCAL_MASKS`)."""
+@pytest.mark.parametrize("name,n,local", [(name, n, local) for name in ("alibi", "fire")
+                                          for n, local in ((37, {"chunk": 16}), (80, {"window": WINDOW}))]
+                         + [("alibi", 80, {"window": 40, "chunk": 64})])
+def test_local_bias_triton_interpreter(name, n, local, monkeypatch):
+    """The kernels take a chunk as segment ids and a window as their loop bounds and edge mask
+    (N 80: the 64-token window hides keys from the last 16 queries; FIRE's MLP per tile is slow
+    under the interpreter, hence no larger N)."""
     pytest.importorskip("triton")
     fast_triton_interpreter(monkeypatch)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    got, want = _case(name, 37, None, 16, "triton", dtype=torch.float32)
+    got, want = _case(name, n, local.get("window"), local.get("chunk"), "triton", dtype=torch.float32)
     for g, r in zip(got, want):
         torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
 
 
 def test_window_routes_away_from_backends_without_it(monkeypatch):
+    """A backend that does not declare "window" in ``LOCAL_MASKS`` is skipped by ``auto`` and
+    refused by name (every backend declares it today: one is made to lack it)."""
+    from posenc_lightning.attention.backends import sdpa
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     m = Attn(n_heads=H, head_dim=D)
     enc = inject(m, "alibi")
-    assert resolve_backend("auto", enc, torch.device("cpu"), True, frozenset({"window"})).NAME == "sdpa"
+    assert resolve_backend("triton", enc, torch.device("cpu"), True, frozenset({"window"})).NAME == "triton"
+    monkeypatch.setattr(sdpa, "LOCAL_MASKS", frozenset({"chunk"}))
+    picked = resolve_backend("auto", enc, torch.device("cpu"), True, frozenset({"window"}))
+    assert picked.NAME != "sdpa" and "window" in picked.LOCAL_MASKS
     with pytest.raises(ValueError, match="window.*LOCAL_MASKS"):
-        resolve_backend("triton", enc, torch.device("cpu"), True, frozenset({"window"}))
+        resolve_backend("sdpa", enc, torch.device("cpu"), True, frozenset({"window"}))
 
 
 def test_stick_breaking_window_blockwise_equals_reference():

@@ -3,7 +3,8 @@
 * `load_rotated`: load a ``[BLOCK, D]`` tile of q or k and rotate it in registers (RoFormer
   eq. 34: ``x * cos + rotate(x) * sin``) with cos/sin gathered per token from a table at
   arbitrary per-token indices; ``SIGN=-1`` applies the transpose (used to rotate gradients back).
-* `visible`: which (query, key) pairs may attend (causal by index, packed documents, padding).
+* `visible`: which (query, key) pairs may attend (causal by index, packed documents, padding);
+  `in_window`: a sliding window's lower edge, for the kernels that take one (``WINDOW``).
 * `bias_tile` / `bias_grads2`: the structured biases of ``encodings/bias`` read in-kernel
   (``LinearBias``, ``RelativeBias``, ``DecayBias``, ``DenseBias``, and one `TileBias`: a
   parametric bias whose ``@triton.jit`` tile and gradient functions come in as compile-time
@@ -71,6 +72,14 @@ def visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG, KSEG, KVALID,
         kv = tl.load(KVALID + offs_n, mask=n_mask, other=0)
         ok = ok & (kv != 0)[None, :]
     return ok
+
+
+@triton.jit
+def in_window(offs_m, offs_n, q_offset, window):
+    """bool ``[BM, BN]``: key index > query index + q_offset - window, the sliding window's lower
+    edge (`attention.mask.AttentionMask.window`: ``0 <= i - j < W``; the upper edge is causal,
+    `visible`'s)."""
+    return offs_n[None, :] > offs_m[:, None] + q_offset - window
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import triton
 from torch import Tensor
 
 from posenc_lightning.kernels import _common, softmax, stick_breaking
-from posenc_lightning.kernels.tile_table import SB_CONFIGS, SOFTMAX_CONFIGS
+from posenc_lightning.kernels.tile_table import SB_CONFIGS, SOFTMAX_CONFIGS, WINDOW_CONFIGS
 
 if TYPE_CHECKING:
     from posenc_lightning.encodings.bias import TileBias
@@ -74,10 +74,12 @@ def cuda_arch(device: torch.device) -> int:
     return 90 if major >= 9 else 80
 
 
-def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False, arch: int | None = None) -> dict:
+def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False, arch: int | None = None,
+                 window: bool = False) -> dict:
     """Tile sizes per kernel ``kind`` (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, sb_bwd_dkdv, rotate,
     rowdot); ``gpu``: the GPU sizes even under the interpreter (for the compile report); ``arch``: 80 or 90 (the
-    tables `SOFTMAX_CONFIGS` and `SB_CONFIGS`; default 90)."""
+    tables `SOFTMAX_CONFIGS` and `SB_CONFIGS`; default 90); ``window``: a sliding-window layer's
+    kernels (`WINDOW_CONFIGS` first)."""
     if interpreting() and not gpu:
         return {"BM": INTERPRET_BLOCKS[0], "BN": INTERPRET_BLOCKS[1], "num_warps": 1, "num_stages": 1}
     if kind in ("rotate", "rowdot"):
@@ -85,7 +87,8 @@ def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False
     if kind in ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd", "sb_bwd_dkdv"):
         key = (90 if arch is None or arch >= 90 else 80, 64 if head_dim <= 64 else 128,
                "32" if dtype in (torch.float32, torch.float64) else "16", kind)
-        bm, bn, warps, stages = (SB_CONFIGS if kind.startswith("sb_") else SOFTMAX_CONFIGS)[key]
+        table = SB_CONFIGS if kind.startswith("sb_") else SOFTMAX_CONFIGS
+        bm, bn, warps, stages = WINDOW_CONFIGS[key] if window and key in WINDOW_CONFIGS else table[key]
         return {"BM": bm, "BN": bn, "num_warps": warps, "num_stages": stages}
     raise ValueError(f"block_config: unknown kernel kind {kind!r}; known: fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, "
                      "sb_bwd_dkdv, rotate, rowdot")
@@ -102,6 +105,9 @@ class Plan:
     scale: float
     causal: int  # 0 none, 1 key <= query, 2 key < query (stick-breaking without the diagonal)
     q_offset: int = 0
+    #: a sliding window W: key j visible to query i only if ``i + q_offset - j < W`` (by index); the
+    #: kernels skip the key tiles below it (``WINDOW``)
+    window: int | None = None
     rotary: RotaryTables | None = None
     q_segments: Tensor | None = None
     k_segments: Tensor | None = None
@@ -121,7 +127,7 @@ class Plan:
         """The tiles of kernel ``kind``: the given ones (`tiles`), else the pinned `block_config`."""
         if self.tiles is not None and kind in self.tiles:
             return dict(self.tiles[kind])
-        return block_config(kind, head_dim, dtype, arch=arch)
+        return block_config(kind, head_dim, dtype, arch=arch, window=self.window is not None)
 
     @property
     def tile_block(self) -> int:
@@ -152,7 +158,7 @@ def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense
     idummy = torch.zeros(1, dtype=torch.int32, device=q.device)
     rot = plan.rotary
     a: dict = {"H": h, "GROUP": h // k.shape[1], "Nq": nq, "Nk": nk, "D": d, "scale": float(plan.scale),
-               "q_offset": int(plan.q_offset)}
+               "q_offset": int(plan.q_offset), "window": int(plan.window or 0)}
     a["qk_scale"] = float(plan.scale) * 1.4426950408889634  # log2(e): the softmax kernels' logits are base 2
     a["q_start"], a["k_start"] = plan.pos_start if plan.pos_start is not None else (0, 0)
     if rot is not None:
@@ -197,6 +203,7 @@ def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense
     if interpreting() and q.dtype == torch.bfloat16:
         dot_t = tl.float32  # the interpreter has no bf16 arithmetic: stay in float32
     flags = {"ROT": 0 if rot is None else (1 if rot.layout == "half" else 2), "CAUSAL": plan.causal,
+             "WINDOW": plan.window is not None,
              "HAS_SEG": seg, "HAS_KVALID": plan.k_valid is not None, "HAS_LIN": slopes is not None,
              "HAS_REL": table is not None, "HAS_DEC": c_q is not None, "HAS_DENSE": dense is not None,
              "HAS_TILE": tile is not None, "TILE_GB": plan.tile_block,
@@ -402,7 +409,8 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = No
                     c_q: Tensor | None = None, c_k: Tensor | None = None, dense: Tensor | None = None,
                     tile: TileBias | None = None, stick_breaking: bool = False,
                     attend_current: bool = False, bias_q_start: int | None = None,
-                    bias_k_start: int | None = None, tiles: dict[str, dict] | None = None) -> Tensor:
+                    bias_k_start: int | None = None, tiles: dict[str, dict] | None = None,
+                    window: int | None = None) -> Tensor:
     """Attention with rotary / biases / packed documents fused (softmax, or stick-breaking).
 
     ``tile``: a parametric bias the kernels evaluate per tile at ``bias_q_pos``/``bias_k_pos``
@@ -412,7 +420,9 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = No
     softmax kernels then compute the distances from the indices; default positions are such).
     ``tiles``: kernel kind (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd) -> ``{"BM", "BN", "num_warps",
     "num_stages"}`` in place of the pinned `block_config` (the tile ablation of benchmarks/gpu_perf.py);
-    a result changes by rounding only."""
+    a result changes by rounding only. ``window``: a causal sliding window W (`AttentionMask.window`:
+    query ``i`` sees key ``j`` iff ``0 <= i + q_offset - j < W``, by index); the loops visit only
+    the key tiles it reaches, O(N W) work."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"fused_attention wants q [B,H,Nq,D], k = v [B,Hkv,Nk,D]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -438,11 +448,14 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = No
         bias_q_pos = torch.arange(q.shape[2], device=q.device).expand(b, -1) + q_offset if bias_q_pos is None \
             else bias_q_pos
         bias_k_pos = torch.arange(k.shape[2], device=q.device).expand(b, -1) if bias_k_pos is None else bias_k_pos
+    if window is not None and (int(window) != window or window < 1 or not (causal or stick_breaking)):
+        raise ValueError(f"window={window}: a sliding window is a positive integer and causal (causal=True)")
     if stick_breaking:
         kind = 1 if attend_current else 2
     else:
         kind = 1 if causal else 0
-    plan = Plan(scale=d ** -0.5 if scale is None else float(scale), causal=kind, q_offset=q_offset, rotary=rotary,
+    plan = Plan(scale=d ** -0.5 if scale is None else float(scale), causal=kind, q_offset=q_offset,
+                window=None if window is None else int(window), rotary=rotary,
                 q_segments=q_segments, k_segments=k_segments, k_valid=k_valid, bias_q_pos=bias_q_pos,
                 bias_k_pos=bias_k_pos, stick_breaking=stick_breaking, tile=tile, pos_start=pos_start,
                 tiles=_checked_tiles(tiles))

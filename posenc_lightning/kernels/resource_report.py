@@ -87,12 +87,13 @@ FEATURES = ("rotary", "segments", "padding", "slopes", "table", "decay", "dense"
 
 
 def launch_spec(kind: str, head_dim: int, dtype: torch.dtype, cc: int = 90, without: tuple[str, ...] = (),
-                tile_config: tuple[int, int, int, int] | None = None):
+                tile_config: tuple[int, int, int, int] | None = None, window: bool = False):
     """``(kernel, values by argument name, num_warps, num_stages)`` of the GPU launch of ``kind``
     for compute capability ``cc`` with every feature on (rotary, packed documents, padding, all
     four bias kinds; an example tile bias too for the ``<kernel>_<tile>`` variants) except those
     named in ``without`` (`FEATURES`), at the tiles `fused.block_config` picks or at
-    ``tile_config`` ``(BM, BN, num_warps, num_stages)`` (to search for a table entry)."""
+    ``tile_config`` ``(BM, BN, num_warps, num_stages)`` (to search for a table entry); ``window``:
+    the kernels of a sliding-window layer (``WINDOW``: its loop bounds and edge tiles)."""
     from posenc_lightning.kernels.fused import Plan, RotaryTables, block_config, common_args, head_block
 
     kind, tile = _split(kind)
@@ -106,14 +107,15 @@ def launch_spec(kind: str, head_dim: int, dtype: torch.dtype, cc: int = 90, with
     on = {f: f not in without for f in FEATURES}
     plan = Plan(scale=d ** -0.5, causal=1, rotary=RotaryTables(cos, cos, pos, cos, cos, pos) if on["rotary"] else None,
                 q_segments=pos if on["segments"] else None, k_valid=pos.bool() if on["padding"] else None,
-                bias_q_pos=pos.float(), bias_k_pos=pos.float(), stick_breaking=kind.startswith("sb"), tile=tile)
+                bias_q_pos=pos.float(), bias_k_pos=pos.float(), stick_breaking=kind.startswith("sb"), tile=tile,
+                window=64 if window else None)
     z = torch.zeros(h, dtype=torch.float32)
     c = torch.zeros(b, h, n)
     args, flags = common_args(q, q, plan, z if on["slopes"] else None, torch.zeros(h, 9) if on["table"] else None,
                               c if on["decay"] else None, c if on["decay"] else None,
                               torch.zeros(b, h, n, n) if on["dense"] else None,
                               tile.params if tile is not None else None)
-    cfg = block_config(kind, d, dtype, gpu=True, arch=cc)  # a tile bias does not change the tiling
+    cfg = block_config(kind, d, dtype, gpu=True, arch=cc, window=window)  # a tile bias does not change the tiling
     if tile_config is not None:
         cfg = dict(zip(("BM", "BN", "num_warps", "num_stages"), tile_config))
     kernel = _kernel(kind)
@@ -170,13 +172,16 @@ def ptx_counts(ptx: str) -> dict:
 
 
 def compile_one(kind: str, head_dim: int, dtype_name: str, cc: int, ptxas: bool = True,
-                without: tuple[str, ...] = (), tile_config: tuple[int, int, int, int] | None = None) -> dict:
+                without: tuple[str, ...] = (), tile_config: tuple[int, int, int, int] | None = None,
+                window: bool = False) -> dict:
     """One row of the report: ``kind`` compiled for ``sm{cc}`` (`launch_spec`'s arguments)."""
     return compile_launch(kind, head_dim, dtype_name, cc, lambda dtype: launch_spec(kind, head_dim, dtype, cc, without,
-                                                                                    tile_config), ptxas)
+                                                                                    tile_config, window),
+                          ptxas, window)
 
 
-def compile_launch(kind: str, head_dim: int, dtype_name: str, cc: int, spec, ptxas: bool = True) -> dict:
+def compile_launch(kind: str, head_dim: int, dtype_name: str, cc: int, spec, ptxas: bool = True,
+                   window: bool = False) -> dict:
     """One row of the report: the launch ``spec(dtype) -> (kernel, values by argument name, num_warps,
     num_stages)`` compiled for ``sm{cc}`` (kernels of an encoding's own report their launches here too)."""
     import triton
@@ -184,7 +189,7 @@ def compile_launch(kind: str, head_dim: int, dtype_name: str, cc: int, spec, ptx
     from triton.compiler import ASTSource
 
     dtype = getattr(torch, dtype_name)
-    row = {"kernel": kind, "head_dim": head_dim, "dtype": dtype_name, "target": f"sm{cc}"}
+    row = {"kernel": kind, "head_dim": head_dim, "dtype": dtype_name, "target": f"sm{cc}", "window": window}
     try:
         kernel, vals, warps, stages = spec(dtype)
         sig, consts, attrs = {}, {}, {}
@@ -230,8 +235,9 @@ def configs(kinds=None, head_dims=HEAD_DIMS, dtypes=DTYPES, targets=tuple(TARGET
                 yield kind, d, dt, cc
 
 
-def run_all(jobs: int = 2, ptxas: bool = True, without: tuple[str, ...] = (), **sel) -> list[dict]:
-    todo = [(*c, ptxas, tuple(without)) for c in configs(**sel)]
+def run_all(jobs: int = 2, ptxas: bool = True, without: tuple[str, ...] = (), window: bool = False,
+            **sel) -> list[dict]:
+    todo = [(*c, ptxas, tuple(without), None, window) for c in configs(**sel)]
     if jobs <= 1:
         return [compile_one(*c) for c in todo]
     with ProcessPoolExecutor(jobs) as ex:
@@ -268,11 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worst-only", action="store_true", help="only the largest config of every tiling")
     p.add_argument("--without", nargs="*", default=[], choices=FEATURES, help="features switched off")
     p.add_argument("--no-ptxas", action="store_true", help="skip the register/spill figures (ptxas -v is slow)")
+    p.add_argument("--window", action="store_true", help="the kernels of a sliding-window layer (WINDOW)")
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("unset TRITON_INTERPRET: the interpreter cannot compile for GPU targets", file=sys.stderr)
         return 2
-    rows = run_all(a.jobs, not a.no_ptxas, tuple(a.without), kinds=tuple(a.kinds or all_kinds()), head_dims=tuple(a.head_dims), dtypes=tuple(a.dtypes),
+    rows = run_all(a.jobs, not a.no_ptxas, tuple(a.without), a.window, kinds=tuple(a.kinds or all_kinds()), head_dims=tuple(a.head_dims), dtypes=tuple(a.dtypes),
                    worst_only=a.worst_only)
     print(format_table(rows))
     if a.json:

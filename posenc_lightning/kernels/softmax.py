@@ -24,19 +24,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from posenc_lightning.kernels._common import bias_grads2, log2e, logits2, positions
+from posenc_lightning.kernels._common import bias_grads2, in_window, log2e, logits2, positions
 
 
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, lo, hi, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh, skn, svn, Nk,
-               qk_scale, q_offset, QSEG, KSEG, KVALID, KP, k_start, CK, SLOPES, TABLE, RMAX, s_th, DENSE, s_dm,
+def _fwd_tiles(acc, l_i, m_i, q, lo, hi, gap_at, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh, skn, svn, Nk,
+               qk_scale, q_offset, window, QSEG, KSEG, KVALID, KP, k_start, CK, SLOPES, TABLE, RMAX, s_th, DENSE, s_dm,
                TILE, TILE_W, H, tile_eps,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
                HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, POS_RANGE: tl.constexpr, DOT_T: tl.constexpr,
                PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr):
-    """The online softmax over key tiles ``[lo, hi)``."""
+    """The online softmax over key tiles ``[lo, hi)``. With ``WINDOW``, the masked loop (``MASKED`` 1)
+    jumps ``gap`` at ``gap_at``: its tiles are ``[lo, gap_at)`` and ``[gap_at + gap, hi + gap)``, the
+    edge tiles on both sides of the unmasked ones."""
     for start_n in range(lo, hi, BN):
+        if WINDOW and MASKED == 1:
+            start_n = start_n + tl.where(start_n >= gap_at, gap, 0)
         offs_n = start_n + tl.arange(0, BN)
         n_mask = offs_n < Nk
         kt = tl.load(Kh + offs_n[None, :] * skn + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None],
@@ -49,6 +53,8 @@ def _fwd_tiles(acc, l_i, m_i, q, lo, hi, h, offs_m, m_mask, offs_d, d_mask, qp, 
         s = logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
                     SLOPES, TABLE, RMAX, s_th, DENSE, s_dm, TILE, TILE_W, H, tile_eps, MASKED, CAUSAL, HAS_SEG,
                     HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
+        if WINDOW and MASKED == 1:  # a tile that the window's lower edge may cut (the others lie inside it)
+            s = tl.where(in_window(offs_m, offs_n, q_offset, window), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
         alpha = tl.math.exp2(m_i - m_safe)
@@ -74,12 +80,23 @@ def _key_split(m0, Nk, q_offset, CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.
 
 
 @triton.jit
+def _window_split(m0, full, q_offset, window, BM: tl.constexpr, BN: tl.constexpr):
+    """``(edge, inner)`` for the query block at ``m0`` under a sliding window ``window``: key tiles
+    before ``edge`` lie below the window of every row and are never visited (O(N W) work); tiles
+    ``[edge, inner)`` straddle its lower edge (masked); ``[inner, full)`` lie inside it for every
+    row. Both are clamped to ``full`` (`_key_split`), where the diagonal tiles, masked, take over."""
+    edge = tl.minimum(tl.maximum(m0 + q_offset - window + 1, 0) // BN * BN, full)
+    inner = tl.minimum(tl.maximum(edge, tl.cdiv(tl.maximum(m0 + BM + q_offset - window, 0), BN) * BN), full)
+    return edge, inner
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset, q_start, k_start,
+                H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset, window, q_start, k_start,
                 QSEG, KSEG, KVALID,
                 QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
                 TILE, TILE_W, tile_eps,
-                CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                 HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
                 HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, POS_RANGE: tl.constexpr,
                 DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
@@ -106,14 +123,21 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
     full, end = _key_split(m0, Nk, q_offset, CAUSAL, BM, BN)
     Kh = K + b * skb + hk * skh
     Vh = V + b * svb + hk * svh
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, 0, full, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
-                               skn, svn, Nk, qk_scale, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th,
-                               DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 0, CAUSAL, HAS_SEG,
+    lo = 0  # unmasked key tiles [lo, full); masked [edge, lo) and [full, end), one loop jumping the gap
+    edge = full
+    gap = 0
+    if WINDOW:  # tiles before `edge` lie below the window of every row: never visited (O(N W) work)
+        edge, lo = _window_split(m0, full, q_offset, window, BM, BN)
+        gap = full - lo
+        end = end - gap
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, lo, full, lo, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
+                               skn, svn, Nk, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th,
+                               DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 0, CAUSAL, WINDOW, HAS_SEG,
                                HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE,
                                DOT_T, PREC, BM, BN, ACC)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, full, end, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
-                               skn, svn, Nk, qk_scale, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th,
-                               DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1, CAUSAL, HAS_SEG,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, edge, end, lo, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
+                               skn, svn, Nk, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th,
+                               DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1, CAUSAL, WINDOW, HAS_SEG,
                                HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE,
                                DOT_T, PREC, BM, BN, ACC)
     has = l_i > 0
@@ -126,16 +150,20 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, hi, h, offs_n, n_mask, offs_d, d_mask, kp, ck2,
-                Qh, DOh, LSEh, DELTAh, sqn, son, Nq, qk_scale, q_offset, QSEG, KSEG, KVALID, QP, q_start, CQ,
+def _dkdv_tiles(dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, hi, gap_at, gap, h, offs_n, n_mask, offs_d, d_mask, kp, ck2,
+                Qh, DOh, LSEh, DELTAh, sqn, son, Nq, qk_scale, q_offset, window, QSEG, KSEG, KVALID, QP, q_start, CQ,
                 SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE, DDENSE, s_dm, TILE, TILE_W, H, tile_eps,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                 HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
                 HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, TILE_GRADS: tl.constexpr, TILE_GB: tl.constexpr,
                 POS_RANGE: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, ACC: tl.constexpr):
-    """dK, dV (and the bias gradients) of one key block over query tiles ``[lo, hi)`` of head ``h``."""
+    """dK, dV (and the bias gradients) of one key block over query tiles ``[lo, hi)`` of head ``h``.
+    With ``WINDOW``, the masked loop (``MASKED`` 1) jumps ``gap`` at ``gap_at``: its tiles are ``[lo, gap_at)`` and
+    ``[gap_at + gap, hi + gap)``, the edge tiles on both sides of the unmasked ones."""
     for start_m in range(lo, hi, BM):
+        if WINDOW and MASKED == 1:
+            start_m = start_m + tl.where(start_m >= gap_at, gap, 0)
         offs_m = start_m + tl.arange(0, BM)
         m_mask = offs_m < Nq
         qd_mask = m_mask[:, None] & d_mask[None, :]
@@ -151,6 +179,8 @@ def _dkdv_tiles(dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, hi, h, offs_n, n
         s = logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
                     SLOPES, TABLE, RMAX, s_th, DENSE, s_dm, TILE, TILE_W, H, tile_eps, MASKED, CAUSAL, HAS_SEG,
                     HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
+        if WINDOW and MASKED == 1:  # a tile that the window's lower edge may cut (the others lie inside it)
+            s = tl.where(in_window(offs_m, offs_n, q_offset, window), s, float("-inf"))
         p = tl.math.exp2(s - lse[:, None])
         dv += tl.dot(tl.trans(p.to(DOT_T)), do, input_precision=PREC, out_dtype=ACC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC, out_dtype=ACC)
@@ -172,11 +202,11 @@ def _dkdv_tiles(dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, hi, h, offs_n, n
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENSE, DTILE,
                      sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sgb, sgh, sgn, n_kblocks,
-                     H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset, q_start, k_start,
+                     H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset, window, q_start, k_start,
                      QSEG, KSEG, KVALID,
                      QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
                      s_ddb, TILE, TILE_W, tile_eps,
-                     CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+                     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                      HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
                      HAS_TILE: tl.constexpr, TILE_GB: tl.constexpr, TILE_VALUE: tl.constexpr,
                      TILE_GRADS: tl.constexpr, POS_RANGE: tl.constexpr, EVEN_N: tl.constexpr,
@@ -206,6 +236,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
     if CAUSAL != 0:  # query blocks from `mid` on see every key of this block
         lo = tl.maximum(n0 - q_offset, 0) // BM * BM
         mid = tl.minimum(tl.maximum(lo, tl.cdiv(tl.maximum(n0 + BN - 1 - q_offset, 0), BM) * BM), Nq)
+    inner = Nq  # unmasked query tiles [mid, inner); masked [lo, mid) and [inner, hi), one loop jumping the gap
+    edge = mid
+    gap = 0
+    if WINDOW:  # query blocks `[mid, inner)` see every key of this block, `[inner, hi)` are cut by the
+        # window's lower edge, those from `hi` on see none: never visited (O(N W) work)
+        hi = tl.maximum(tl.minimum(n0 + BN - 1 + window - q_offset, Nq), mid)
+        inner = tl.minimum(tl.maximum(tl.maximum(n0 + window - q_offset, 0) // BM * BM, mid), hi)
+        gap = inner - mid
+        edge = hi - gap
     for g in range(GROUP):
         h = hk * GROUP + g
         ck2 = tl.zeros((BN,), ACC)
@@ -217,12 +256,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
         dhi = tl.zeros((1,), ACC).sum(0)  # the relative table's edge entries, summed in the program
         dlo = tl.zeros((1,), ACC).sum(0)
         dk, dv, dck, dslope, dtile, dhi, dlo = _dkdv_tiles(
-            dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, mid, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1,
-            CAUSAL, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, TILE_GRADS,
+            dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, edge, mid, gap, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1,
+            CAUSAL, WINDOW, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, TILE_GRADS,
             TILE_GB, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
         dk, dv, dck, dslope, dtile, dhi, dlo = _dkdv_tiles(
-            dk, dv, dck, dslope, dtile, dhi, dlo, k, v, mid, Nq, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps,
-            2 - 2 * EVEN_N, CAUSAL, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE,
+            dk, dv, dck, dslope, dtile, dhi, dlo, k, v, mid, inner, mid, gap, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps,
+            2 - 2 * EVEN_N, CAUSAL, WINDOW, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE,
             TILE_VALUE, TILE_GRADS, TILE_GB, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
         if HAS_DEC:
             tl.store(DCK + (b * H + h) * Nk + offs_n, dck, mask=n_mask)
@@ -239,15 +278,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
 
 
 @triton.jit
-def _dq_tiles(dq, dcq, q, do, lse, delta, lo, hi, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh, skn, svn,
-              Nk, qk_scale, q_offset, QSEG, KSEG, KVALID, KP, k_start, CK, SLOPES, TABLE, RMAX, s_th, DENSE, s_dm,
+def _dq_tiles(dq, dcq, q, do, lse, delta, lo, hi, gap_at, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh, skn, svn,
+              Nk, qk_scale, q_offset, window, QSEG, KSEG, KVALID, KP, k_start, CK, SLOPES, TABLE, RMAX, s_th, DENSE, s_dm,
               TILE, TILE_W, H, tile_eps,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
               HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
               HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, POS_RANGE: tl.constexpr, DOT_T: tl.constexpr,
               PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr):
-    """dQ of one query block over key tiles ``[lo, hi)``."""
+    """dQ of one query block over key tiles ``[lo, hi)``. With ``WINDOW``, the masked loop (``MASKED`` 1)
+    jumps ``gap`` at ``gap_at``: its tiles are ``[lo, gap_at)`` and ``[gap_at + gap, hi + gap)``, the
+    edge tiles on both sides of the unmasked ones."""
     for start_n in range(lo, hi, BN):
+        if WINDOW and MASKED == 1:
+            start_n = start_n + tl.where(start_n >= gap_at, gap, 0)
         offs_n = start_n + tl.arange(0, BN)
         n_mask = offs_n < Nk
         kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -261,6 +304,8 @@ def _dq_tiles(dq, dcq, q, do, lse, delta, lo, hi, h, offs_m, m_mask, offs_d, d_m
         s = logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
                     SLOPES, TABLE, RMAX, s_th, DENSE, s_dm, TILE, TILE_W, H, tile_eps, MASKED, CAUSAL, HAS_SEG,
                     HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
+        if WINDOW and MASKED == 1:  # a tile that the window's lower edge may cut (the others lie inside it)
+            s = tl.where(in_window(offs_m, offs_n, q_offset, window), s, float("-inf"))
         p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC, out_dtype=ACC)
         ds = p * (dp - delta[:, None])
@@ -273,11 +318,11 @@ def _dq_tiles(dq, dcq, q, do, lse, delta, lo, hi, h, offs_m, m_mask, offs_d, d_m
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DCQ,
                    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sgb, sgh, sgn,
-                   H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset, q_start, k_start,
+                   H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset, window, q_start, k_start,
                    QSEG, KSEG, KVALID,
                    QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
                    TILE, TILE_W, tile_eps,
-                   CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                    HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
                    HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, POS_RANGE: tl.constexpr,
                    DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
@@ -308,11 +353,18 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DCQ,
     full, end = _key_split(m0, Nk, q_offset, CAUSAL, BM, BN)
     Kh = K + b * skb + hk * skh
     Vh = V + b * svb + hk * svh
-    dq, dcq = _dq_tiles(dq, dcq, q, do, lse, delta, 0, full, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
-                        skn, svn, Nk, qk_scale, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 0, CAUSAL, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL,
+    lo = 0  # unmasked key tiles [lo, full); masked [edge, lo) and [full, end), one loop jumping the gap
+    edge = full
+    gap = 0
+    if WINDOW:  # tiles before `edge` lie below the window of every row: never visited (O(N W) work)
+        edge, lo = _window_split(m0, full, q_offset, window, BM, BN)
+        gap = full - lo
+        end = end - gap
+    dq, dcq = _dq_tiles(dq, dcq, q, do, lse, delta, lo, full, lo, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
+                        skn, svn, Nk, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 0, CAUSAL, WINDOW, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL,
                         HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
-    dq, dcq = _dq_tiles(dq, dcq, q, do, lse, delta, full, end, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
-                        skn, svn, Nk, qk_scale, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1, CAUSAL, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL,
+    dq, dcq = _dq_tiles(dq, dcq, q, do, lse, delta, edge, end, lo, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
+                        skn, svn, Nk, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1, CAUSAL, WINDOW, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL,
                         HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
     tl.store(DQ + b * sgb + h * sgh + offs_m[:, None] * sgn + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=qd_mask)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from posenc_lightning.kernels._common import bias_grads2, bias_tile, load_rotated, log2e, visible
+from posenc_lightning.kernels._common import bias_grads2, bias_tile, in_window, load_rotated, log2e, visible
 
 
 @triton.jit
@@ -70,12 +70,12 @@ def _sb_grad_tile(q, kd, vd, dod, bias, ok, tail, g_tail, delta, qk_scale, DOT_T
 
 @triton.jit
 def _sb_fwd_kernel(Q, K, V, O, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                   H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset,
+                   H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset, window,
                    QCOS, QSIN, s_qcb, s_qch, s_qcp, QIDX, KCOS, KSIN, s_kcb, s_kch, s_kcp, KIDX, R,
                    QSEG, KSEG, KVALID,
                    QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
                    TILE, TILE_W, tile_eps,
-                   ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+                   ROT: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                    HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
                    HAS_TILE: tl.constexpr, TILE_GB: tl.constexpr, TILE_VALUE: tl.constexpr, TILE_GRADS: tl.constexpr,
                    DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
@@ -96,7 +96,10 @@ def _sb_fwd_kernel(Q, K, V, O, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
     acc = tl.zeros((BM, BD), ACC)
     tail = tl.zeros((BM,), ACC)  # sum of softplus over the visible keys after this block
     n_blocks = tl.cdiv(tl.minimum(Nk, q_offset + (pid_m + 1) * BM), BN)
-    for it in range(n_blocks):
+    n_iter = n_blocks
+    if WINDOW:  # key blocks before the window of every row are never visited (O(N W) work)
+        n_iter = n_blocks - tl.maximum(pid_m * BM + q_offset - window + 1, 0) // BN
+    for it in range(n_iter):
         start_n = (n_blocks - 1 - it) * BN
         offs_n = start_n + tl.arange(0, BN)
         n_mask = offs_n < Nk
@@ -107,6 +110,8 @@ def _sb_fwd_kernel(Q, K, V, O, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
                          TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
         ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
                      CAUSAL, HAS_SEG, HAS_KVALID)
+        if WINDOW:  # the sliding window's lower edge: keys below it are hidden (no softplus, no weight)
+            ok = ok & in_window(offs_m, offs_n, q_offset, window)
         s2, sp2, suffix2, _ = _sb_tile(q, kd, bias, ok, qk_scale, PREC, ACC)
         # log2 A = s2 - (sum of base-2 softplus over the visible keys from j on); <= 0 where visible,
         # and s2 = sp2 = 0 where hidden: no overflow to mask
@@ -124,12 +129,12 @@ def _sb_fwd_kernel(Q, K, V, O, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
 @triton.jit
 def _sb_bwd_kernel(Q, K, V, DO, DELTA, TAILS, GTAILS, DQ, DCQ, DTABLE, DSLOPE, DDENSE, DTILE,
                    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, n_qblocks, n_kblocks, s_ddb,
-                   H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset,
+                   H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset, window,
                    QCOS, QSIN, s_qcb, s_qch, s_qcp, QIDX, KCOS, KSIN, s_kcb, s_kch, s_kcp, KIDX, R,
                    QSEG, KSEG, KVALID,
                    QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh, s_dm,
                    TILE, TILE_W, tile_eps,
-                   ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+                   ROT: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                    HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
                    HAS_TILE: tl.constexpr, TILE_GB: tl.constexpr, TILE_VALUE: tl.constexpr, TILE_GRADS: tl.constexpr,
                    DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
@@ -167,7 +172,10 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, TAILS, GTAILS, DQ, DCQ, DTABLE, DSLOPE, D
     tail = tl.zeros((BM,), ACC)
     g_tail = tl.zeros((BM,), ACC)  # sum of g over the visible keys after this block
     n_blocks = tl.cdiv(tl.minimum(Nk, q_offset + (pid_m + 1) * BM), BN)
-    for it in range(n_blocks):
+    n_iter = n_blocks
+    if WINDOW:  # key blocks before the window of every row are never visited (O(N W) work)
+        n_iter = n_blocks - tl.maximum(pid_m * BM + q_offset - window + 1, 0) // BN
+    for it in range(n_iter):
         jb = n_blocks - 1 - it
         offs_n = jb * BN + tl.arange(0, BN)
         n_mask = offs_n < Nk
@@ -182,6 +190,8 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, TAILS, GTAILS, DQ, DCQ, DTABLE, DSLOPE, D
                          TILE, TILE_W, H, tile_eps, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
         ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
                      CAUSAL, HAS_SEG, HAS_KVALID)
+        if WINDOW:  # the sliding window's lower edge: keys below it are hidden (no softplus, no weight)
+            ok = ok & in_window(offs_m, offs_n, q_offset, window)
         _, g, ds, sp2 = _sb_grad_tile(q, kd, vd, dod, bias, ok, tail, g_tail, delta, qk_scale, DOT_T, PREC, ACC)
         dq += tl.dot(ds.to(DOT_T), kd, input_precision=PREC, out_dtype=ACC)  # dS in the operand dtype
         dcq += tl.sum(ds, 1)
@@ -214,12 +224,12 @@ def _sb_bwd_kernel(Q, K, V, DO, DELTA, TAILS, GTAILS, DQ, DCQ, DTABLE, DSLOPE, D
 @triton.jit
 def _sb_bwd_dkdv_kernel(Q, K, V, DO, DELTA, TAILS, GTAILS, DK, DV, DCK,
                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, n_kblocks,
-                        H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset,
+                        H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset, window,
                         QCOS, QSIN, s_qcb, s_qch, s_qcp, QIDX, KCOS, KSIN, s_kcb, s_kch, s_kcp, KIDX, R,
                         QSEG, KSEG, KVALID,
                         QP, KP, SLOPES, TABLE, RMAX, s_th, CQ, CK, s_cqb, s_cqh, s_ckb, s_ckh, DENSE, s_db, s_dh,
                         s_dm, TILE, TILE_W, tile_eps,
-                        ROT: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
+                        ROT: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                         HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr,
                         HAS_DENSE: tl.constexpr, HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr,
                         DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -245,11 +255,14 @@ def _sb_bwd_dkdv_kernel(Q, K, V, DO, DELTA, TAILS, GTAILS, DK, DV, DCK,
     dk = tl.zeros((BN, BD), ACC)
     dv = tl.zeros((BN, BD), ACC)
     lo = tl.maximum(n0 - q_offset, 0) // BM * BM  # causal: earlier queries see none of these keys
+    hi = Nq
+    if WINDOW:  # queries from `hi` on are past the window of every key of this block
+        hi = tl.minimum(n0 + BN - 1 + window - q_offset, Nq)
     for gi in range(GROUP):
         h = hk * GROUP + gi
         bh = b * H + h
         dck = tl.zeros((BN,), ACC)
-        for start_m in range(lo, Nq, BM):
+        for start_m in range(lo, hi, BM):
             offs_m = start_m + tl.arange(0, BM)
             m_mask = offs_m < Nq
             q = (load_rotated(Q + b * sqb + h * sqh, sqn, offs_m, m_mask, offs_d, D,
@@ -266,6 +279,8 @@ def _sb_bwd_dkdv_kernel(Q, K, V, DO, DELTA, TAILS, GTAILS, DK, DV, DCK,
                              HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
             ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk,
                          CAUSAL, HAS_SEG, HAS_KVALID)
+            if WINDOW:
+                ok = ok & in_window(offs_m, offs_n, q_offset, window)
             a, _, ds, _ = _sb_grad_tile(q, kd, vd, dod, bias, ok, tail, g_tail, delta, qk_scale, DOT_T, PREC,
                                           ACC)
             dv += tl.dot(tl.trans(a), dod, input_precision=PREC, out_dtype=ACC)

@@ -74,3 +74,13 @@ COPE_CONFIGS: dict[tuple[int, int, str, str], tuple[int, int, int, int]] = {
     (80, 128, "32", "cope_bwd_dkdv"): (16, 16, 4, 1),
     (90, 128, "32", "cope_bwd_dkdv"): (16, 16, 8, 1),
 }
+
+
+#: a sliding-window layer's kernels (``WINDOW``: its loop bounds and edge mask hold a few more
+#: registers) where the `SB_CONFIGS` tile spills with the window on: (BM, BN, num_warps, num_stages) by the
+#: keys of `SB_CONFIGS`, from the compile report with every feature on (``resource_report --window``):
+#: no spills at these tiles (the fp32 `SB_SPILLS` entries keep theirs, the same bytes)
+WINDOW_CONFIGS: dict[tuple[int, int, str, str], tuple[int, int, int, int]] = {
+    (90, 64, "16", "sb_fwd"): (32, 32, 4, 2),  # 64 x 32: 76/48 bytes spilled
+    (80, 128, "16", "sb_bwd_dkdv"): (16, 16, 8, 1),  # 4 warps: 8/4 bytes spilled
+}

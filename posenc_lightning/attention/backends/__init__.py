@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from posenc_lightning.attention.backends.proven import CUSTOM_KERNELS, fastest_first, unproven
+from posenc_lightning.attention.backends.proven import CUSTOM_KERNELS, fastest_first, local_unproven, unproven
 from posenc_lightning.encodings.base import Encoding
 
 BACKENDS = ("eager", "sdpa", "flex", "triton", "blockwise")
@@ -115,13 +115,13 @@ def resolve_backend(name: str, encoding: Encoding, device: torch.device, require
         order = _AUTO_ORDER.get(device.type, _AUTO_ORDER["cpu"])
         if device.type == "cuda":  # measured times, where a run recorded two or more, beat the fixed order
             for cand in fastest_first(order, encoding, table):
-                if not unproven(cand, encoding, device.type, table) \
+                if not unproven(cand, encoding, device.type, table) and not local_unproven(cand, local, device.type) \
                         and _why_not(cand, encoding, device, requires_grad, local) is None:
                     return get_backend(cand)
         for cand in order:
             if cand in CUSTOM_KERNELS and not {"bias", "normalize"} & set(encoding.stages):
                 continue  # nothing to fuse: SDPA's flash kernels are faster (benchmarks/results/gpu-*.md)
-            if unproven(cand, encoding, device.type, table):
+            if unproven(cand, encoding, device.type, table) or local_unproven(cand, local, device.type):
                 continue
             if _why_not(cand, encoding, device, requires_grad, local) is None:
                 return get_backend(cand)

@@ -31,6 +31,10 @@ from posenc_lightning.encodings.base import Encoding
 
 #: backends that run code of this project's own on the GPU (as opposed to PyTorch's SDPA)
 CUSTOM_KERNELS = ("triton", "flex")
+#: per custom kernel, the local masks (`attention.mask.LOCAL_KINDS`) a recorded GPU run validated it
+#: with; none yet (the recorded H100 run predates layer windows and chunks), so on CUDA ``auto``
+#: leaves a windowed or chunked layer to SDPA's rows and the blockwise normalizers
+PROVEN_LOCAL: dict[str, frozenset[str]] = {}
 
 def unproven(backend: str, encoding: Encoding, device_type: str,
              table: Mapping[tuple[str, str], Any] | None = None) -> bool:
@@ -47,6 +51,22 @@ def unproven(backend: str, encoding: Encoding, device_type: str,
         True when ``auto`` may not choose it.
     """
     return device_type == "cuda" and backend in CUSTOM_KERNELS and encoding.gpu_record(backend, table) is None
+
+
+def local_unproven(backend: str, local: frozenset[str], device_type: str) -> bool:
+    """Whether ``auto`` must pass over ``backend`` for a layer with the local masks ``local`` on
+    ``device_type``: a custom kernel on CUDA that no recorded run validated with them (`PROVEN_LOCAL`).
+
+    Args:
+        backend: a backend name.
+        local: the call's local masks (``"window"``, ``"chunk"``).
+        device_type: ``torch.device.type`` of the inputs.
+
+    Returns:
+        True when ``auto`` may not choose it.
+    """
+    return (device_type == "cuda" and backend in CUSTOM_KERNELS and bool(local)
+            and not local <= PROVEN_LOCAL.get(backend, frozenset()))
 
 
 def fastest_first(order: Sequence[str], encoding: Encoding,

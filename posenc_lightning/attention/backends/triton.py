@@ -1,9 +1,10 @@
 """Triton fused attention (``posenc_lightning/kernels``): rotary, ``LinearBias``,
 ``RelativeBias``, ``DecayBias``, one parametric bias a kind evaluates per tile (`TileBias`, its
-own ``@triton.jit`` functions; and a given ``DenseBias``), packed documents, padding and
-stick-breaking are computed inside the kernels, forward and backward, with no N x N tensor; so is a
-bias read at positions counted by content gates (`GatedCounts`, ``KernelBias.counted``), by kernels
-of its own that take it alone (`kernels.gated_counts`).
+own ``@triton.jit`` functions; and a given ``DenseBias``), packed documents, padding, a sliding
+window or chunk (`LOCAL_MASKS`) and stick-breaking are computed inside the kernels, forward and
+backward, with no N x N tensor; so is a bias read at positions counted by content gates
+(`GatedCounts`, ``KernelBias.counted``), by kernels of its own that take it alone
+(`kernels.gated_counts`).
 Encodings that may return a kind the kernels cannot read (``fused_in`` without "kernel": rows
 that read q and k) are refused: the kernels would take them as a materialized N x N tensor.
 
@@ -25,16 +26,17 @@ import torch
 from torch import Tensor
 
 from posenc_lightning.attention.backends import unfused_bias
-from posenc_lightning.attention.mask import AttentionMask
+from posenc_lightning.attention.mask import LOCAL_KINDS, AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KernelBias, Normalizer, Walk
 from posenc_lightning.functional.positions import host_reads_ok
 
 NAME = "triton"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
 FUSES_ROTARY = True
-#: the local masks it honors (`attention.mask.LOCAL_KINDS`): a chunk, as segment ids of the
-#: kernels' own segment mask; not a sliding window (the kernels take no window bound)
-LOCAL_MASKS = frozenset({"chunk"})
+#: the local masks it honors (`attention.mask.LOCAL_KINDS`): a sliding window, as the kernels' own
+#: loop bounds and edge mask (softmax and stick-breaking), and a chunk, as segment ids of their
+#: segment mask
+LOCAL_MASKS = LOCAL_KINDS
 MAX_HEAD_DIM = 128
 #: the fused form it computes a bias kind in (`Bias.fused_in`): the kernels' arguments
 FUSED_BIAS = "kernel"
@@ -124,12 +126,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
     if (ctx is not None and kb.q_pos is not None and kb.q_pos is ctx.q_pos and kb.k_pos is ctx.k_pos
             and ctx.q_start is not None and ctx.k_start is not None):  # a plain range: distances from indices
         starts = {"bias_q_start": ctx.q_start, "bias_k_start": ctx.k_start}
-    if mask.window is not None:
-        raise ValueError("the triton kernels take no sliding window (LOCAL_MASKS); use backend='sdpa' or 'flex'")
     seg, k_seg = _chunk_segments(mask, q.shape[0], q.device)
     out = fused_attention(
         q, k, v, scale=scale, causal=mask.causal, q_offset=mask.q_offset, rotary=tables,
-        q_segments=seg, k_segments=k_seg, k_valid=mask.k_valid,
+        q_segments=seg, k_segments=k_seg, k_valid=mask.k_valid, window=mask.window,
         slopes=kb.slopes, table=kb.table, bias_q_pos=kb.q_pos, bias_k_pos=kb.k_pos, c_q=kb.c_q, c_k=kb.c_k,
         dense=kb.dense, tile=kb.tile, stick_breaking=sb, attend_current=attend_current, **starts)
     return out.to(q.dtype)
