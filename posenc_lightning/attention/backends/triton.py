@@ -8,9 +8,10 @@ that read q and k) are refused: the kernels would take them as a materialized N 
 Rotary is fused for encodings that declare a rotation the kernels can apply
 (`Encoding.fused_rotary`: a `RotaryEncoding` keeping the shared rotation): the mixin skips
 ``encoding.rotate`` and passes that encoding as ``ctx.rotary``; the kernels gather its cos/sin
-table (attention scaling folded in) at every token's position. Stick-breaking is fused for
-normalizers whose walk is `Walk.STICK_BREAKING` and that declare the "kernel" form
-(`Normalizer.fused_in`).
+table (attention scaling folded in) at every token's position. A normalizer that declares the
+"kernel" form (`Normalizer.fused_in`) is fused: a `Walk.STICK_BREAKING` walk by the stick-breaking
+kernels, a `Walk.SOFTMAX` walk by the softmax kernels with its modulation of the logits
+(`Normalizer.kernel_modulation`) computed per tile from the call's positions.
 Runs on CUDA; on CPU only under ``TRITON_INTERPRET=1`` (the tests). ``auto`` picks it on CUDA.
 """
 
@@ -38,6 +39,8 @@ MAX_HEAD_DIM = 128
 FUSED_BIAS = "kernel"
 #: the fused form it runs a normalizer in (`Normalizer.fused_in`)
 FUSED_NORMALIZER = "kernel"
+#: the normalizer walks the kernels implement: stick-breaking, and a softmax with a per-tile modulation
+KERNEL_WALKS = (Walk.STICK_BREAKING, Walk.SOFTMAX)
 
 
 #: looked up once (a forward must not search the import path)
@@ -52,8 +55,9 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
         return f"the Triton kernels run on CUDA (on CPU only with TRITON_INTERPRET=1), not on {device.type}"
     kind = encoding.normalizer_kind
     if "normalize" in encoding.stages and (kind is None or FUSED_NORMALIZER not in kind.fused_in
-                                           or kind.walk is not Walk.STICK_BREAKING):
-        return f"{encoding.name} replaces softmax with a normalizer the kernels do not implement (only stick-breaking)"
+                                           or kind.walk not in KERNEL_WALKS):
+        return (f"{encoding.name} replaces softmax with a normalizer the kernels do not implement (stick-breaking, "
+                "or a softmax whose modulation declares the kernel form)")
     if encoding.head_dim is not None and encoding.head_dim > MAX_HEAD_DIM:
         return f"head_dim {encoding.head_dim} > {MAX_HEAD_DIM}"
     return unfused_bias(encoding, FUSED_BIAS, "the Triton kernels")
@@ -88,10 +92,13 @@ def rotary_tables(rot: Encoding, ctx: AttentionContext):  # rot: a `RotaryEncodi
     return RotaryTables(cq, sq, iq, ck, sk, ik, rot.layout)
 
 
-def split_bias(bias: Bias | None, n_heads: int) -> KernelBias:
+def split_bias(bias: Bias | None, n_heads: int, positions: tuple[Tensor, Tensor] | None = None) -> KernelBias:
     """The kernels' bias arguments: each term folds itself in (`Bias.fold_into`: the kinds the
-    kernels read natively; anything else, or a second position set, as a dense rest)."""
+    kernels read natively; anything else, or a second position set, as a dense rest).
+    ``positions``: ``(q_pos, k_pos)`` claimed first (a normalizer's modulation reads them)."""
     args = KernelBias()
+    if positions is not None:
+        args.claim_positions(*positions)
     if bias is not None:
         bias.fold_into(args)
     if args.dense is not None:
@@ -105,17 +112,26 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
 
     sb = False
     attend_current = False
+    modulation = None
     if normalizer is not None:
-        if FUSED_NORMALIZER not in normalizer.fused_in or normalizer.walk is not Walk.STICK_BREAKING:
-            raise ValueError("the triton backend implements only the stick-breaking normalizer; use backend='eager'")
+        if FUSED_NORMALIZER not in normalizer.fused_in or normalizer.walk not in KERNEL_WALKS:
+            raise ValueError(f"the triton backend does not implement {normalizer.name}'s normalizer; "
+                             "use backend='blockwise' or 'eager'")
         if ctx is not None:
             normalizer.check_causal(ctx.causal)
-        sb, attend_current = True, bool(normalizer.attend_current)
+        if normalizer.walk is Walk.STICK_BREAKING:
+            sb, attend_current = True, bool(normalizer.attend_current)
+        else:
+            modulation = normalizer.kernel_modulation()
+            if normalizer.modulated and modulation is None:
+                raise ValueError(f"{normalizer.name}: its modulation has no kernel form (kernel_modulation)")
+            if modulation is not None and (ctx is None or ctx.q_pos.dim() != 2 or ctx.k_pos.dim() != 2):
+                raise ValueError(f"{normalizer.name}: the kernels' modulation reads [B, N] positions from the context")
     rot = ctx.rotary if ctx is not None else None
     tables = rotary_tables(rot, ctx) if rot is not None else None
     if tables is not None and tables.cos_q.dim() == 4 and tables.cos_q.shape[1] > 1 and k.shape[1] != q.shape[1]:
         raise ValueError(f"{rot.name}: per-head frequencies need n_kv_heads == n_heads")
-    kb = split_bias(bias, q.shape[1])
+    kb = split_bias(bias, q.shape[1], (ctx.q_pos, ctx.k_pos) if modulation is not None else None)
     starts = {}
     if (ctx is not None and kb.q_pos is not None and kb.q_pos is ctx.q_pos and kb.k_pos is ctx.k_pos
             and ctx.q_start is not None and ctx.k_start is not None):  # a plain range: distances from indices
@@ -127,7 +143,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         q, k, v, scale=scale, causal=mask.causal, q_offset=mask.q_offset, rotary=tables,
         q_segments=seg, k_segments=k_seg, k_valid=mask.k_valid,
         slopes=kb.slopes, table=kb.table, bias_q_pos=kb.q_pos, bias_k_pos=kb.k_pos, c_q=kb.c_q, c_k=kb.c_k,
-        dense=kb.dense, tile=kb.tile, stick_breaking=sb, attend_current=attend_current, **starts)
+        dense=kb.dense, tile=kb.tile, stick_breaking=sb, attend_current=attend_current,
+        modulation=(modulation.decay, modulation.floor) if modulation is not None else None, **starts)
     return out.to(q.dtype)
 
 
