@@ -92,8 +92,6 @@ PROVEN: dict[tuple[str, str], str | Proven] = {
 NO_CUSTOM_KERNEL: dict[str, str] = {
     "cope": "no kernel yet, issue 49: its bias (gated position counts, interpolated) is a DenseBias "
             "with no in-kernel form",
-    "exposb": "no kernel yet, issue 49: its stage-4 normalizer (ExpoSB) is not stick-breaking, the only "
-              "normalizer the Triton kernels implement, and flex cannot replace softmax",
     "path": "no kernel yet, issue 49: the Householder-product bias is a DenseBias with no in-kernel form",
     "path_fox": "no kernel yet, issue 49: PaTH's DenseBias (as path) plus FoX's gates",
 }

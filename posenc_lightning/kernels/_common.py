@@ -5,7 +5,7 @@
   arbitrary per-token indices; ``SIGN=-1`` applies the transpose (used to rotate gradients back).
 * `visible`: which (query, key) pairs may attend (causal by index, packed documents, padding).
 * `distance_decay`: a softmax normalizer's multiplicative modulation of the logits from the
-  tile's positions (`Normalizer.kernel_modulation`: ExpoSB's distance decay).
+  tile's positions (`Normalizer.kernel_modulation`: a distance decay).
 * `bias_tile` / `bias_grads2`: the structured biases of ``encodings/bias`` read in-kernel
   (``LinearBias``, ``RelativeBias``, ``DecayBias``, ``DenseBias``, and one `TileBias`: a
   parametric bias whose ``@triton.jit`` tile and gradient functions come in as compile-time
