@@ -9,7 +9,9 @@ the formula ``softmax((q k^T scale + bias) * (floor + (1 - floor) exp(-decay |i 
 - ExpoSB on the triton backend (its rotation and gains before the kernels, the modulation inside)
   against the eager backend in float64: the output and every gradient (q, k, v, hidden,
   ``band_weights``, ``decay_rates``), at arange, offset, packed, padding and gapped positions,
-  causal and not, and its decoding with a KV cache.
+  causal and not, and its decoding with a KV cache;
+- ExpoSB on flex (its ``score_mod`` multiplies the logit by the modulation): the forward on CPU,
+  where flex runs eagerly and has no backward.
 
 A strong decay (0.1 and 0.3, not the default 0.005) makes the modulation change the result far
 beyond the tolerances (checked: the references with and without it differ).
@@ -196,3 +198,19 @@ def test_exposb_triton_equals_eager_float64(scenario, causal):
         assert (a is None) == (r is None), name
         if r is not None:
             torch.testing.assert_close(a.double(), r, atol=2e-5 * g_scale, rtol=0, msg=lambda m, nm=name: f"d{nm}: {m}")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("scenario", ["padding", "gaps"])
+def test_exposb_flex_forward_equals_eager_float64(scenario, causal):
+    heads, b, n = (2, 2, 16), 2, 37
+    state = _layer("eager", torch.float32, heads).state_dict()
+    x = make_inputs(b, n, heads, torch.float32, seed=6)
+    if scenario == "gaps":
+        args = {"positions": torch.cumsum(torch.randint(1, 4, (b, n), generator=torch.Generator().manual_seed(4)), 1)}
+    else:
+        args = scenario_args(scenario, b, n, 1)
+    args["causal"] = causal
+    ref = run_case(_layer("eager", torch.float64, heads, state), x.to(torch.float64), args, False)
+    got = run_case(_layer("flex", torch.float32, heads, state), x, args, False)
+    torch.testing.assert_close(got[0].double(), ref[0], atol=2e-5 * ref[0].abs().max().item(), rtol=0)

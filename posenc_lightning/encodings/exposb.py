@@ -33,7 +33,7 @@ class DistanceModulatedSoftmax(Normalizer):
     """ExpoSB's stage 4: ``softmax(s * (floor + (1 - floor) exp(-decay |m - n|)))`` of the scaled
     logits ``s``; the blockwise tiles run it as an online softmax, each tile's modulation read off
     one diagonal at arange positions (`modulation_distance_only`); the Triton kernels compute it
-    per tile from the positions (`kernel_modulation`).
+    per tile from the positions and flex in its ``score_mod`` (`kernel_modulation`).
 
     Args:
         name: the encoding's name.
@@ -42,7 +42,7 @@ class DistanceModulatedSoftmax(Normalizer):
     """
 
     walk = Walk.SOFTMAX
-    fused_in = frozenset({"tiles", "kernel"})
+    fused_in = frozenset({"tiles", "kernel", "score_mod"})
     modulation_distance_only = True
 
     def __init__(self, name: str, decay: float, floor: float) -> None:

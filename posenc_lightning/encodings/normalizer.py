@@ -59,7 +59,8 @@ class Normalizer:
     #: the tile walk a fused form of this normalizer runs (`Walk`)
     walk: ClassVar[Walk]
     #: the fused forms that compute it with no ``N x N`` tensor: "tiles" (the blockwise backend),
-    #: "kernel" (the Triton kernels); the eager reference (`weights`) always
+    #: "kernel" (the Triton kernels), "score_mod" (flex: a softmax walk's `kernel_modulation`); the
+    #: eager reference (`weights`) always
     fused_in: ClassVar[frozenset[str]] = frozenset({"tiles"})
     #: defined only for causal attention (stick-breaking breaks keys off nearest first)
     causal_only: ClassVar[bool] = False
