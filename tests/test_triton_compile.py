@@ -224,3 +224,26 @@ def test_stick_breaking_table_shares_the_key_block():
     for arch, d, width, _ in keys:
         assert SB_CONFIGS[(arch, d, width, "sb_bwd")][1] == SB_CONFIGS[(arch, d, width, "sb_bwd_dkdv")][1], \
             (arch, d, width)
+
+
+MOD_KINDS = ("fwd_mod", "bwd_dkdv_mod", "bwd_dq_mod")
+
+
+def test_modulated_softmax_kernels_never_spill():
+    """The softmax kernels with a normalizer's distance modulation on top (``<kernel>_mod``: every
+    feature on, plus `Plan.modulation`): fp16, bf16 and fp32, head_dim 64 and 128, sm80 and sm90, at
+    the tiles `block_config` gives them (`tile_table.MOD_CONFIGS` over `SOFTMAX_CONFIGS`): 0 bytes of
+    register spills, no 3xTF32, and one ``ex2`` per score more than the kernel without it (the
+    modulation's exponential; the backward multiplies dS by the logits' tile, no second one)."""
+    rows = _report("--head-dims", "64", "128", "--dtypes", "float16", "bfloat16", "float32", kinds=MOD_KINDS)
+    assert len(rows) == 3 * 2 * 3 * 2
+    for r in rows:
+        what = f"{r['kernel']} D={r['head_dim']} {r['dtype']} {r['target']} {r['BM']}x{r['BN']}"
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (what, r["spill_stores"], r["spill_loads"])
+        assert r["tf32"] == 0, what
+        if r["kernel"] != "fwd_mod":  # the forward's count also holds the running maximum's rescale
+            # a tile of at most two scores per thread repeats its layout over the warps: twice on 4
+            # warps (as above), four times for 16 x 16 on 8 (`MOD_CONFIGS`' sm80 dK/dV)
+            scores = BODIES[r["kernel"][:-4]] * r["BM"] * r["BN"] // r["threads"]
+            repeats = (1, 2, 4) if r["BM"] * r["BN"] <= 2 * r["threads"] else (1,)
+            assert r["ex2"] in [2 * scores * k for k in repeats], (what, r["ex2"], scores)

@@ -125,8 +125,9 @@ def test_fused_modulation_equals_float64_reference(case, tiling):
     ref_g = torch.autograd.grad(ref, ins, cot)
     # float64 throughout but the modulation's scalars, passed as float32 (decay * log2(e), floor)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
-    for name, a, r in zip("q k v slopes".split(), got_g, ref_g):
-        torch.testing.assert_close(a, r, atol=1e-6 * max(1.0, r.abs().max().item()), rtol=0, msg=lambda m, n=name: f"d{n}: {m}")
+    for name, a, r in zip(["q", "k", "v", "slopes"], got_g, ref_g):
+        torch.testing.assert_close(a, r, atol=1e-6 * max(1.0, r.abs().max().item()), rtol=0,
+                                   msg=lambda m, n=name: f"d{n}: {m}")
 
 
 def test_fused_modulation_at_default_range_positions():

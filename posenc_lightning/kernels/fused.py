@@ -24,7 +24,7 @@ import triton
 from torch import Tensor
 
 from posenc_lightning.kernels import _common, softmax, stick_breaking
-from posenc_lightning.kernels.tile_table import SB_CONFIGS, SOFTMAX_CONFIGS
+from posenc_lightning.kernels.tile_table import MOD_CONFIGS, SB_CONFIGS, SOFTMAX_CONFIGS
 
 if TYPE_CHECKING:
     from posenc_lightning.encodings.bias import TileBias
@@ -74,10 +74,12 @@ def cuda_arch(device: torch.device) -> int:
     return 90 if major >= 9 else 80
 
 
-def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False, arch: int | None = None) -> dict:
+def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False, arch: int | None = None,
+                 modulated: bool = False) -> dict:
     """Tile sizes per kernel ``kind`` (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, sb_bwd_dkdv, rotate,
     rowdot); ``gpu``: the GPU sizes even under the interpreter (for the compile report); ``arch``: 80 or 90 (the
-    tables `SOFTMAX_CONFIGS` and `SB_CONFIGS`; default 90)."""
+    tables `SOFTMAX_CONFIGS` and `SB_CONFIGS`; default 90); ``modulated``: a softmax kernel with a
+    normalizer's modulation (`MOD_CONFIGS` first)."""
     if interpreting() and not gpu:
         return {"BM": INTERPRET_BLOCKS[0], "BN": INTERPRET_BLOCKS[1], "num_warps": 1, "num_stages": 1}
     if kind in ("rotate", "rowdot"):
@@ -85,7 +87,8 @@ def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False
     if kind in ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd", "sb_bwd_dkdv"):
         key = (90 if arch is None or arch >= 90 else 80, 64 if head_dim <= 64 else 128,
                "32" if dtype in (torch.float32, torch.float64) else "16", kind)
-        bm, bn, warps, stages = (SB_CONFIGS if kind.startswith("sb_") else SOFTMAX_CONFIGS)[key]
+        table = SB_CONFIGS if kind.startswith("sb_") else SOFTMAX_CONFIGS
+        bm, bn, warps, stages = MOD_CONFIGS[key] if modulated and key in MOD_CONFIGS else table[key]
         return {"BM": bm, "BN": bn, "num_warps": warps, "num_stages": stages}
     raise ValueError(f"block_config: unknown kernel kind {kind!r}; known: fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, "
                      "sb_bwd_dkdv, rotate, rowdot")
@@ -124,7 +127,7 @@ class Plan:
         """The tiles of kernel ``kind``: the given ones (`tiles`), else the pinned `block_config`."""
         if self.tiles is not None and kind in self.tiles:
             return dict(self.tiles[kind])
-        return block_config(kind, head_dim, dtype, arch=arch)
+        return block_config(kind, head_dim, dtype, arch=arch, modulated=self.modulation is not None)
 
     @property
     def tile_block(self) -> int:

@@ -122,7 +122,7 @@ def launch_spec(kind: str, head_dim: int, dtype: torch.dtype, cc: int = 90, with
                               c if on["decay"] else None, c if on["decay"] else None,
                               torch.zeros(b, h, n, n) if on["dense"] else None,
                               tile.params if tile is not None else None)
-    cfg = block_config(kind, d, dtype, gpu=True, arch=cc)  # a tile bias does not change the tiling
+    cfg = block_config(kind, d, dtype, gpu=True, arch=cc, modulated=modulated)  # a tile bias does not change it
     if tile_config is not None:
         cfg = dict(zip(("BM", "BN", "num_warps", "num_stages"), tile_config))
     kernel = _kernel(kind)

@@ -47,10 +47,13 @@ def _fwd_tiles(acc, l_i, m_i, q, lo, hi, h, offs_m, m_mask, offs_d, d_mask, qp, 
         if HAS_DEC:
             ck2 = tl.load(CK + offs_n, mask=n_mask, other=0.0).to(ACC) * log2e(ACC)
         s = tl.dot(q, kt, input_precision=PREC, out_dtype=ACC) * qk_scale
+        mod = qk_scale  # no modulation: unused
+        if HAS_MOD:  # the normalizer's modulation of this tile, for the logits (and dS)
+            mod = distance_decay(qp, kp, mod_a, mod_floor, ACC)
         s = logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
                     SLOPES, TABLE, RMAX, s_th, DENSE, s_dm, TILE, TILE_W, H, tile_eps, MASKED, CAUSAL, HAS_SEG,
                     HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC,
-                    mod_a, mod_floor, HAS_MOD)
+                    mod, HAS_MOD)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
         alpha = tl.math.exp2(m_i - m_safe)
@@ -150,16 +153,19 @@ def _dkdv_tiles(dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, hi, h, offs_n, n
         if HAS_DEC:
             cq2 = tl.load(CQ + offs_m, mask=m_mask, other=0.0).to(ACC) * log2e(ACC)
         s = tl.dot(q, tl.trans(k), input_precision=PREC, out_dtype=ACC) * qk_scale
+        mod = qk_scale  # no modulation: unused
+        if HAS_MOD:  # the normalizer's modulation of this tile, for the logits (and dS)
+            mod = distance_decay(qp, kp, mod_a, mod_floor, ACC)
         s = logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
                     SLOPES, TABLE, RMAX, s_th, DENSE, s_dm, TILE, TILE_W, H, tile_eps, MASKED, CAUSAL, HAS_SEG,
                     HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC,
-                    mod_a, mod_floor, HAS_MOD)
+                    mod, HAS_MOD)
         p = tl.math.exp2(s - lse[:, None])
         dv += tl.dot(tl.trans(p.to(DOT_T)), do, input_precision=PREC, out_dtype=ACC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC, out_dtype=ACC)
         ds = p * (dp - delta[:, None])
         if HAS_MOD:  # dS of the logits before the normalizer's modulation
-            ds = ds * distance_decay(qp, kp, mod_a, mod_floor, ACC)
+            ds = ds * mod
         dk += tl.dot(tl.trans(ds.to(DOT_T)), q, input_precision=PREC, out_dtype=ACC)
         if HAS_DEC:
             dck -= tl.sum(ds, 0)
@@ -264,15 +270,18 @@ def _dq_tiles(dq, dcq, q, do, lse, delta, lo, hi, h, offs_m, m_mask, offs_d, d_m
         if HAS_DEC:
             ck2 = tl.load(CK + offs_n, mask=n_mask, other=0.0).to(ACC) * log2e(ACC)
         s = tl.dot(q, tl.trans(k), input_precision=PREC, out_dtype=ACC) * qk_scale
+        mod = qk_scale  # no modulation: unused
+        if HAS_MOD:  # the normalizer's modulation of this tile, for the logits (and dS)
+            mod = distance_decay(qp, kp, mod_a, mod_floor, ACC)
         s = logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
                     SLOPES, TABLE, RMAX, s_th, DENSE, s_dm, TILE, TILE_W, H, tile_eps, MASKED, CAUSAL, HAS_SEG,
                     HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC,
-                    mod_a, mod_floor, HAS_MOD)
+                    mod, HAS_MOD)
         p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC, out_dtype=ACC)
         ds = p * (dp - delta[:, None])
         if HAS_MOD:  # dS of the logits before the normalizer's modulation
-            ds = ds * distance_decay(qp, kp, mod_a, mod_floor, ACC)
+            ds = ds * mod
         dq += tl.dot(ds.to(DOT_T), k, input_precision=PREC, out_dtype=ACC)
         if HAS_DEC:
             dcq += tl.sum(ds, 1)
