@@ -60,6 +60,9 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
                 "or a softmax whose modulation declares the kernel form)")
     if encoding.head_dim is not None and encoding.head_dim > MAX_HEAD_DIM:
         return f"head_dim {encoding.head_dim} > {MAX_HEAD_DIM}"
+    if encoding.head_dim is not None and encoding.head_dim * (1 + encoding.product_operands) > MAX_HEAD_DIM:
+        return (f"{encoding.name}'s bias multiplies {encoding.product_operands} more q/k operand pair(s): the kernels "
+                f"would take q, k {encoding.head_dim * (1 + encoding.product_operands)} wide (> {MAX_HEAD_DIM})")
     return unfused_bias(encoding, FUSED_BIAS, "the Triton kernels")
 
 
@@ -132,6 +135,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
     if tables is not None and tables.cos_q.dim() == 4 and tables.cos_q.shape[1] > 1 and k.shape[1] != q.shape[1]:
         raise ValueError(f"{rot.name}: per-head frequencies need n_kv_heads == n_heads")
     kb = split_bias(bias, q.shape[1], (ctx.q_pos, ctx.k_pos) if modulation is not None else None)
+    d = v.shape[-1]
+    if kb.products:
+        if tables is not None:
+            raise ValueError("the kernels fuse a rotation or a product of operands, not both in one call")
+        q, k, v = _widened(q, k, v, scale, kb)
     starts = {}
     if (ctx is not None and kb.q_pos is not None and kb.q_pos is ctx.q_pos and kb.k_pos is ctx.k_pos
             and ctx.q_start is not None and ctx.k_start is not None):  # a plain range: distances from indices
@@ -145,7 +153,20 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         slopes=kb.slopes, table=kb.table, bias_q_pos=kb.q_pos, bias_k_pos=kb.k_pos, c_q=kb.c_q, c_k=kb.c_k,
         dense=kb.dense, tile=kb.tile, stick_breaking=sb, attend_current=attend_current,
         modulation=(modulation.decay, modulation.floor) if modulation is not None else None, **starts)
-    return out.to(q.dtype)
+    return out[..., :d].to(q.dtype)
+
+
+def _widened(q: Tensor, k: Tensor, v: Tensor, scale: float, kb: KernelBias) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k and v for one product with the bias's products of operands (`KernelBias.products`):
+    ``scale [(1 + own / scale) q, a_j / scale] . [k, b_j] = scale q k^T + own q k^T + sum_j a_j b_j^T``,
+    v zero-padded to the same width (the kernels take one head dim; the output's extra channels are 0).
+    The gradients to ``own`` and the operands come through the kernels' dQ and dK of the wider ones."""
+    qs = [q * (1 + kb.own / scale).to(q.dtype)] + [(a / scale).to(q.dtype) for a, _ in kb.products]
+    ks = [k] + [b.to(k.dtype) for _, b in kb.products]
+    wq, wk = torch.cat(qs, -1), torch.cat(ks, -1)
+    if wq.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"the bias's products make q, k {wq.shape[-1]} wide (> {MAX_HEAD_DIM}); use backend='sdpa'")
+    return wq, wk, torch.nn.functional.pad(v, (0, wq.shape[-1] - v.shape[-1]))
 
 
 def _chunk_segments(mask: AttentionMask, batch: int, device: torch.device) -> tuple[Tensor | None, Tensor | None]:

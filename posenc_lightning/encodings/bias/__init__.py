@@ -31,7 +31,7 @@ whose tile the Triton kernels evaluate registers an example tile in its own file
 (`register_tile_kind`) for the kernels' resource report.
 """
 
-from posenc_lightning.encodings.bias.dense import DenseBias
+from posenc_lightning.encodings.bias.dense import DenseBias, ProductBias
 from posenc_lightning.encodings.bias.kinds import (
     Bias,
     BiasSum,
@@ -52,5 +52,6 @@ from posenc_lightning.encodings.bias.structured import DecayBias, LinearBias, Re
 from posenc_lightning.encodings.bias.tile import TileBias, register_tile_kind, tile_kinds
 
 __all__ = ["Bias", "BiasSum", "DecayBias", "DenseBias", "HandRows", "HeadScaled", "Index", "KernelBias", "KeyOnly",
-           "LinearBias", "OpaqueOperands", "RelativeBias", "ScaledBias", "ScoreTerm", "TileBias", "ValueDependentForm",
+           "LinearBias", "OpaqueOperands", "ProductBias", "RelativeBias", "ScaledBias", "ScoreTerm", "TileBias",
+           "ValueDependentForm",
            "cut", "rebuild_bias", "register_opaque_kind", "register_tile_kind", "span", "tile_kinds"]
