@@ -3,7 +3,9 @@
 own ``@triton.jit`` functions; and a given ``DenseBias``), packed documents, padding and
 stick-breaking are computed inside the kernels, forward and backward, with no N x N tensor.
 Encodings that may return a kind the kernels cannot read (``fused_in`` without "kernel": rows
-that read q and k) are refused: the kernels would take them as a materialized N x N tensor.
+that read q and k) are refused: the kernels would take them as a materialized N x N tensor. Products
+of q- and k-sized operands (`KernelBias.products`, a `ProductBias`) become one product of wider q and
+k (v zero-padded to their width), within the kernels' `MAX_HEAD_DIM` channels.
 
 Rotary is fused for encodings that declare a rotation the kernels can apply
 (`Encoding.fused_rotary`: a `RotaryEncoding` keeping the shared rotation): the mixin skips
