@@ -3,8 +3,9 @@ may return (`Encoding.bias_kinds`), each kind the fused forms it has (`Bias.fuse
 fused backend the form it computes (``FUSED_BIAS``: "kernel" for triton, "score_mod" for flex);
 `supports` refuses a kind without it. Checked on CPU for a CUDA device (``supports`` reads
 ``device.type`` only), with every custom kernel proven (`proven_on_gpu.PROVEN`; the rule for unproven
-ones is in tests/test_cuda_defaults.py): FIRE runs in the Triton kernels, CoPE, PaTH and a mixture with a rotary
-member (rows that read q and k) fall to the blockwise SDPA path. And whenever a backend says yes on
+ones is in tests/test_cuda_defaults.py): FIRE and a mixture with a rotary member (its rotation's logit change
+a product of operands, `ProductBias`) run in the Triton kernels, CoPE and PaTH (rows that read q and k) fall to
+the blockwise SDPA path. And whenever a backend says yes on
 CUDA, running it (triton under TRITON_INTERPRET=1, sdpa; flex's ``score_mod`` plan, as CPU flex
 evaluates every score eagerly) creates no tensor of ``B H N x N`` elements."""
 
@@ -33,7 +34,7 @@ CASES = {**{n: (n, {}) for n in available_encodings() if "bias" in build_encodin
 #: where ``auto`` lands on CUDA once a recorded run has proven every custom kernel
 #: (`proven_on_gpu.PROVEN`): the fused kernels, except for rows that read q and k (CoPE's gated counts
 #: are computed in its own kernels' tile)
-EXPECTED = {case: "sdpa" if case in ("mixture_rope", "path", "path_fox") else "triton" for case in CASES}
+EXPECTED = {case: "sdpa" if case in ("path", "path_fox") else "triton" for case in CASES}
 
 
 @pytest.fixture
@@ -57,7 +58,7 @@ def _bound(case: str):
 def test_the_cases_cover_every_registered_bias_encoding_and_kind():
     assert {"alibi", "relative_bias", "fire", "cope", "fox", "mixture", "rope_alibi", "rse"} <= set(CASES)
     kinds = {k.__name__ for case in CASES for k in _bound(case).bias_kinds}
-    assert kinds == {"LinearBias", "RelativeBias", "DecayBias", "FireBias", "DenseBias", "CoPEBias"}
+    assert kinds == {"LinearBias", "RelativeBias", "DecayBias", "FireBias", "DenseBias", "CoPEBias", "ProductBias"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -93,7 +94,9 @@ def test_fire_is_fused_by_triton_and_by_flex_without_grad_on_cuda():
 
 
 class _Sizes(TorchDispatchMode):
-    """The element count of every tensor a torch op creates."""
+    """The element count of every tensor a torch op creates; a uint8 tensor's in float32 elements
+    (its bytes / 4: the Triton interpreter copies each argument's storage as bytes, which counted
+    one by one would make a [B, H, N, 32] float32 operand look 4 x its size)."""
 
     def __init__(self):
         super().__init__()
@@ -101,8 +104,8 @@ class _Sizes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.sizes += [t.numel() for t in (out if isinstance(out, (tuple, list)) else [out])
-                       if isinstance(t, torch.Tensor)]
+        self.sizes += [t.numel() // 4 if t.dtype == torch.uint8 else t.numel()
+                       for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
         return out
 
 

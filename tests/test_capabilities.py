@@ -94,9 +94,13 @@ def test_triton_fuses_only_the_normalizer_an_encoding_declares(monkeypatch):
         fused_in = frozenset({"kernel"})
 
     assert triton.FUSES_ROTARY and triton.supports(build_encoding("sba"), cpu, True) is None
-    assert "only stick-breaking" in triton.supports(Sparsemax(), cpu, True)
+    assert "normalizer the kernels do not implement" in triton.supports(Sparsemax(), cpu, True)
     Sparsemax.normalizer_kind = Walked  # a declaration is all the backend reads
     assert triton.supports(Sparsemax(), cpu, True) is None
+    Walked.walk = Walk.SOFTMAX  # a softmax walk whose modulation has the kernel form
+    assert triton.supports(Sparsemax(), cpu, True) is None
+    Walked.fused_in = frozenset({"tiles"})
+    assert "normalizer the kernels do not implement" in triton.supports(Sparsemax(), cpu, True)
 
 
 def test_accepts_nd_positions_is_read_from_the_declaration():

@@ -24,9 +24,9 @@ such as FIRE's last bias under softmax, is held to the scale of the case, not to
 
 Size (B=2, N=13, 2 heads of 8; decode = prefill 11 + 2 single tokens; triton under
 TRITON_INTERPRET=1 with 16 x 16 tiles): 27 encodings x 5 backends x 3 dtypes x 5 scenarios =
-2025 cases: 1200 forward and backward, 360 forward only (flex on CPU: 24 encodings x 15), 465
-skipped with the backend's reason (sba, rse, exposb replace softmax: sdpa and flex; exposb's
-normalizer: triton; blockwise runs only sba, rse, exposb: 24 x 15; cope runs on triton by its own
+2025 cases: 1200 forward and backward, 375 forward only (flex on CPU: 25 encodings x 15), 450
+skipped with the backend's reason (sba, rse replace softmax: sdpa and flex; exposb's modulated
+softmax: sdpa; blockwise runs only sba, rse, exposb: 24 x 15; cope runs on triton by its own
 kernels). Plus `test_randomized_shapes` (hypothesis,
 derandomized: batch 1-2, N in 3..40 not a multiple of the 16-row tiles, grouped kv heads, offsets
 up to 3000; 40 examples and 3 explicit ones that meet declared limits) and the refusal checks.

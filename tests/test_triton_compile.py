@@ -270,3 +270,28 @@ def test_recorded_window_report_has_no_spills():
         st, ld = (int(x) for x in spills.split("/"))
         allowed = _allowed_spills(kind, d, dtype, target)
         assert st <= allowed[0] and ld <= allowed[1] and status == "ok" and tf32 == "0", (kind, d, dtype, target, spills)
+MOD_KINDS = ("fwd_mod", "bwd_dkdv_mod", "bwd_dq_mod")
+
+
+def test_modulated_softmax_kernels_never_spill():
+    """The softmax kernels with a normalizer's distance modulation on top (``<kernel>_mod``: every
+    feature on, plus `Plan.modulation`): fp16, bf16 and fp32, head_dim 64 and 128, sm80 and sm90, at
+    the tiles `block_config` gives them (`tile_table.MOD_CONFIGS` over `SOFTMAX_CONFIGS`): 0 bytes of
+    register spills, no 3xTF32, and one ``ex2`` per score more than the kernel without it (the
+    modulation's exponential; the backward multiplies dS by the logits' tile), but fp32's
+    rematerialized one."""
+    rows = _report("--head-dims", "64", "128", "--dtypes", "float16", "bfloat16", "float32", kinds=MOD_KINDS)
+    assert len(rows) == 3 * 2 * 3 * 2
+    for r in rows:
+        what = f"{r['kernel']} D={r['head_dim']} {r['dtype']} {r['target']} {r['BM']}x{r['BN']}"
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (what, r["spill_stores"], r["spill_loads"])
+        assert r["tf32"] == 0, what
+        if r["kernel"] != "fwd_mod":  # the forward's count also holds the running maximum's rescale
+            # a tile of at most two scores per thread repeats its layout over the warps: twice on 4
+            # warps (as above), four times for 16 x 16 on 8 (`MOD_CONFIGS`' sm80 dK/dV)
+            # fp32 at head dim 64 (32 x 32, products on the CUDA cores) recomputes the modulation in
+            # dS's layout instead of converting the logits' tile: one more there (measured 3 per score)
+            scores = BODIES[r["kernel"][:-4]] * r["BM"] * r["BN"] // r["threads"]
+            repeats = (1, 2, 4) if r["BM"] * r["BN"] <= 2 * r["threads"] else (1,)
+            allowed = [2 * scores * k for k in repeats] + ([3 * scores] if r["dtype"] == "float32" else [])
+            assert r["ex2"] in allowed, (what, r["ex2"], scores)

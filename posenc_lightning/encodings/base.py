@@ -34,6 +34,7 @@ from posenc_lightning.encodings.bias import (
     KernelBias,
     KeyOnly,
     LinearBias,
+    ProductBias,
     RelativeBias,
     ScaledBias,
     cut,
@@ -55,6 +56,7 @@ __all__ = [
     "KeyOnly",
     "LinearBias",
     "Normalizer",
+    "ProductBias",
     "RelativeBias",
     "ScaledBias",
     "Walk",
@@ -174,6 +176,9 @@ class Encoding(nn.Module):
     #: the bias kinds `bias` may return (their ``fused_in`` tells a fused backend whether it can
     #: compute them without an N x N tensor); none declared = unknown: only blocks of rows (sdpa)
     bias_kinds: ClassVar[tuple[type[Bias], ...]] = ()
+    #: how many q/k-sized operand pairs its bias multiplies (`ProductBias`): a kernel folding them
+    #: into its own product takes q and k ``head_dim * (1 + product_operands)`` channels wide
+    product_operands: int = 0
     #: rotary encodings need an even head_dim
     needs_even_head_dim: ClassVar[bool] = False
     #: ``rotate`` is a cheap, deterministic function of (q, k, ctx): attention recomputes it in

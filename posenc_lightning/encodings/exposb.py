@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from posenc_lightning.encodings.base import AttentionContext
-from posenc_lightning.encodings.normalizer import Normalizer, Walk, modulated_softmax
+from posenc_lightning.encodings.normalizer import DistanceDecay, Normalizer, Walk, modulated_softmax
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.encodings.rope import RotaryEncoding
 from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin
@@ -32,7 +32,8 @@ from posenc_lightning.functional.rope import apply_rotary, rope_cos_sin
 class DistanceModulatedSoftmax(Normalizer):
     """ExpoSB's stage 4: ``softmax(s * (floor + (1 - floor) exp(-decay |m - n|)))`` of the scaled
     logits ``s``; the blockwise tiles run it as an online softmax, each tile's modulation read off
-    one diagonal at arange positions (`modulation_distance_only`).
+    one diagonal at arange positions (`modulation_distance_only`); the Triton kernels compute it
+    per tile from the positions and flex in its ``score_mod`` (`kernel_modulation`).
 
     Args:
         name: the encoding's name.
@@ -41,6 +42,7 @@ class DistanceModulatedSoftmax(Normalizer):
     """
 
     walk = Walk.SOFTMAX
+    fused_in = frozenset({"tiles", "kernel", "score_mod"})
     modulation_distance_only = True
 
     def __init__(self, name: str, decay: float, floor: float) -> None:
@@ -56,6 +58,10 @@ class DistanceModulatedSoftmax(Normalizer):
         mod = dist.mul_(-self.decay).exp_().mul_(1 - self.floor).add_(self.floor)
         return mod[:, None]
 
+    def kernel_modulation(self) -> DistanceDecay:
+        """``(decay, floor)``: the same modulation, evaluated by the kernels per tile."""
+        return DistanceDecay(self.decay, self.floor)
+
     def weights(self, logits: Tensor, mask: Tensor | None, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         return modulated_softmax(logits, mask, self.modulation(q_pos, k_pos))
 
@@ -66,7 +72,8 @@ class ExpoSB(RotaryEncoding):
     """ExpoSB (see the module docstring for the formulas; the defaults are the constants there).
 
     Its stage 4 is a `DistanceModulatedSoftmax`: ``softmax(s * distance_modulation)``, which the
-    blockwise backend runs by tiles. ``partial_rotary_factor`` (as `RotaryEncoding`): only the first
+    blockwise backend runs by tiles and the Triton kernels in their online softmax (the rotation
+    and gains stay before them: `rotate`). ``partial_rotary_factor`` (as `RotaryEncoding`): only the first
     fraction of each head's channels rotate; the gains (2) still scale every channel."""
 
     normalizer_kind = DistanceModulatedSoftmax

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from posenc_lightning.encodings.alibi import ALiBi
-from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, Normalizer, span
+from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, Normalizer, ProductBias
 from posenc_lightning.encodings.fire.bias import FireTableSum
 from posenc_lightning.encodings.registry import build_encoding, register
 from posenc_lightning.encodings.rope import RoPE
@@ -123,8 +123,9 @@ class Mixture(CompositeEncoding):
     """``bias = sum_m softmax(w)_m * bias_m`` over member encodings with learnable ``w``.
 
     Bias members contribute their bias (scaled, same kind); rotary members contribute the logit
-    change of their rotation, ``scale * (q_rot k_rot^T - q k^T)`` (a `DenseBias`), so every
-    member is compared on the logits. Members that embed or replace softmax are refused.
+    change of their rotation, ``scale * (q_rot k_rot^T - q k^T)`` (a `ProductBias`, which the
+    Triton kernels take as one product of operands ``head_dim * (1 + rotary members)`` wide), so
+    every member is compared on the logits. Members that embed or replace softmax are refused.
 
     Args:
         members: registered encoding names.
@@ -151,8 +152,10 @@ class Mixture(CompositeEncoding):
         if w.shape != (len(encs),):
             raise ValueError(f"mixture: init_weights needs {len(encs)} values, got {tuple(w.shape)}")
         self.mixture_logits = nn.Parameter(w)
-        if any("rotate" in m.stages for m in encs):  # the logit change of a rotation: rows read q, k
-            self.bias_kinds = (*self.bias_kinds, DenseBias)
+        rotary = sum("rotate" in m.stages for m in encs)
+        if rotary:  # the logit change of a rotation: a product of the rotated q, k (rows read q, k)
+            self.bias_kinds = (*self.bias_kinds, ProductBias)
+            self.product_operands = rotary
 
     @property
     def stages(self) -> frozenset[str]:
@@ -169,21 +172,11 @@ class Mixture(CompositeEncoding):
     def _member_bias(self, m: Encoding, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:
         out = m.bias(q, k, ctx) if "bias" in m.stages else None
         if "rotate" in m.stages:
+            # scale * (q' k'^T - q k^T): a product of operands, one wider product in the kernels
             qr, kr = m.rotate(q, k, ctx)
-            rep = q.shape[1] // k.shape[1]
-            kk, kkr = k.repeat_interleave(rep, 1), kr.repeat_interleave(rep, 1)
             scale = m.softmax_scale(q.shape[-1])
-
-            def delta(s: int, e: int, ke: int, qs: Tensor, qrs: Tensor, ks: Tensor, krs: Tensor) -> Tensor:
-                # rows of scale * (q' k'^T - q k^T), from the query rows and key prefixes
-                return (qrs.float() @ krs.float().transpose(-1, -2) - qs.float() @ ks.float().transpose(-1, -2)) * scale
-
-            def window(s: int, e: int, ke: int) -> tuple:
-                return (span(s, e, -2), span(s, e, -2), span(0, ke, -2), span(0, ke, -2))
-
-            # recomputed from q and k: the q/k windows' gradients are kept too (`Bias.backward_share`)
-            out = _sum([out, DenseBias.lazy(delta, q.shape[-2], k.shape[-2], inputs=(q, qr, kk, kkr), window=window,
-                                            backward_share=0.75)])
+            own = torch.tensor(-scale, dtype=torch.float32, device=q.device)
+            out = _sum([out, ProductBias.of(q, k, own, [(qr * scale, kr)])])
         return out
 
     def bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Bias | None:

@@ -10,17 +10,20 @@ distance-modulated softmax in `encodings.exposb`); its dense reference is `Norma
 |---|---|---|
 | `Walk.STICK_BREAKING` | key tiles nearest first, log-space sums carried across tiles | sba, rse |
 | `Walk.SOFTMAX` | an online softmax of the logits times `Normalizer.modulation` | exposb |
+
+A softmax walk runs in the Triton kernels ("kernel" in `Normalizer.fused_in`) when its modulation
+has a form they compute from a tile's positions: `Normalizer.kernel_modulation` (a `DistanceDecay`).
 """
 
 from __future__ import annotations
 
 import enum
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["Normalizer", "Walk", "modulated_softmax"]
+__all__ = ["DistanceDecay", "Normalizer", "Walk", "modulated_softmax"]
 
 
 class Walk(enum.Enum):
@@ -33,6 +36,19 @@ class Walk(enum.Enum):
     SOFTMAX = "softmax"
 
 
+class DistanceDecay(NamedTuple):
+    """A modulation the kernels compute per tile from the positions alone:
+    ``floor + (1 - floor) exp(-decay |q_pos - k_pos|)``.
+
+    Attributes:
+        decay: the distance decay rate (per position).
+        floor: the value far away (at distance 0 the modulation is 1).
+    """
+
+    decay: float
+    floor: float
+
+
 class Normalizer:
     """What replaces softmax (stage 4), as a description the backends compute.
 
@@ -43,7 +59,8 @@ class Normalizer:
     #: the tile walk a fused form of this normalizer runs (`Walk`)
     walk: ClassVar[Walk]
     #: the fused forms that compute it with no ``N x N`` tensor: "tiles" (the blockwise backend),
-    #: "kernel" (the Triton kernels); the eager reference (`weights`) always
+    #: "kernel" (the Triton kernels), "score_mod" (flex: a softmax walk's `kernel_modulation`); the
+    #: eager reference (`weights`) always
     fused_in: ClassVar[frozenset[str]] = frozenset({"tiles"})
     #: defined only for causal attention (stick-breaking breaks keys off nearest first)
     causal_only: ClassVar[bool] = False
@@ -66,6 +83,15 @@ class Normalizer:
 
         Returns:
             ``[B, 1, Nq, Nk]`` float32, or None (default: no modulation).
+        """
+        return None
+
+    def kernel_modulation(self) -> DistanceDecay | None:
+        """`modulation` as parameters the Triton kernels evaluate per tile (with "kernel" in
+        `fused_in`, a softmax walk that is `modulated` must give one).
+
+        Returns:
+            The modulation's form, or None (default: no modulation, or none in this form).
         """
         return None
 

@@ -90,8 +90,6 @@ PROVEN: dict[tuple[str, str], str | Proven] = {
 #: each with why; tests/test_cuda_paths.py fails on an encoding missing here and on an entry a kernel
 #: now takes (written by hand, not by benchmarks/gpu_proven.py)
 NO_CUSTOM_KERNEL: dict[str, str] = {
-    "exposb": "no kernel yet, issue 49: its stage-4 normalizer (ExpoSB) is not stick-breaking, the only "
-              "normalizer the Triton kernels implement, and flex cannot replace softmax",
     "path": "no kernel yet, issue 49: the Householder-product bias is a DenseBias with no in-kernel form",
     "path_fox": "no kernel yet, issue 49: PaTH's DenseBias (as path) plus FoX's gates",
 }

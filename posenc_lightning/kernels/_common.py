@@ -5,6 +5,8 @@
   arbitrary per-token indices; ``SIGN=-1`` applies the transpose (used to rotate gradients back).
 * `visible`: which (query, key) pairs may attend (causal by index, packed documents, padding);
   `in_window`: a sliding window's lower edge, for the kernels that take one (``WINDOW``).
+* `distance_decay`: a softmax normalizer's multiplicative modulation of the logits from the
+  tile's positions (`Normalizer.kernel_modulation`: a distance decay).
 * `bias_tile` / `bias_grads2`: the structured biases of ``encodings/bias`` read in-kernel
   (``LinearBias``, ``RelativeBias``, ``DecayBias``, ``DenseBias``, and one `TileBias`: a
   parametric bias whose ``@triton.jit`` tile and gradient functions come in as compile-time
@@ -172,13 +174,24 @@ def table_side(qp, kp, m_mask, n_mask, RMAX):
 
 
 @triton.jit
+def distance_decay(qp, kp, mod_a, mod_floor, ACC: tl.constexpr):
+    """A softmax normalizer's multiplicative modulation ``[BM, BN]`` at the tile's positions:
+    ``floor + (1 - floor) exp(-decay |i - j|)`` with ``mod_a = decay * log2(e)`` (one ``ex2`` per
+    score, computed once per tile and shared by the logits and dS)."""
+    dist = tl.abs(qp[:, None] - kp[None, :]).to(ACC)
+    return mod_floor + (1.0 - mod_floor) * tl.math.exp2(-mod_a * dist)
+
+
+@triton.jit
 def logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
             SLOPES, TABLE, RMAX, stride_th, DENSE, stride_dm, TILE, TILE_W, H, tile_eps,
             MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
             HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
             HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            ACC: tl.constexpr):
-    """``s`` (``q k^T`` times scale * log2(e)) plus every bias term times log2(e), ``-inf`` where
+            ACC: tl.constexpr, mod, HAS_MOD: tl.constexpr):
+    """``s`` (``q k^T`` times scale * log2(e)) plus every bias term times log2(e), times the
+    normalizer's modulation ``mod`` (the tile's `distance_decay`, read only with ``HAS_MOD``: the
+    backward multiplies dS by the same tile), ``-inf`` where
     hidden. ``qp``/``kp``: positions, ``cq2``/``ck2``: cumulative decays times log2(e), ``DENSE``
     pointing at this (batch, head). ``MASKED``: 1 a tile that the causal mask or the bounds may
     hide in part (every mask), 0 a tile inside both (only segments and padding, which may hide any
@@ -202,6 +215,8 @@ def logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QS
         s += cq2[:, None] - ck2[None, :]
     if HAS_DENSE:
         s += tl.load(DENSE + offs_m[:, None] * stride_dm + offs_n[None, :], mask=ld, other=0.0).to(ACC) * l2e
+    if HAS_MOD:  # the whole logit (scaled scores plus bias) times the modulation, as `Normalizer.weights`
+        s = s * mod
     if MASKED == 1:
         ok = visible(offs_m, offs_n, m_mask, n_mask, q_offset, QSEG, KSEG, KVALID, CAUSAL, HAS_SEG, HAS_KVALID)
         s = tl.where(ok, s, float("-inf"))

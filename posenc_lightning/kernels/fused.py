@@ -7,7 +7,7 @@ accumulated in float32. Rotary (`RotaryTables`): cos/sin tables ``[L, R/2]`` (or
 packed documents, non-monotone). Biases read in-kernel: linear-bias slopes ``[H]``, a relative
 table ``[H, 2R+1]``, cumulative decays ``c_q [B, H, Nq]``, ``c_k [B, H, Nk]``, one parametric
 bias evaluated per tile from the positions by its own ``@triton.jit`` functions (`TileBias`), a
-dense ``[B|1, H, Nq, Nk]``.
+dense ``[B|1, H, Nq, Nk]``; a softmax normalizer's distance modulation of the logits (``modulation``).
 Every tensor the kernels allocate is O(N) or O(N D): never N x N (except the gradient of a
 dense bias, which is N x N itself); the tile bias's parameter gradients are per-program partial
 sums ``[B, H, N / BLOCK, GB]``, reduced after the launch (`TileBias.unpack`).
@@ -24,7 +24,7 @@ import triton
 from torch import Tensor
 
 from posenc_lightning.kernels import _common, softmax, stick_breaking
-from posenc_lightning.kernels.tile_table import SB_CONFIGS, SOFTMAX_CONFIGS, WINDOW_CONFIGS
+from posenc_lightning.kernels.tile_table import MOD_CONFIGS, SB_CONFIGS, SOFTMAX_CONFIGS, WINDOW_CONFIGS
 
 if TYPE_CHECKING:
     from posenc_lightning.encodings.bias import TileBias
@@ -75,11 +75,12 @@ def cuda_arch(device: torch.device) -> int:
 
 
 def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False, arch: int | None = None,
-                 window: bool = False) -> dict:
+                 window: bool = False, modulated: bool = False) -> dict:
     """Tile sizes per kernel ``kind`` (fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, sb_bwd_dkdv, rotate,
     rowdot); ``gpu``: the GPU sizes even under the interpreter (for the compile report); ``arch``: 80 or 90 (the
     tables `SOFTMAX_CONFIGS` and `SB_CONFIGS`; default 90); ``window``: a sliding-window layer's
-    kernels (`WINDOW_CONFIGS` first)."""
+    kernels (`WINDOW_CONFIGS` first); ``modulated``: a softmax kernel with a normalizer's modulation
+    (`MOD_CONFIGS` first; the two tables hold different kernels: stick-breaking takes no modulation)."""
     if interpreting() and not gpu:
         return {"BM": INTERPRET_BLOCKS[0], "BN": INTERPRET_BLOCKS[1], "num_warps": 1, "num_stages": 1}
     if kind in ("rotate", "rowdot"):
@@ -88,7 +89,10 @@ def block_config(kind: str, head_dim: int, dtype: torch.dtype, gpu: bool = False
         key = (90 if arch is None or arch >= 90 else 80, 64 if head_dim <= 64 else 128,
                "32" if dtype in (torch.float32, torch.float64) else "16", kind)
         table = SB_CONFIGS if kind.startswith("sb_") else SOFTMAX_CONFIGS
-        bm, bn, warps, stages = WINDOW_CONFIGS[key] if window and key in WINDOW_CONFIGS else table[key]
+        if window and key in WINDOW_CONFIGS:
+            bm, bn, warps, stages = WINDOW_CONFIGS[key]
+        else:
+            bm, bn, warps, stages = MOD_CONFIGS[key] if modulated and key in MOD_CONFIGS else table[key]
         return {"BM": bm, "BN": bn, "num_warps": warps, "num_stages": stages}
     raise ValueError(f"block_config: unknown kernel kind {kind!r}; known: fwd, bwd_dkdv, bwd_dq, sb_fwd, sb_bwd, "
                      "sb_bwd_dkdv, rotate, rowdot")
@@ -116,6 +120,9 @@ class Plan:
     bias_k_pos: Tensor | None = None
     stick_breaking: bool = False
     tile: TileBias | None = None  # its functions and sizes; the parameters go through autograd
+    #: ``(decay, floor)``: the softmax kernels multiply every logit (scaled scores plus bias) by
+    #: ``floor + (1 - floor) exp(-decay |i - j|)`` at the bias positions, and dS by it in the backward
+    modulation: tuple[float, float] | None = None
     #: (q_start, k_start) when the bias positions are ``start + arange(N)`` in every row: the
     #: softmax kernels then compute them from the indices instead of loading them
     pos_start: tuple[int, int] | None = None
@@ -127,7 +134,8 @@ class Plan:
         """The tiles of kernel ``kind``: the given ones (`tiles`), else the pinned `block_config`."""
         if self.tiles is not None and kind in self.tiles:
             return dict(self.tiles[kind])
-        return block_config(kind, head_dim, dtype, arch=arch, window=self.window is not None)
+        return block_config(kind, head_dim, dtype, arch=arch, window=self.window is not None,
+                            modulated=self.modulation is not None)
 
     @property
     def tile_block(self) -> int:
@@ -179,7 +187,7 @@ def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense
         if seg else idummy
     a["KVALID"] = plan.k_valid.to(torch.int32).contiguous() if plan.k_valid is not None else idummy
     tile = plan.tile if tile_params is not None else None
-    has_pos = slopes is not None or table is not None or tile is not None
+    has_pos = slopes is not None or table is not None or tile is not None or plan.modulation is not None
     ranged = plan.pos_start is not None and not plan.stick_breaking
     a["QP"] = plan.bias_q_pos.float().contiguous() if has_pos and not ranged else dummy
     a["KP"] = plan.bias_k_pos.float().contiguous() if has_pos and not ranged else dummy
@@ -196,6 +204,8 @@ def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense
     a["s_dh"], a["s_dm"] = (dense.stride(1), dense.stride(2)) if dense is not None else (0, 0)
     a["TILE"] = tile_params if tile is not None else dummy
     a["TILE_W"], a["tile_eps"] = (tile.width, float(tile.eps)) if tile is not None else (0, 0.0)
+    decay, floor = plan.modulation if plan.modulation is not None else (0.0, 1.0)
+    a["mod_a"], a["mod_floor"] = float(decay) * 1.4426950408889634, float(floor)  # exp(-x) = exp2(-x log2(e))
     import triton.language as tl
 
     dot_t = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
@@ -206,7 +216,7 @@ def common_args(q: Tensor, k: Tensor, plan: Plan, slopes, table, c_q, c_k, dense
              "WINDOW": plan.window is not None,
              "HAS_SEG": seg, "HAS_KVALID": plan.k_valid is not None, "HAS_LIN": slopes is not None,
              "HAS_REL": table is not None, "HAS_DEC": c_q is not None, "HAS_DENSE": dense is not None,
-             "HAS_TILE": tile is not None, "TILE_GB": plan.tile_block,
+             "HAS_TILE": tile is not None, "TILE_GB": plan.tile_block, "HAS_MOD": plan.modulation is not None,
              # the tile's own @triton.jit functions, compile-time constants of the kernels
              "TILE_VALUE": tile.value if tile is not None else None,
              "TILE_GRADS": tile.grads if tile is not None else None,
@@ -410,7 +420,7 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = No
                     tile: TileBias | None = None, stick_breaking: bool = False,
                     attend_current: bool = False, bias_q_start: int | None = None,
                     bias_k_start: int | None = None, tiles: dict[str, dict] | None = None,
-                    window: int | None = None) -> Tensor:
+                    window: int | None = None, modulation: tuple[float, float] | None = None) -> Tensor:
     """Attention with rotary / biases / packed documents fused (softmax, or stick-breaking).
 
     ``tile``: a parametric bias the kernels evaluate per tile at ``bias_q_pos``/``bias_k_pos``
@@ -422,7 +432,10 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = No
     "num_stages"}`` in place of the pinned `block_config` (the tile ablation of benchmarks/gpu_perf.py);
     a result changes by rounding only. ``window``: a causal sliding window W (`AttentionMask.window`:
     query ``i`` sees key ``j`` iff ``0 <= i + q_offset - j < W``, by index); the loops visit only
-    the key tiles it reaches, O(N W) work."""
+    the key tiles it reaches, O(N W) work. ``modulation``: ``(decay, floor)`` of a softmax
+    normalizer's distance modulation (`Normalizer.kernel_modulation`): ``softmax((s + bias) * (floor +
+    (1 - floor) exp(-decay |i - j|)))`` at ``bias_q_pos``/``bias_k_pos`` (any positions, float or
+    integer; default ``q_offset + arange``, ``arange``), forward and backward; not with stick-breaking."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"fused_attention wants q [B,H,Nq,D], k = v [B,Hkv,Nk,D]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -441,7 +454,10 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = No
         raise ValueError(f"tile {tile.name}: parameters for {tile.heads} heads, q has {q.shape[1]}")
     pos_start = (int(bias_q_start), int(bias_k_start)) if bias_q_start is not None and bias_k_start is not None \
         else None
-    if (slopes is not None or table is not None or tile is not None) and (bias_q_pos is None or bias_k_pos is None):
+    if modulation is not None and stick_breaking:
+        raise ValueError("fused_attention: a logit modulation multiplies a softmax's logits; stick-breaking takes none")
+    positional = slopes is not None or table is not None or tile is not None or modulation is not None
+    if positional and (bias_q_pos is None or bias_k_pos is None):
         b = q.shape[0]
         if bias_q_pos is None and bias_k_pos is None:
             pos_start = (q_offset, 0)
@@ -458,7 +474,8 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = No
                 window=None if window is None else int(window), rotary=rotary,
                 q_segments=q_segments, k_segments=k_segments, k_valid=k_valid, bias_q_pos=bias_q_pos,
                 bias_k_pos=bias_k_pos, stick_breaking=stick_breaking, tile=tile, pos_start=pos_start,
-                tiles=_checked_tiles(tiles))
+                tiles=_checked_tiles(tiles),
+                modulation=(float(modulation[0]), float(modulation[1])) if modulation is not None else None)
     c_q = c_q.contiguous() if c_q is not None else None
     c_k = c_k.contiguous() if c_k is not None else None
     dense = dense.contiguous() if dense is not None else None

@@ -9,7 +9,9 @@ so the tests start it in a subprocess. Compiled kernels land in Triton's cache
 
 Besides the plain kernels, ``<kernel>_<tile>`` compiles the kernel again with a tile bias
 evaluated per tile on top (`TileBias`): one variant per registered tile kind
-(`posenc_lightning.encodings.bias.register_tile_kind`, in the kind's own file).
+(`posenc_lightning.encodings.bias.register_tile_kind`, in the kind's own file); ``<kernel>_mod``
+compiles a softmax kernel again with a normalizer's distance modulation of the logits on top
+(`Plan.modulation`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
 
 #: the attention kernels (every one also compiles with each example tile) and the rotation
 BASE_KINDS = ("fwd", "bwd_dkdv", "bwd_dq", "sb_fwd", "sb_bwd", "sb_bwd_dkdv", "rotate")
+#: the kernels that also compile with a normalizer's distance modulation (``<kernel>_mod``)
+MOD_KINDS = ("fwd", "bwd_dkdv", "bwd_dq")
 #: heads of the example launches
 _HEADS = 2
 HEAD_DIMS = (16, 32, 64, 128)
@@ -58,18 +62,21 @@ def example_tiles() -> dict[str, TileBias]:
 
 
 def all_kinds() -> tuple[str, ...]:
-    """`BASE_KINDS`, then ``<kernel>_<tile>`` for every attention kernel and `example_tiles`."""
+    """`BASE_KINDS`, then ``<kernel>_<tile>`` for every attention kernel and `example_tiles`, then
+    ``<kernel>_mod`` for `MOD_KINDS`."""
     attn = [k for k in BASE_KINDS if k != "rotate"]
-    return BASE_KINDS + tuple(f"{k}_{t}" for t in example_tiles() for k in attn)
+    return BASE_KINDS + tuple(f"{k}_{t}" for t in example_tiles() for k in attn) + tuple(f"{k}_mod" for k in MOD_KINDS)
 
 
-def _split(kind: str) -> tuple[str, TileBias | None]:
-    """``(kernel, tile)`` of a kind: ``"fwd"`` or ``"fwd_<tile>"``."""
+def _split(kind: str) -> tuple[str, TileBias | None, bool]:
+    """``(kernel, tile, modulated)`` of a kind: ``"fwd"``, ``"fwd_<tile>"`` or ``"fwd_mod"``."""
+    if kind.endswith("_mod") and kind[:-4] in MOD_KINDS:
+        return kind[:-4], None, True
     for base in BASE_KINDS:
         if kind == base:
-            return base, None
+            return base, None, False
         if kind.startswith(base + "_") and kind[len(base) + 1:] in example_tiles():
-            return base, example_tiles()[kind[len(base) + 1:]]
+            return base, example_tiles()[kind[len(base) + 1:]], False
     raise ValueError(f"unknown kernel kind {kind!r}; known: {', '.join(all_kinds())}")
 
 
@@ -90,13 +97,14 @@ def launch_spec(kind: str, head_dim: int, dtype: torch.dtype, cc: int = 90, with
                 tile_config: tuple[int, int, int, int] | None = None, window: bool = False):
     """``(kernel, values by argument name, num_warps, num_stages)`` of the GPU launch of ``kind``
     for compute capability ``cc`` with every feature on (rotary, packed documents, padding, all
-    four bias kinds; an example tile bias too for the ``<kernel>_<tile>`` variants) except those
+    four bias kinds; an example tile bias too for the ``<kernel>_<tile>`` variants, a normalizer's
+    distance modulation for ``<kernel>_mod``) except those
     named in ``without`` (`FEATURES`), at the tiles `fused.block_config` picks or at
     ``tile_config`` ``(BM, BN, num_warps, num_stages)`` (to search for a table entry); ``window``:
     the kernels of a sliding-window layer (``WINDOW``: its loop bounds and edge tiles)."""
     from posenc_lightning.kernels.fused import Plan, RotaryTables, block_config, common_args, head_block
 
-    kind, tile = _split(kind)
+    kind, tile, modulated = _split(kind)
     b, h, n, d = 1, _HEADS, 8, head_dim
     q = torch.zeros(b, h, n, d, dtype=dtype)
     cos = torch.zeros(n, d // 2)
@@ -108,14 +116,15 @@ def launch_spec(kind: str, head_dim: int, dtype: torch.dtype, cc: int = 90, with
     plan = Plan(scale=d ** -0.5, causal=1, rotary=RotaryTables(cos, cos, pos, cos, cos, pos) if on["rotary"] else None,
                 q_segments=pos if on["segments"] else None, k_valid=pos.bool() if on["padding"] else None,
                 bias_q_pos=pos.float(), bias_k_pos=pos.float(), stick_breaking=kind.startswith("sb"), tile=tile,
-                window=64 if window else None)
+                window=64 if window else None, modulation=(0.005, 0.7) if modulated else None)
     z = torch.zeros(h, dtype=torch.float32)
     c = torch.zeros(b, h, n)
     args, flags = common_args(q, q, plan, z if on["slopes"] else None, torch.zeros(h, 9) if on["table"] else None,
                               c if on["decay"] else None, c if on["decay"] else None,
                               torch.zeros(b, h, n, n) if on["dense"] else None,
                               tile.params if tile is not None else None)
-    cfg = block_config(kind, d, dtype, gpu=True, arch=cc, window=window)  # a tile bias does not change the tiling
+    # a tile bias does not change the tiling
+    cfg = block_config(kind, d, dtype, gpu=True, arch=cc, window=window, modulated=modulated)
     if tile_config is not None:
         cfg = dict(zip(("BM", "BN", "num_warps", "num_stages"), tile_config))
     kernel = _kernel(kind)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from posenc_lightning.kernels._common import bias_grads2, in_window, log2e, logits2, positions
+from posenc_lightning.kernels._common import bias_grads2, distance_decay, in_window, log2e, logits2, positions
 
 
 @triton.jit
@@ -34,7 +34,8 @@ def _fwd_tiles(acc, l_i, m_i, q, lo, hi, gap_at, gap, h, offs_m, m_mask, offs_d,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
                HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
                HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, POS_RANGE: tl.constexpr, DOT_T: tl.constexpr,
-               PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr):
+               PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr,
+               mod_a, mod_floor, HAS_MOD: tl.constexpr):
     """The online softmax over key tiles ``[lo, hi)``. With ``WINDOW``, the masked loop (``MASKED`` 1)
     jumps ``gap`` at ``gap_at``: its tiles are ``[lo, gap_at)`` and ``[gap_at + gap, hi + gap)``, the
     edge tiles on both sides of the unmasked ones."""
@@ -50,9 +51,13 @@ def _fwd_tiles(acc, l_i, m_i, q, lo, hi, gap_at, gap, h, offs_m, m_mask, offs_d,
         if HAS_DEC:
             ck2 = tl.load(CK + offs_n, mask=n_mask, other=0.0).to(ACC) * log2e(ACC)
         s = tl.dot(q, kt, input_precision=PREC, out_dtype=ACC) * qk_scale
+        mod = qk_scale  # no modulation: unused
+        if HAS_MOD:  # the normalizer's modulation of this tile, for the logits (and dS)
+            mod = distance_decay(qp, kp, mod_a, mod_floor, ACC)
         s = logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
                     SLOPES, TABLE, RMAX, s_th, DENSE, s_dm, TILE, TILE_W, H, tile_eps, MASKED, CAUSAL, HAS_SEG,
-                    HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
+                    HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC,
+                    mod, HAS_MOD)
         if WINDOW and MASKED == 1:  # a tile that the window's lower edge may cut (the others lie inside it)
             s = tl.where(in_window(offs_m, offs_n, q_offset, window), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -100,7 +105,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
                 HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
                 HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, POS_RANGE: tl.constexpr,
                 DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                ACC: tl.constexpr):
+                ACC: tl.constexpr, mod_a, mod_floor, HAS_MOD: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -134,12 +139,12 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
                                skn, svn, Nk, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th,
                                DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 0, CAUSAL, WINDOW, HAS_SEG,
                                HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE,
-                               DOT_T, PREC, BM, BN, ACC)
+                               DOT_T, PREC, BM, BN, ACC, mod_a, mod_floor, HAS_MOD)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, edge, end, lo, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
                                skn, svn, Nk, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th,
                                DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1, CAUSAL, WINDOW, HAS_SEG,
                                HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE,
-                               DOT_T, PREC, BM, BN, ACC)
+                               DOT_T, PREC, BM, BN, ACC, mod_a, mod_floor, HAS_MOD)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
@@ -157,7 +162,8 @@ def _dkdv_tiles(dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, hi, gap_at, gap,
                 HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
                 HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, TILE_GRADS: tl.constexpr, TILE_GB: tl.constexpr,
                 POS_RANGE: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, ACC: tl.constexpr):
+                BN: tl.constexpr, ACC: tl.constexpr,
+                mod_a, mod_floor, HAS_MOD: tl.constexpr):
     """dK, dV (and the bias gradients) of one key block over query tiles ``[lo, hi)`` of head ``h``.
     With ``WINDOW``, the masked loop (``MASKED`` 1) jumps ``gap`` at ``gap_at``: its tiles are ``[lo, gap_at)`` and
     ``[gap_at + gap, hi + gap)``, the edge tiles on both sides of the unmasked ones."""
@@ -176,15 +182,21 @@ def _dkdv_tiles(dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, hi, gap_at, gap,
         if HAS_DEC:
             cq2 = tl.load(CQ + offs_m, mask=m_mask, other=0.0).to(ACC) * log2e(ACC)
         s = tl.dot(q, tl.trans(k), input_precision=PREC, out_dtype=ACC) * qk_scale
+        mod = qk_scale  # no modulation: unused
+        if HAS_MOD:  # the normalizer's modulation of this tile, for the logits (and dS)
+            mod = distance_decay(qp, kp, mod_a, mod_floor, ACC)
         s = logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
                     SLOPES, TABLE, RMAX, s_th, DENSE, s_dm, TILE, TILE_W, H, tile_eps, MASKED, CAUSAL, HAS_SEG,
-                    HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
+                    HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC,
+                    mod, HAS_MOD)
         if WINDOW and MASKED == 1:  # a tile that the window's lower edge may cut (the others lie inside it)
             s = tl.where(in_window(offs_m, offs_n, q_offset, window), s, float("-inf"))
         p = tl.math.exp2(s - lse[:, None])
         dv += tl.dot(tl.trans(p.to(DOT_T)), do, input_precision=PREC, out_dtype=ACC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC, out_dtype=ACC)
         ds = p * (dp - delta[:, None])
+        if HAS_MOD:  # dS of the logits before the normalizer's modulation
+            ds = ds * mod
         dk += tl.dot(tl.trans(ds.to(DOT_T)), q, input_precision=PREC, out_dtype=ACC)
         if HAS_DEC:
             dck -= tl.sum(ds, 0)
@@ -211,7 +223,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
                      HAS_TILE: tl.constexpr, TILE_GB: tl.constexpr, TILE_VALUE: tl.constexpr,
                      TILE_GRADS: tl.constexpr, POS_RANGE: tl.constexpr, EVEN_N: tl.constexpr,
                      DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                     ACC: tl.constexpr):
+                     ACC: tl.constexpr, mod_a, mod_floor, HAS_MOD: tl.constexpr):
     """dK, dV (of the rotated k; the operand dtype, strides ``sg*``) of one key block of one kv head,
     summed over its query heads; ``DO`` has O's strides. ``DDENSE``: one gradient per batch row
     (``s_ddb``), summed after the launch where the dense bias is shared across the batch."""
@@ -258,11 +270,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DCK, DTABLE, DSLOPE, DDENS
         dk, dv, dck, dslope, dtile, dhi, dlo = _dkdv_tiles(
             dk, dv, dck, dslope, dtile, dhi, dlo, k, v, lo, edge, mid, gap, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1,
             CAUSAL, WINDOW, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, TILE_GRADS,
-            TILE_GB, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
+            TILE_GB, POS_RANGE, DOT_T, PREC, BM, BN, ACC, mod_a, mod_floor, HAS_MOD)
         dk, dv, dck, dslope, dtile, dhi, dlo = _dkdv_tiles(
             dk, dv, dck, dslope, dtile, dhi, dlo, k, v, mid, inner, mid, gap, h, offs_n, n_mask, offs_d, d_mask, kp, ck2, Q + b * sqb + h * sqh, DO + b * sob + h * soh, LSE + (b * H + h) * Nq, DELTA + (b * H + h) * Nq, sqn, son, Nq, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, QP + b * Nq, q_start, CQ + b * s_cqb + h * s_cqh, SLOPES, TABLE, DTABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, DDENSE + b * s_ddb + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps,
             2 - 2 * EVEN_N, CAUSAL, WINDOW, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE,
-            TILE_VALUE, TILE_GRADS, TILE_GB, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
+            TILE_VALUE, TILE_GRADS, TILE_GB, POS_RANGE, DOT_T, PREC, BM, BN, ACC, mod_a, mod_floor, HAS_MOD)
         if HAS_DEC:
             tl.store(DCK + (b * H + h) * Nk + offs_n, dck, mask=n_mask)
         if HAS_LIN:
@@ -284,7 +296,8 @@ def _dq_tiles(dq, dcq, q, do, lse, delta, lo, hi, gap_at, gap, h, offs_m, m_mask
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KVALID: tl.constexpr,
               HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
               HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, POS_RANGE: tl.constexpr, DOT_T: tl.constexpr,
-              PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr):
+              PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr,
+              mod_a, mod_floor, HAS_MOD: tl.constexpr):
     """dQ of one query block over key tiles ``[lo, hi)``. With ``WINDOW``, the masked loop (``MASKED`` 1)
     jumps ``gap`` at ``gap_at``: its tiles are ``[lo, gap_at)`` and ``[gap_at + gap, hi + gap)``, the
     edge tiles on both sides of the unmasked ones."""
@@ -301,14 +314,20 @@ def _dq_tiles(dq, dcq, q, do, lse, delta, lo, hi, gap_at, gap, h, offs_m, m_mask
         if HAS_DEC:
             ck2 = tl.load(CK + offs_n, mask=n_mask, other=0.0).to(ACC) * log2e(ACC)
         s = tl.dot(q, tl.trans(k), input_precision=PREC, out_dtype=ACC) * qk_scale
+        mod = qk_scale  # no modulation: unused
+        if HAS_MOD:  # the normalizer's modulation of this tile, for the logits (and dS)
+            mod = distance_decay(qp, kp, mod_a, mod_floor, ACC)
         s = logits2(s, h, offs_m, offs_n, m_mask, n_mask, qp, kp, cq2, ck2, q_offset, QSEG, KSEG, KVALID,
                     SLOPES, TABLE, RMAX, s_th, DENSE, s_dm, TILE, TILE_W, H, tile_eps, MASKED, CAUSAL, HAS_SEG,
-                    HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC)
+                    HAS_KVALID, HAS_LIN, HAS_REL, HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, BM, BN, ACC,
+                    mod, HAS_MOD)
         if WINDOW and MASKED == 1:  # a tile that the window's lower edge may cut (the others lie inside it)
             s = tl.where(in_window(offs_m, offs_n, q_offset, window), s, float("-inf"))
         p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC, out_dtype=ACC)
         ds = p * (dp - delta[:, None])
+        if HAS_MOD:  # dS of the logits before the normalizer's modulation
+            ds = ds * mod
         dq += tl.dot(ds.to(DOT_T), k, input_precision=PREC, out_dtype=ACC)
         if HAS_DEC:
             dcq += tl.sum(ds, 1)
@@ -326,7 +345,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DCQ,
                    HAS_LIN: tl.constexpr, HAS_REL: tl.constexpr, HAS_DEC: tl.constexpr, HAS_DENSE: tl.constexpr,
                    HAS_TILE: tl.constexpr, TILE_VALUE: tl.constexpr, POS_RANGE: tl.constexpr,
                    DOT_T: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                   ACC: tl.constexpr):
+                   ACC: tl.constexpr, mod_a, mod_floor, HAS_MOD: tl.constexpr):
     """dQ (of the rotated q; the operand dtype, strides ``sg*``) and dc_q of one query block."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -362,10 +381,10 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DCQ,
         end = end - gap
     dq, dcq = _dq_tiles(dq, dcq, q, do, lse, delta, lo, full, lo, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
                         skn, svn, Nk, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 0, CAUSAL, WINDOW, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL,
-                        HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
+                        HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE, DOT_T, PREC, BM, BN, ACC, mod_a, mod_floor, HAS_MOD)
     dq, dcq = _dq_tiles(dq, dcq, q, do, lse, delta, edge, end, lo, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
                         skn, svn, Nk, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 1, CAUSAL, WINDOW, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL,
-                        HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE, DOT_T, PREC, BM, BN, ACC)
+                        HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE, DOT_T, PREC, BM, BN, ACC, mod_a, mod_floor, HAS_MOD)
     tl.store(DQ + b * sgb + h * sgh + offs_m[:, None] * sgn + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=qd_mask)
     if HAS_DEC:

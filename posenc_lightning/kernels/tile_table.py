@@ -26,6 +26,14 @@ SOFTMAX_CONFIGS: dict[tuple[int, int, str, str], tuple[int, int, int, int]] = {
     **{(a, 128, "32", k): (16, 16, 4, 1) for a in (80, 90) for k in ("fwd", "bwd_dkdv", "bwd_dq")},
 }
 
+#: the entries of `SOFTMAX_CONFIGS` that a softmax kernel carrying a normalizer's distance modulation
+#: (`fused.Plan.modulation`: one more [BM, BN] tile per score) takes instead: with every feature on,
+#: sm80's 16-bit forward at head dim 64 spills 8/8 bytes at 3 stages and its dK/dV at 128 spills 8/4
+#: on 4 warps; 2 stages and 8 warps spill none (`resource_report`, ``<kernel>_mod``)
+MOD_CONFIGS: dict[tuple[int, int, str, str], tuple[int, int, int, int]] = {
+    (80, 64, "16", "fwd"): (64, 32, 4, 2),
+    (80, 128, "16", "bwd_dkdv"): (16, 16, 8, 1),
+}
 
 #: stick-breaking kernels' (BM, BN, num_warps, num_stages), keyed as `SOFTMAX_CONFIGS` with the kinds
 #: sb_fwd, sb_bwd (query-major: dQ, the bias gradients, the row sums per key block) and sb_bwd_dkdv

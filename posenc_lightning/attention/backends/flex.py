@@ -1,7 +1,10 @@
 """``torch.nn.attention.flex_attention``: rotary is applied before; every bias kind gives its
 term of one ``score_mod`` (`Bias.score_term`; positions looked up per (b, q_idx, kv_idx), so
 KV-cache offsets and packed documents need no special case); causality, packed documents (segment ids) and padding
-become a ``mask_mod`` and a block mask, so fully masked blocks are skipped.
+become a ``mask_mod`` and a block mask, so fully masked blocks are skipped. A normalizer that
+declares the "score_mod" form (`Normalizer.fused_in`: a softmax walk whose modulation is a
+`Normalizer.kernel_modulation`) multiplies the ``score_mod``'s logit, bias included, by its
+modulation at the tokens' positions.
 
 Compiled on GPU. On CPU flex runs eagerly (the unfused reference path) and has no backward:
 `supports` refuses a CPU call that needs gradients, so ``auto`` never picks flex for CPU training.
@@ -20,7 +23,7 @@ from torch import Tensor
 
 from posenc_lightning.attention.backends import unfused_bias
 from posenc_lightning.attention.mask import LOCAL_KINDS, AttentionMask
-from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, Normalizer
+from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, Normalizer, Walk
 
 NAME = "flex"
 #: rotates q, k in-kernel with ``ctx.rotary`` (the mixin then skips ``encoding.rotate``)
@@ -29,6 +32,8 @@ FUSES_ROTARY = False
 LOCAL_MASKS = LOCAL_KINDS
 #: the fused form it computes a bias kind in (`Bias.fused_in`)
 FUSED_BIAS = "score_mod"
+#: the fused form it runs a normalizer in (`Normalizer.fused_in`): a softmax with a modulation
+FUSED_NORMALIZER = "score_mod"
 #: the smallest head_dim inductor's flex attention kernels take on a GPU (tl.dot needs 16)
 MIN_COMPILED_HEAD_DIM = 16
 
@@ -49,7 +54,9 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
         _flex_module()
     except ImportError as e:  # pragma: no cover - torch < 2.5
         return f"torch.nn.attention.flex_attention is unavailable ({e})"
-    if "normalize" in encoding.stages:
+    kind = encoding.normalizer_kind
+    if "normalize" in encoding.stages and (kind is None or FUSED_NORMALIZER not in kind.fused_in
+                                           or kind.walk is not Walk.SOFTMAX):
         return f"{encoding.name} replaces softmax (stage 4), which flex attention cannot do"
     if device.type == "cpu" and requires_grad:
         return "flex attention has no backward on CPU (it runs eagerly, forward only); use 'sdpa' or 'eager' to train"
@@ -76,19 +83,42 @@ def _bias_tensors(bias: Bias | None) -> list[Tensor]:
     return out
 
 
-def score_mod_for(bias: Bias | None, b_size: int, n_heads: int) -> Callable | None:
-    """One ``score_mod(score, b, h, q_idx, kv_idx)`` adding every term of ``bias``."""
-    if bias is None:
+def score_mod_for(bias: Bias | None, b_size: int, n_heads: int, modulation: Callable | None = None
+                  ) -> Callable | None:
+    """One ``score_mod(score, b, h, q_idx, kv_idx)`` adding every term of ``bias``, the sum then
+    times ``modulation(b, q_idx, kv_idx)`` (a normalizer's, `modulation_for`) where given."""
+    if bias is None and modulation is None:
         return None
-    terms = [t.score_term(b_size, n_heads) for t in bias.terms]  # each kind gives its own term
+    terms = [t.score_term(b_size, n_heads) for t in bias.terms] if bias is not None else []  # each kind its own
 
     def score_mod(score: Tensor, b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
         out = score.to(torch.float32)
         for f in terms:
             out = out + f(b, h, qi, ki)
+        if modulation is not None:
+            out = out * modulation(b, qi, ki)
         return out.to(score.dtype)
 
     return score_mod
+
+
+def modulation_for(normalizer: Normalizer, ctx: AttentionContext | None, b_size: int) -> Callable:
+    """``mod(b, q_idx, kv_idx)``: a softmax normalizer's `Normalizer.kernel_modulation`,
+    ``floor + (1 - floor) exp(-decay |q_pos - k_pos|)``, at the context's ``[B, N]`` positions."""
+    form = normalizer.kernel_modulation() if normalizer.walk is Walk.SOFTMAX else None
+    if FUSED_NORMALIZER not in normalizer.fused_in or form is None:
+        raise ValueError(f"the flex backend cannot run {normalizer.name}'s normalizer; use backend='blockwise' or "
+                         "'eager'")
+    if ctx is None or ctx.q_pos.dim() != 2 or ctx.k_pos.dim() != 2:
+        raise ValueError(f"{normalizer.name}: flex's modulation reads [B, N] positions from the context")
+    qp = ctx.q_pos.to(torch.float32).expand(b_size, -1)
+    kp = ctx.k_pos.to(torch.float32).expand(b_size, -1)
+    decay, floor = float(form.decay), float(form.floor)
+
+    def mod(b: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+        return floor + (1.0 - floor) * torch.exp(-decay * (qp[b, qi] - kp[b, ki]).abs())
+
+    return mod
 
 
 # ------------------------------------------------------------------------------- masks
@@ -135,8 +165,6 @@ def _compiled_flex():
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: AttentionMask, scale: float,
            normalizer: Normalizer | None = None, ctx: AttentionContext | None = None) -> Tensor:
-    if normalizer is not None:
-        raise ValueError("the flex backend cannot replace softmax; use backend='eager'")
     if q.device.type != "cpu" and q.shape[-1] < MIN_COMPILED_HEAD_DIM:
         # `supports` sees the encoding's head_dim; an embedding-only encoding binds none
         raise ValueError(_small_head_dim(q.shape[-1]))
@@ -147,7 +175,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         q, k, v = q.detach(), k.detach(), v.detach()  # flex refuses CPU inputs that require grad
     fa = _flex_module()
     b, h = q.shape[0], q.shape[1]
-    score_mod = score_mod_for(bias, b, h)
+    modulation = modulation_for(normalizer, ctx, b) if normalizer is not None else None
+    score_mod = score_mod_for(bias, b, h, modulation)
     block_mask = block_mask_for(mask, b, q.device)
     gqa = k.shape[1] != h
     dtype = q.dtype

@@ -6,14 +6,17 @@ backward, with no N x N tensor; so is a bias read at positions counted by conten
 (`GatedCounts`, ``KernelBias.counted``), by kernels of its own that take it alone
 (`kernels.gated_counts`).
 Encodings that may return a kind the kernels cannot read (``fused_in`` without "kernel": rows
-that read q and k) are refused: the kernels would take them as a materialized N x N tensor.
+that read q and k) are refused: the kernels would take them as a materialized N x N tensor. Products
+of q- and k-sized operands (`KernelBias.products`, a `ProductBias`) become one product of wider q and
+k (v zero-padded to their width), within the kernels' `MAX_HEAD_DIM` channels.
 
 Rotary is fused for encodings that declare a rotation the kernels can apply
 (`Encoding.fused_rotary`: a `RotaryEncoding` keeping the shared rotation): the mixin skips
 ``encoding.rotate`` and passes that encoding as ``ctx.rotary``; the kernels gather its cos/sin
-table (attention scaling folded in) at every token's position. Stick-breaking is fused for
-normalizers whose walk is `Walk.STICK_BREAKING` and that declare the "kernel" form
-(`Normalizer.fused_in`).
+table (attention scaling folded in) at every token's position. A normalizer that declares the
+"kernel" form (`Normalizer.fused_in`) is fused: a `Walk.STICK_BREAKING` walk by the stick-breaking
+kernels, a `Walk.SOFTMAX` walk by the softmax kernels with its modulation of the logits
+(`Normalizer.kernel_modulation`) computed per tile from the call's positions.
 Runs on CUDA; on CPU only under ``TRITON_INTERPRET=1`` (the tests). ``auto`` picks it on CUDA.
 """
 
@@ -42,6 +45,8 @@ MAX_HEAD_DIM = 128
 FUSED_BIAS = "kernel"
 #: the fused form it runs a normalizer in (`Normalizer.fused_in`)
 FUSED_NORMALIZER = "kernel"
+#: the normalizer walks the kernels implement: stick-breaking, and a softmax with a per-tile modulation
+KERNEL_WALKS = (Walk.STICK_BREAKING, Walk.SOFTMAX)
 
 
 #: looked up once (a forward must not search the import path)
@@ -56,10 +61,14 @@ def supports(encoding: Encoding, device: torch.device, requires_grad: bool) -> s
         return f"the Triton kernels run on CUDA (on CPU only with TRITON_INTERPRET=1), not on {device.type}"
     kind = encoding.normalizer_kind
     if "normalize" in encoding.stages and (kind is None or FUSED_NORMALIZER not in kind.fused_in
-                                           or kind.walk is not Walk.STICK_BREAKING):
-        return f"{encoding.name} replaces softmax with a normalizer the kernels do not implement (only stick-breaking)"
+                                           or kind.walk not in KERNEL_WALKS):
+        return (f"{encoding.name} replaces softmax with a normalizer the kernels do not implement (stick-breaking, "
+                "or a softmax whose modulation declares the kernel form)")
     if encoding.head_dim is not None and encoding.head_dim > MAX_HEAD_DIM:
         return f"head_dim {encoding.head_dim} > {MAX_HEAD_DIM}"
+    if encoding.head_dim is not None and encoding.head_dim * (1 + encoding.product_operands) > MAX_HEAD_DIM:
+        return (f"{encoding.name}'s bias multiplies {encoding.product_operands} more q/k operand pair(s): the kernels "
+                f"would take q, k {encoding.head_dim * (1 + encoding.product_operands)} wide (> {MAX_HEAD_DIM})")
     return unfused_bias(encoding, FUSED_BIAS, "the Triton kernels")
 
 
@@ -92,10 +101,13 @@ def rotary_tables(rot: Encoding, ctx: AttentionContext):  # rot: a `RotaryEncodi
     return RotaryTables(cq, sq, iq, ck, sk, ik, rot.layout)
 
 
-def split_bias(bias: Bias | None, n_heads: int) -> KernelBias:
+def split_bias(bias: Bias | None, n_heads: int, positions: tuple[Tensor, Tensor] | None = None) -> KernelBias:
     """The kernels' bias arguments: each term folds itself in (`Bias.fold_into`: the kinds the
-    kernels read natively; anything else, or a second position set, as a dense rest)."""
+    kernels read natively; anything else, or a second position set, as a dense rest).
+    ``positions``: ``(q_pos, k_pos)`` claimed first (a normalizer's modulation reads them)."""
     args = KernelBias()
+    if positions is not None:
+        args.claim_positions(*positions)
     if bias is not None:
         bias.fold_into(args)
     if args.dense is not None:
@@ -109,19 +121,33 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
 
     sb = False
     attend_current = False
+    modulation = None
     if normalizer is not None:
-        if FUSED_NORMALIZER not in normalizer.fused_in or normalizer.walk is not Walk.STICK_BREAKING:
-            raise ValueError("the triton backend implements only the stick-breaking normalizer; use backend='eager'")
+        if FUSED_NORMALIZER not in normalizer.fused_in or normalizer.walk not in KERNEL_WALKS:
+            raise ValueError(f"the triton backend does not implement {normalizer.name}'s normalizer; "
+                             "use backend='blockwise' or 'eager'")
         if ctx is not None:
             normalizer.check_causal(ctx.causal)
-        sb, attend_current = True, bool(normalizer.attend_current)
+        if normalizer.walk is Walk.STICK_BREAKING:
+            sb, attend_current = True, bool(normalizer.attend_current)
+        else:
+            modulation = normalizer.kernel_modulation()
+            if normalizer.modulated and modulation is None:
+                raise ValueError(f"{normalizer.name}: its modulation has no kernel form (kernel_modulation)")
+            if modulation is not None and (ctx is None or ctx.q_pos.dim() != 2 or ctx.k_pos.dim() != 2):
+                raise ValueError(f"{normalizer.name}: the kernels' modulation reads [B, N] positions from the context")
     rot = ctx.rotary if ctx is not None else None
     tables = rotary_tables(rot, ctx) if rot is not None else None
     if tables is not None and tables.cos_q.dim() == 4 and tables.cos_q.shape[1] > 1 and k.shape[1] != q.shape[1]:
         raise ValueError(f"{rot.name}: per-head frequencies need n_kv_heads == n_heads")
-    kb = split_bias(bias, q.shape[1])
+    kb = split_bias(bias, q.shape[1], (ctx.q_pos, ctx.k_pos) if modulation is not None else None)
     if kb.counted is not None:
-        return _counted(q, k, v, kb, mask, scale, sb or tables is not None)
+        return _counted(q, k, v, kb, mask, scale, sb or tables is not None or modulation is not None)
+    d = v.shape[-1]
+    if kb.products:
+        if tables is not None:
+            raise ValueError("the kernels fuse a rotation or a product of operands, not both in one call")
+        q, k, v = _widened(q, k, v, scale, kb)
     starts = {}
     if (ctx is not None and kb.q_pos is not None and kb.q_pos is ctx.q_pos and kb.k_pos is ctx.k_pos
             and ctx.q_start is not None and ctx.k_start is not None):  # a plain range: distances from indices
@@ -131,8 +157,22 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias: Bias | None, mask: Attentio
         q, k, v, scale=scale, causal=mask.causal, q_offset=mask.q_offset, rotary=tables,
         q_segments=seg, k_segments=k_seg, k_valid=mask.k_valid, window=mask.window,
         slopes=kb.slopes, table=kb.table, bias_q_pos=kb.q_pos, bias_k_pos=kb.k_pos, c_q=kb.c_q, c_k=kb.c_k,
-        dense=kb.dense, tile=kb.tile, stick_breaking=sb, attend_current=attend_current, **starts)
-    return out.to(q.dtype)
+        dense=kb.dense, tile=kb.tile, stick_breaking=sb, attend_current=attend_current,
+        modulation=(modulation.decay, modulation.floor) if modulation is not None else None, **starts)
+    return out[..., :d].to(q.dtype)
+
+
+def _widened(q: Tensor, k: Tensor, v: Tensor, scale: float, kb: KernelBias) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k and v for one product with the bias's products of operands (`KernelBias.products`):
+    ``scale [(1 + own / scale) q, a_j / scale] . [k, b_j] = scale q k^T + own q k^T + sum_j a_j b_j^T``,
+    v zero-padded to the same width (the kernels take one head dim; the output's extra channels are 0).
+    The gradients to ``own`` and the operands come through the kernels' dQ and dK of the wider ones."""
+    qs = [q * (1 + kb.own / scale).to(q.dtype)] + [(a / scale).to(q.dtype) for a, _ in kb.products]
+    ks = [k] + [b.to(k.dtype) for _, b in kb.products]
+    wq, wk = torch.cat(qs, -1), torch.cat(ks, -1)
+    if wq.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"the bias's products make q, k {wq.shape[-1]} wide (> {MAX_HEAD_DIM}); use backend='sdpa'")
+    return wq, wk, torch.nn.functional.pad(v, (0, wq.shape[-1] - v.shape[-1]))
 
 
 def _counted(q: Tensor, k: Tensor, v: Tensor, kb: KernelBias, mask: AttentionMask, scale: float,
@@ -144,12 +184,12 @@ def _counted(q: Tensor, k: Tensor, v: Tensor, kb: KernelBias, mask: AttentionMas
     others = (kb.slopes, kb.table, kb.c_q, kb.c_k, kb.dense, kb.tile)
     if fused_more or any(t is not None for t in others):
         raise ValueError("the Triton kernels take a bias counted by content gates alone (no rotary, other bias "
-                         "term or stick-breaking with it); use backend='sdpa'")
+                         "term, modulation or stick-breaking with it); use backend='sdpa'")
     if not (mask.causal and c.causal) or c.q is not q or c.k is not k or mask.q_offset != c.q_offset:
         raise ValueError("the Triton kernels count gated positions causally, from the q and k they attend with "
                          "and at the mask's offset; use backend='sdpa'")
     if mask.window is not None:
-        raise ValueError("the triton kernels take no sliding window (LOCAL_MASKS); use backend='sdpa' or 'flex'")
+        raise ValueError("the kernels of a bias counted by content gates take no sliding window; use backend='sdpa'")
     seg, k_seg = _chunk_segments(mask, q.shape[0], q.device)
     out = gated_count_attention(q, k, v, c.table, gate_scale=c.gate_scale, scale=scale, q_offset=mask.q_offset,
                                 q_segments=seg, k_segments=k_seg, k_valid=mask.k_valid)

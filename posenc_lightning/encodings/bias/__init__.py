@@ -31,7 +31,7 @@ whose tile the Triton kernels evaluate registers an example tile in its own file
 (`register_tile_kind`) for the kernels' resource report.
 """
 
-from posenc_lightning.encodings.bias.dense import DenseBias
+from posenc_lightning.encodings.bias.dense import DenseBias, ProductBias
 from posenc_lightning.encodings.bias.kinds import (
     Bias,
     BiasSum,
@@ -65,6 +65,7 @@ __all__ = [
     "KeyOnly",
     "LinearBias",
     "OpaqueOperands",
+    "ProductBias",
     "RelativeBias",
     "ScaledBias",
     "ScoreTerm",

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from posenc_lightning.encodings.bias.kinds import Bias, Index, KernelBias, cut
+from posenc_lightning.encodings.bias.windows import span
 
-__all__ = ["DenseBias"]
+__all__ = ["DenseBias", "ProductBias"]
 
 
 @dataclass(eq=False)
@@ -148,3 +150,59 @@ class DenseBias(Bias):
 
     def fold_into(self, args: KernelBias) -> None:
         args.add_dense(self.tensor if self.tensor is not None else self.materialize())
+
+
+@dataclass(eq=False)
+class ProductBias(DenseBias):
+    """``own * q k^T + sum_j a_j b_j^T``: products of q-sized and k-sized operands (a rotation's
+    logit change ``scale (q' k'^T - q k^T)`` in a mixture), lazy rows as `DenseBias` for every
+    backend, and for the Triton kernels one product of wider operands
+    (``[(1 + own / scale) q, a_j / scale] . [k, b_j]``: `fold_into`), no ``N x N`` tensor.
+
+    Build it with `ProductBias.of`; ``q``, ``k`` are the attention's own operands (``k`` per kv
+    head, repeated for grouped queries), ``own`` a scalar tensor.
+    """
+
+    q: Tensor | None = field(default=None, repr=False)
+    k: Tensor | None = field(default=None, repr=False)
+    own: Tensor | None = field(default=None, repr=False)
+    pairs: tuple[tuple[Tensor, Tensor], ...] = field(default=(), repr=False)
+    fused_in: ClassVar[frozenset[str]] = frozenset({"kernel"})
+
+    @classmethod
+    def of(cls, q: Tensor, k: Tensor, own: Tensor, pairs: Sequence[tuple[Tensor, Tensor]]) -> ProductBias:
+        """The bias ``own * q k^T + sum_j a_j b_j^T``.
+
+        Args:
+            q: ``[B, H, Nq, D]`` the attention's queries.
+            k: ``[B, Hkv, Nk, D]`` its keys.
+            own: a scalar tensor, the coefficient of ``q k^T``.
+            pairs: ``(a [B, H, Nq, D], b [B, Hkv, Nk, D])`` operands.
+
+        Returns:
+            The bias, with rows computed on request.
+        """
+        rep = q.shape[1] // k.shape[1]
+        n = len(pairs)
+
+        def rows(s: int, e: int, ke: int, qs: Tensor, ks: Tensor, w: Tensor, *ab: Tensor) -> Tensor:
+            out = (qs.float() @ ks.float().repeat_interleave(rep, 1).transpose(-1, -2)) * w.float()
+            for a, b in zip(ab[0::2], ab[1::2]):
+                out = out + a.float() @ b.float().repeat_interleave(rep, 1).transpose(-1, -2)
+            return out
+
+        def window(s: int, e: int, ke: int) -> tuple:
+            return (span(s, e, -2), span(0, ke, -2), None) + (span(s, e, -2), span(0, ke, -2)) * n
+
+        flat = tuple(t for p in pairs for t in p)
+        # recomputed from q and k: the q/k windows' gradients are kept too (`Bias.backward_share`)
+        return cls(fn=rows, shape_qk=(q.shape[-2], k.shape[-2]), inputs=(q, k, own, *flat), window=window,
+                   share=0.75, q=q, k=k, own=own, pairs=tuple((a, b) for a, b in pairs))
+
+    def scaled(self, w: Tensor) -> Bias:
+        """``w * self``, the same kind: ``own`` and every ``a_j`` times ``w``."""
+        return ProductBias.of(self.q, self.k, self.own * w, [(a * w, b) for a, b in self.pairs])
+
+    def fold_into(self, args: KernelBias) -> None:
+        args.own = self.own if args.own is None else args.own + self.own
+        args.products.extend(self.pairs)

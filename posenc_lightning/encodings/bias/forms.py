@@ -8,7 +8,7 @@ content gates, computed in the kernels' tile)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -158,8 +158,10 @@ class KernelBias:
     """The bias arguments of the fused Triton kernels, filled term by term (`Bias.fold_into`):
     summed ALiBi ``slopes [H]`` and relative tables (one ``table [H, 2R+1]`` over the widest
     range), both at ``q_pos``/``k_pos``, summed cumulative decays ``c_q``/``c_k``, one parametric
-    bias ``tile`` (evaluated per tile, `TileBias`), and a ``dense`` rest; or positions ``counted``
-    by content gates (`GatedCounts`), which the kernels take with no other term."""
+    bias ``tile`` (evaluated per tile, `TileBias`), and a ``dense`` rest; products of operands
+    (`ProductBias`): ``own`` times the attention's own ``q k^T`` plus ``a b^T`` for each
+    ``(a, b)`` of ``products`` (q-sized, k-sized), which a kernel takes as wider q and k; or
+    positions ``counted`` by content gates (`GatedCounts`), which the kernels take with no other term."""
 
     slopes: Tensor | None = None
     table: Tensor | None = None
@@ -170,6 +172,8 @@ class KernelBias:
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
     counted: GatedCounts | None = None
+    own: Tensor | None = None
+    products: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
     def claim_positions(self, q_pos: Tensor, k_pos: Tensor) -> bool:
         """The position-based terms are read at these positions: True when no positions were
