@@ -90,8 +90,8 @@ PROVEN: dict[tuple[str, str], str | Proven] = {
 #: each with why; tests/test_cuda_paths.py fails on an encoding missing here and on an entry a kernel
 #: now takes (written by hand, not by benchmarks/gpu_proven.py)
 NO_CUSTOM_KERNEL: dict[str, str] = {
-    "path": "no kernel yet: its logit change (the Householder products between each key and query) is a "
+    "path": "no kernel yet (issue 47, PaTH's cost): its logit change (the Householder products between each key and query) is a "
             "DenseBias computed by blocks of rows (functional/path.py); the in-kernel form carries each "
             "query block through the key chunks' UT transforms per tile (the paper's blockwise algorithm)",
-    "path_fox": "no kernel yet: PaTH's DenseBias (as path) plus FoX's gates",
+    "path_fox": "no kernel yet (issue 47, PaTH's cost): PaTH's DenseBias (as path) plus FoX's gates",
 }
