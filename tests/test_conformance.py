@@ -197,6 +197,9 @@ def test_every_refusal_names_a_reason(backend):
         assert {n for n, _ in refused} == normalizers
     if backend == "blockwise":  # the declared normalizers only
         assert {n for n, _ in refused} == set(ENCODINGS) - normalizers
-    if backend == "flex":  # forward only on CPU; no softmax replacement
-        assert {n for n, g in refused if not g} == normalizers
+    if backend == "flex":  # forward only on CPU; no softmax replacement but a modulated softmax (exposb)
+        score_mod = {n for n in normalizers if "score_mod" in build_layer(n, "eager", torch.float32, HEADS)
+                     .encoding.normalizer_kind.fused_in}
+        assert score_mod == {"exposb"}
+        assert {n for n, g in refused if not g} == normalizers - score_mod
         assert {n for n, g in refused if g} == set(ENCODINGS)

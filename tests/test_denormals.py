@@ -80,3 +80,17 @@ def test_backward_flushes_every_thread_and_restores(two_threads):
     out.sum().backward()
     assert seen == [0]
     assert _survivors() == N
+
+
+
+def test_the_flush_goes_to_pytorchs_own_openmp_when_another_library_loaded_the_systems():
+    """llama.cpp's ggml links the system's libgomp, PyTorch's wheel bundles its own: with both mapped
+    (the system's first) the flush must run on PyTorch's team (its pool's threads), not the other."""
+    torch_dir = "/env/site-packages/torch"
+    ours, system = f"{torch_dir}/lib/libgomp.so.1", "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
+    assert _denormals.pytorch_libgomp([system, ours], torch_dir) == ours
+    assert _denormals.pytorch_libgomp([ours, system], torch_dir) == ours
+    assert _denormals.pytorch_libgomp([system], torch_dir) == system  # a wheel linking the system's
+    assert _denormals.pytorch_libgomp(["/env/site-packages/torchvision/libgomp.so.1"], torch_dir) \
+        == "/env/site-packages/torchvision/libgomp.so.1"  # not inside torch/, but the only one
+    assert _denormals.pytorch_libgomp([], torch_dir) is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 import sys
 from collections.abc import Callable, Iterator
 
@@ -44,6 +45,23 @@ def set_flush_denormal(on: bool) -> bool:
     return ok
 
 
+def pytorch_libgomp(loaded: list[str], torch_dir: str) -> str | None:
+    """The ``libgomp`` whose threads are PyTorch's intra-op pool, among the ``loaded`` ones.
+
+    Args:
+        loaded: paths of the libgomp copies mapped in the process, in the order ``/proc/self/maps``
+            lists them.
+        torch_dir: the directory of the ``torch`` package.
+
+    Returns:
+        The copy inside ``torch_dir`` where PyTorch's wheel bundles one (another library, such as
+        llama.cpp's ggml, may have loaded the system's, whose threads are not PyTorch's pool), else
+        the first; None when none is loaded.
+    """
+    own = [p for p in loaded if p.startswith(torch_dir.rstrip("/") + "/")]
+    return own[0] if own else (loaded[0] if loaded else None)
+
+
 @functools.cache
 def _openmp_region() -> Callable[[bool, int], None] | None:
     """A function running ``torch.set_flush_denormal(on)`` on each thread of the calling thread's
@@ -52,7 +70,8 @@ def _openmp_region() -> Callable[[bool, int], None] | None:
         return None
     try:
         with open("/proc/self/maps") as maps:
-            path = next((line.split()[-1] for line in maps if "libgomp" in line), None)
+            path = pytorch_libgomp([line.split()[-1] for line in maps if "libgomp" in line],
+                                   os.path.dirname(torch.__file__))
         if path is None:
             return None
         lib = ctypes.CDLL(path)
