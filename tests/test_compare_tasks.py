@@ -127,6 +127,8 @@ def test_verdicts_follow_the_stated_rule():
     assert verdict(mq, {"rope": {32: 0.95}, "alibi": {32: 0.97}}, L)[0] == "held"
     v, why = verdict(mq, {"rope": {32: 0.95}, "nope": {32: 0.4}}, L)
     assert v == "not held" and why.endswith("below: nope")
+    v, why = verdict(mq, {"rope": {32: 0.5}, "alibi": {32: 0.97}}, L)  # the setting is too small to test the claim
+    assert v == "no verdict" and why.endswith("the baseline rope is below 90% at L: not learned at this scale")
     glitch = next(x for x in EXPECTATIONS if x.glitches)
     assert verdict(glitch, {"fox": {32: 1.0, 64: 0.99}, "sba": {32: 0.9, 64: 1.0, 128: 0.98}}, L)[0] == "held"
     v, why = verdict(glitch, {"fox": {32: 0.9, 64: 1.0, 128: 1.0}, "sba": {32: 1.0, 64: 0.5}}, L)

@@ -31,6 +31,9 @@ class Expectation:
     loser: str | None = None
     threshold: float | None = None
     glitches: bool = False
+    #: with ``threshold``: the paper's baseline, which must itself reach `LEARNED` at L for a verdict
+    #: (below it the setting is too small to test the claim)
+    baseline: str | None = None
 
 
 EXPECTATIONS = (
@@ -47,7 +50,7 @@ EXPECTATIONS = (
     Expectation("counting", "CoPE beats RoPE beyond the training length", "Golovneva et al. 2024 (CoPE)",
                 "cope", "rope"),
     Expectation("mqar", "attention solves MQAR at the training length (every encoding >= 90% exact match)",
-                "Arora et al. 2023, Zoology", threshold=0.9),
+                "Arora et al. 2023, Zoology", threshold=0.9, baseline="rope"),
     Expectation("passkey", "YaRN (zero-shot, factor n/L) beats RoPE beyond the training length",
                 "Peng et al. 2023, YaRN", "yarn", "rope"),
 )
@@ -75,6 +78,9 @@ def verdict(e: Expectation, acc: dict[str, dict[int, float]], base_len: int) -> 
             return "no verdict", "no encoding ran"
         below = sorted(k for k, v in at_l.items() if not v >= e.threshold)
         detail = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(at_l.items(), key=lambda kv: -kv[1]))
+        if e.baseline in at_l and not at_l[e.baseline] >= LEARNED:
+            return "no verdict", (f"at L: {detail}; the baseline {e.baseline} is below {100 * LEARNED:.0f}% at L: "
+                                  "not learned at this scale")
         return ("held" if not below else "not held"), f"at L: {detail}" + (f"; below: {', '.join(below)}" if below else "")
     if e.winner not in acc or e.loser not in acc:
         return "no verdict", f"needs {e.winner} and {e.loser} in the grid"
