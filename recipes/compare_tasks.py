@@ -197,12 +197,17 @@ def task_settings(cfg: TasksOptions, task: str, model_cfg: dict[str, Any], data_
     ``--tasks.task_settings`` entry over them.
 
     Raises:
-        ValueError: an entry with an unknown section, or one that changes ``data.train_len``.
+        ValueError: an entry with an unknown section, a ``source`` that is not a string, or one that
+            changes ``data.train_len``.
     """
     over = dict(cfg.task_settings.get(task) or {})
     bad = sorted(set(over) - {"model", "data", "trainer", "source"})
     if bad:
         raise ValueError(f"--tasks.task_settings.{task}: unknown {bad}; known: data, model, source, trainer")
+    if not isinstance(over.get("source", ""), str):  # "a: b" on the command line reads as a mapping
+        raise ValueError(  # noqa: TRY004  a settings error, like the others here
+            f"--tasks.task_settings.{task}.source must be a string, got {over['source']!r} "
+            "(a ': ' inside it makes the command line read it as a mapping)")
     data = {**data_cfg, **(over.get("data") or {})}
     if data["train_len"] != data_cfg["train_len"]:
         raise ValueError(f"--tasks.task_settings.{task}: data.train_len is the grid's L (--data.train_len), "
