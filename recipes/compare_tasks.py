@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import lightning.pytorch as pl
 
 from posenc_lightning.callbacks import PosEncCallback, TaskEvalCallback
-from posenc_lightning.data.tasks import TASKS, TaskDataModule
+from posenc_lightning.data.tasks import TASKS, TaskDataModule, build_task
 from posenc_lightning.encodings import available_encodings
 from posenc_lightning.eval.task_report import jsonable, render_tasks
 from posenc_lightning.inject import inject
@@ -47,6 +47,12 @@ class TasksOptions:
         full: every registered encoding on every task (overrides ``tasks`` and ``encodings``).
         exclude: encodings to skip.
         task_cfg: per-task arguments, e.g. {mqar: {n_pairs: 8}}.
+        task_settings: per-task training settings over the shared ones: ``{task: {model: {...},
+            data: {...}, trainer: {max_steps: ...}, source: "the paper the setting follows"}}``;
+            ``model`` / ``data`` / ``trainer`` keys replace ``--model.*`` / ``--data.*`` /
+            ``--trainer.*`` for that task only (``data.train_len`` stays shared: L is the grid's).
+        seeds: every cell is trained once per seed (model init and training data); results show
+            the mean and the spread, and a verdict needs every seed to agree.
         encoding_cfg: per-encoding arguments, e.g. {yarn: {factor: 1.0, original_max_position_embeddings: 32}}.
         scale_with_length: encodings evaluated zero-shot with factor n/L at length n (PI/NTK/YaRN protocol).
         multiples: evaluation lengths as multiples of the training length (--data.train_len).
@@ -61,6 +67,8 @@ class TasksOptions:
     full: bool = False
     exclude: list[str] = field(default_factory=list)
     task_cfg: dict[str, dict[str, Any]] = field(default_factory=dict)
+    task_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    seeds: list[int] = field(default_factory=lambda: [0])
     encoding_cfg: dict[str, dict[str, Any]] = field(default_factory=dict)
     scale_with_length: list[str] = field(default_factory=lambda: ["yarn"])
     multiples: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
@@ -105,42 +113,51 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(cfg.num_threads)
     tasks, names = grid(cfg)
     out = Path(cfg.results_dir)
-    data_cfg = {k: v for k, v in dict(cli.config["data"]).items() if k not in ("task", "task_cfg")}
+    data_cfg = {k: v for k, v in dict(cli.config["data"]).items() if k not in ("task", "task_cfg", "seed")}
     model_cfg = {k: v for k, v in dict(cli.config["model"]).items()
                  if k not in ("encoding", "encoding_cfg", "vocab_size", "max_seq_len")}
-    seed = cli.config.get("seed_everything") or 0
     trainer_cfg = dict(cli.config["trainer"])
     barebones = bool(trainer_cfg.get("barebones"))
     L = int(data_cfg["train_len"])
     command = " ".join(["python", "recipes/compare_tasks.py", *(sys.argv[1:] if args is None else args)])
     results: dict[str, Any] = {"recipe": "compare_tasks", "title": "compare_tasks", "command": command,
                                "train_len": L, "multiples": list(cfg.multiples), "model": model_cfg,
-                               "data": data_cfg, "max_steps": trainer_cfg.get("max_steps"), "tasks": {}}
-    total, k = len(tasks) * len(names), 0
+                               "data": data_cfg, "max_steps": trainer_cfg.get("max_steps"), "seeds": list(cfg.seeds),
+                               "tasks": {}}
+    total, k = len(tasks) * len(names) * len(cfg.seeds), 0
     for task in tasks:
-        dm = TaskDataModule(task=task, task_cfg=cfg.task_cfg.get(task, {}), **data_cfg)
-        results["tasks"][task] = entry = {"config": dm.task.config(), "min_train_len": dm.min_train_len,
-                                          "exact_match": {}, "token_accuracy": {}, "failures": {}, "seconds": {},
+        t_model, t_data, t_trainer, source = task_settings(cfg, task, model_cfg, data_cfg, trainer_cfg)
+        results["tasks"][task] = entry = {"config": build_task(task, **cfg.task_cfg.get(task, {})).config(),
+                                          "source": source, "model": t_model, "data": t_data,
+                                          "max_steps": t_trainer.get("max_steps"), "exact_match": {},
+                                          "token_accuracy": {}, "by_seed": {}, "failures": {}, "seconds": {},
                                           "steps": {}, "final_loss": {}}
         for name in names:
-            k += 1
             enc_cfg = dict(cfg.encoding_cfg.get(name, {}))
-            signature = jsonable({"task": task, "task_cfg": dm.task.config(), "encoding": name, "encoding_cfg": enc_cfg,
-                                  "model": model_cfg, "data": data_cfg, "seed": seed, "multiples": list(cfg.multiples),
-                                  "scale_with_length": name in cfg.scale_with_length,
-                                  "trainer": {key: trainer_cfg.get(key) for key in ("max_steps", "precision",
-                                                                                 "gradient_clip_val")}})
-            cell_file = out / "cells" / task / f"{name}.json"
-            cell = _finished(cell_file, signature) if not cfg.retrain else None
-            if cell is not None:
-                print(f"[compare_tasks] {k}/{total} {task}/{name}: finished before, not retrained", flush=True)
-            else:
-                print(f"[compare_tasks] {k}/{total} {task}/{name}: training", flush=True)
-                cell = run_cell(cli, dm, task, name, enc_cfg, model_cfg, seed, cfg, out, barebones)
-                if "error" not in cell:
-                    cell_file.parent.mkdir(parents=True, exist_ok=True)
-                    cell_file.write_text(json.dumps(jsonable({"signature": signature, **cell}), indent=1))
-            _collect(entry, name, cell)
+            cells: dict[int, dict[str, Any]] = {}
+            for seed in cfg.seeds:
+                k += 1
+                dm = TaskDataModule(task=task, task_cfg=cfg.task_cfg.get(task, {}), seed=seed, **t_data)
+                entry["min_train_len"] = dm.min_train_len
+                signature = jsonable({"task": task, "task_cfg": dm.task.config(), "encoding": name,
+                                      "encoding_cfg": enc_cfg, "model": t_model, "data": t_data, "seed": seed,
+                                      "multiples": list(cfg.multiples), "test_examples": cfg.test_examples,
+                                      "scale_with_length": name in cfg.scale_with_length,
+                                      "trainer": {key: t_trainer.get(key) for key in ("max_steps", "precision",
+                                                                                     "gradient_clip_val")}})
+                cell_file = out / "cells" / task / name / f"seed{seed}.json"
+                cell = _finished(cell_file, signature) if not cfg.retrain else None
+                where = f"{k}/{total} {task}/{name} seed {seed}"
+                if cell is not None:
+                    print(f"[compare_tasks] {where}: finished before, not retrained", flush=True)
+                else:
+                    print(f"[compare_tasks] {where}: training", flush=True)
+                    cell = run_cell(cli, dm, Cell(task, name, seed, enc_cfg, t_model, t_trainer), cfg, out, barebones)
+                    if "error" not in cell:
+                        cell_file.parent.mkdir(parents=True, exist_ok=True)
+                        cell_file.write_text(json.dumps(jsonable({"signature": signature, **cell}), indent=1))
+                cells[seed] = cell
+            _collect(entry, name, cells)
             if pl.utilities.rank_zero.rank_zero_only.rank == 0:
                 render_tasks(results, out, heatmaps=False)  # the table so far: a stopped run still shows its cells
     if pl.utilities.rank_zero.rank_zero_only.rank == 0:
@@ -162,27 +179,65 @@ def _finished(path: Path, signature: dict[str, Any]) -> dict[str, Any] | None:
     return saved if saved.get("signature") == signature else None
 
 
-def run_cell(cli: Any, dm: TaskDataModule, task: str, name: str, enc_cfg: dict[str, Any], model_cfg: dict[str, Any],
-             seed: int, cfg: TasksOptions, out: Path, barebones: bool) -> dict[str, Any]:
-    """Train one (task, encoding) cell and evaluate it at every length: ``{exact_match: {n: acc},
+@dataclass(frozen=True)
+class Cell:
+    """One trained model of the grid: a task, an encoding, a seed and the settings it trains under."""
+
+    task: str
+    name: str
+    seed: int
+    enc_cfg: dict[str, Any]
+    model_cfg: dict[str, Any]
+    trainer_cfg: dict[str, Any]
+
+
+def task_settings(cfg: TasksOptions, task: str, model_cfg: dict[str, Any], data_cfg: dict[str, Any],
+                  trainer_cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], str]:
+    """``(model, data, trainer, source)`` of ``task``: the shared settings with the task's
+    ``--tasks.task_settings`` entry over them.
+
+    Raises:
+        ValueError: an entry with an unknown section, a ``source`` that is not a string, or one that
+            changes ``data.train_len``.
+    """
+    over = dict(cfg.task_settings.get(task) or {})
+    bad = sorted(set(over) - {"model", "data", "trainer", "source"})
+    if bad:
+        raise ValueError(f"--tasks.task_settings.{task}: unknown {bad}; known: data, model, source, trainer")
+    if not isinstance(over.get("source", ""), str):  # "a: b" on the command line reads as a mapping
+        raise ValueError(  # noqa: TRY004  a settings error, like the others here
+            f"--tasks.task_settings.{task}.source must be a string, got {over['source']!r} "
+            "(a ': ' inside it makes the command line read it as a mapping)")
+    data = {**data_cfg, **(over.get("data") or {})}
+    if data["train_len"] != data_cfg["train_len"]:
+        raise ValueError(f"--tasks.task_settings.{task}: data.train_len is the grid's L (--data.train_len), "
+                         "not a per-task setting")
+    return ({**model_cfg, **(over.get("model") or {})}, data, {**trainer_cfg, **(over.get("trainer") or {})},
+            str(over.get("source", "")))
+
+
+def run_cell(cli: Any, dm: TaskDataModule, c: Cell, cfg: TasksOptions, out: Path, barebones: bool) -> dict[str, Any]:
+    """Train one (task, encoding, seed) cell and evaluate it at every length: ``{exact_match: {n: acc},
     token_accuracy, steps, seconds, final_loss}``, or ``{error: ...}`` when the encoding cannot
     build in TinyGPT or training fails."""
     t0 = time.perf_counter()
     L = dm.train_len
-    build = {**model_cfg, "vocab_size": dm.vocab_size, "max_seq_len": L, "encoding": None}
+    build = {**c.model_cfg, "vocab_size": dm.vocab_size, "max_seq_len": L, "encoding": None}
     try:  # a dry build: an encoding that cannot run in TinyGPT is reported, the rest go on
-        inject(TinyGPT(**build), name, **enc_cfg)
+        inject(TinyGPT(**build), c.name, **c.enc_cfg)
     except Exception as e:  # noqa: BLE001
         return {"error": f"cannot build: {e}"}
-    pl.seed_everything(seed)
+    pl.seed_everything(c.seed)
     model = TinyGPT(**build)
     evaluator = TaskEvalCallback(multiples=cfg.multiples, base_len=L, examples=cfg.test_examples,
-                                 scale_with_length=name in cfg.scale_with_length)
+                                 scale_with_length=c.name in cfg.scale_with_length)
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    logger = False if barebones else TensorBoardLogger(str(out / "tb"), name=task, version=name, default_hp_metric=False)
-    trainer = cli.instantiate_trainer(logger=logger, callbacks=[PosEncCallback(name, config=enc_cfg)],
-                                      enable_checkpointing=False, limit_val_batches=0)
+    logger = False if barebones else TensorBoardLogger(str(out / "tb"), name=c.task, version=f"{c.name}_seed{c.seed}",
+                                                       default_hp_metric=False)
+    over = {k: c.trainer_cfg[k] for k in ("max_steps", "gradient_clip_val") if k in c.trainer_cfg}
+    trainer = cli.instantiate_trainer(logger=logger, callbacks=[PosEncCallback(c.name, config=c.enc_cfg)],
+                                      enable_checkpointing=False, limit_val_batches=0, **over)
     try:
         trainer.fit(model, dm)
     except Exception as e:  # noqa: BLE001  one failing cell is reported, the grid goes on
@@ -197,21 +252,35 @@ def run_cell(cli: Any, dm: TaskDataModule, task: str, name: str, enc_cfg: dict[s
                             **{f"task_eval/token_accuracy/{n}": v for n, v in evaluator.token_accuracy.items()}},
                            step=trainer.global_step)
         logger.save()
-    print(f"[compare_tasks] {task}/{name}: " + ", ".join(f"{n}: {100 * v:.0f}%" for n, v in acc.items())
+    print(f"[compare_tasks] {c.task}/{c.name} seed {c.seed}: " + ", ".join(f"{n}: {100 * v:.0f}%" for n, v in acc.items())
           + f" (loss {cell['final_loss']:.3f}, {cell['seconds']:.0f}s)", flush=True)
     return cell
 
 
-def _collect(entry: dict[str, Any], name: str, cell: dict[str, Any]) -> None:
-    if "error" in cell:
-        entry["failures"][name] = cell["error"]
+def _collect(entry: dict[str, Any], name: str, cells: dict[int, dict[str, Any]]) -> None:
+    """The encoding's row: per-seed exact match under ``by_seed``, the seeds' mean in ``exact_match``."""
+    errors = {s: c["error"] for s, c in cells.items() if "error" in c}
+    if errors:
+        entry["failures"][name] = "; ".join(f"seed {s}: {e}" for s, e in errors.items())
         return
-    entry["exact_match"][name] = {int(n): (math.nan if v is None else v) for n, v in cell["exact_match"].items()}
-    entry["token_accuracy"][name] = {int(n): (math.nan if v is None else v) for n, v in cell["token_accuracy"].items()}
-    for key in ("seconds", "steps", "final_loss"):
-        entry[key][name] = cell[key]
-    if cell.get("failures"):
-        entry["failures"][name] = "; ".join(f"{n}: {v}" for n, v in cell["failures"].items())
+
+    def table(cell: dict[str, Any], key: str) -> dict[int, float]:
+        return {int(n): (math.nan if v is None else v) for n, v in cell[key].items()}
+
+    by_seed = {s: table(c, "exact_match") for s, c in cells.items()}
+    entry["by_seed"][name] = by_seed
+    entry["exact_match"][name] = _mean([by_seed[s] for s in cells])
+    entry["token_accuracy"][name] = _mean([table(c, "token_accuracy") for c in cells.values()])
+    entry["seconds"][name] = sum(c["seconds"] for c in cells.values())
+    entry["steps"][name] = max(c["steps"] for c in cells.values())
+    entry["final_loss"][name] = sum(c["final_loss"] for c in cells.values()) / len(cells)
+    fails = [f"seed {s}: {n}: {v}" for s, c in cells.items() for n, v in (c.get("failures") or {}).items()]
+    if fails:
+        entry["failures"][name] = "; ".join(fails)
+
+
+def _mean(rows: list[dict[int, float]]) -> dict[int, float]:
+    return {n: sum(r.get(n, math.nan) for r in rows) / len(rows) for n in rows[0]}
 
 
 def _tensorboard_summary(results: dict[str, Any], out: Path, md: str) -> None:

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from posenc_lightning.eval.task_report import EXPECTATIONS, Expectation, verdict
+from posenc_lightning.eval.task_report import EXPECTATIONS, Expectation, seed_verdict, task_table, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", str(ROOT / "configs" / "compare_tasks.yaml"), "--trainer.max_steps=3",
         "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1", "--model.d_model=16", "--model.n_layers=1", "--model.n_heads=2",
         "--data.train_len=24", "--data.batch_size=4", "--tasks.tasks=[copy,mqar]", "--tasks.encodings=[nope,yarn]",
         "--tasks.multiples=[1,2]", "--tasks.test_examples=3", "--tasks.task_cfg={mqar: {n_pairs: 3}}",
+        "--tasks.seeds=[0,1]", "--tasks.task_settings={mqar: {model: {d_model: 8}, trainer: {max_steps: 2}, source: Zoology}}",
         "--tasks.encoding_cfg={yarn: {factor: 1.0, original_max_position_embeddings: 24}}"]
 
 
@@ -41,13 +42,22 @@ def test_compare_tasks_writes_results_and_skips_finished_cells(tmp_path, capsys)
     assert saved["train_len"] == 24 and saved["multiples"] == [1, 2] and set(saved["tasks"]) == {"copy", "mqar"}
     for task in ("copy", "mqar"):
         em = saved["tasks"][task]["exact_match"]
-        assert set(em) == {"nope", "yarn"} and saved["tasks"][task]["steps"] == {"nope": 3, "yarn": 3}
+        steps = 2 if task == "mqar" else 3  # mqar's task_settings entry overrides max_steps
+        assert set(em) == {"nope", "yarn"} and saved["tasks"][task]["steps"] == {"nope": steps, "yarn": steps}
         for name, row in em.items():
             assert set(row) == {"24", "48"} and all(0.0 <= v <= 1.0 for v in row.values())
             assert row == {str(n): v for n, v in r["tasks"][task]["exact_match"][name].items()}
+            seeds = saved["tasks"][task]["by_seed"][name]
+            assert set(seeds) == {"0", "1"}
+            for n in row:  # the row is the seeds' mean
+                assert row[n] == pytest.approx((seeds["0"][n] + seeds["1"][n]) / 2)
+            for s in (0, 1):
+                cell = json.loads((out / "cells" / task / name / f"seed{s}.json").read_text())
+                assert cell["exact_match"] == seeds[str(s)] and cell["signature"]["seed"] == s
         assert (out / f"heatmap_{task}.png").stat().st_size > 5_000
-        assert (out / "cells" / task / "nope.json").is_file()
     assert saved["tasks"]["mqar"]["config"] == {"n_pairs": 3, "n_keys": 32, "n_values": 32}
+    assert saved["tasks"]["mqar"]["model"]["d_model"] == 8 and saved["tasks"]["copy"]["model"]["d_model"] == 16
+    assert saved["tasks"]["mqar"]["source"] == "Zoology"
     md = (out / "results.md").read_text()
     assert "| copy | NoPE beats RoPE beyond the training length |" in md  # rope is not in this grid:
     assert "needs nope and rope in the grid" in md                     # no verdict, said so
@@ -56,23 +66,23 @@ def test_compare_tasks_writes_results_and_skips_finished_cells(tmp_path, capsys)
     from posenc_lightning.eval.compare import scalar_series
 
     series = scalar_series(out / "tb")
-    tb = series["copy/yarn"]["task_eval/exact_match/48"][-1]
-    assert tb == (3, pytest.approx(saved["tasks"]["copy"]["exact_match"]["yarn"]["48"], abs=1e-6))
-    assert "train/loss" in series["mqar/nope"]
+    tb = series["copy/yarn_seed1"]["task_eval/exact_match/48"][-1]
+    assert tb == (3, pytest.approx(saved["tasks"]["copy"]["by_seed"]["yarn"]["1"]["48"], abs=1e-6))
+    assert "train/loss" in series["mqar/nope_seed0"]
 
     stamps = {p: p.stat().st_mtime_ns for p in (out / "cells").rglob("*.json")}
     capsys.readouterr()
     again = recipe.main(args)
     log = capsys.readouterr().out
-    assert log.count("finished before, not retrained") == 4 and ": training" not in log
+    assert log.count("finished before, not retrained") == 8 and ": training" not in log
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert json.loads((out / "results.json").read_text())["tasks"] == saved["tasks"]
     assert again["tasks"]["copy"]["exact_match"] == r["tasks"]["copy"]["exact_match"]
 
     recipe.main([*args, "--tasks.tasks=[copy]", "--tasks.encodings=[nope]", "--tasks.multiples=[1,2,4]"])
     log = capsys.readouterr().out
-    assert "1/1 copy/nope: training" in log  # another evaluation grid: the cell is run again
-    assert set(json.loads((out / "cells" / "copy" / "nope.json").read_text())["exact_match"]) == {"24", "48", "96"}
+    assert "1/2 copy/nope seed 0: training" in log  # another evaluation grid: the cell is run again
+    assert set(json.loads((out / "cells" / "copy" / "nope" / "seed1.json").read_text())["exact_match"]) == {"24", "48", "96"}
 
     from posenc_lightning.cli import main as cli_main
 
@@ -106,15 +116,42 @@ def test_verdicts_follow_the_stated_rule():
     unlearned = {"nope": {32: 0.2, 64: 0.1}, "rope": {32: 0.3, 64: 0.0}}
     v, why = verdict(e, unlearned, L)
     assert v == "no verdict" and "not learned at this scale" in why
+    weak_baseline = {"nope": {32: 1.0, 64: 0.9}, "rope": {32: 0.85, 64: 0.0}}
+    v, why = verdict(e, weak_baseline, L)  # rope below 90% at L: nope's lead beyond L proves nothing
+    assert v == "no verdict" and "the baseline rope is below 90% at L" in why
+    weak_winner = {"nope": {32: 0.1, 64: 0.0}, "rope": {32: 0.95, 64: 0.2}}
+    assert verdict(e, weak_winner, L)[0] == "not held"  # the claimed encoding failed to learn: a verdict
     failing = {"nope": {32: 1.0, 64: math.nan, 128: 0.5}, "rope": {32: 1.0, 64: 0.2, 128: 0.2}}
     assert verdict(e, failing, L)[0] == "held"  # a length that cannot run is left out of the mean
     mq = next(x for x in EXPECTATIONS if x.task == "mqar")
     assert verdict(mq, {"rope": {32: 0.95}, "alibi": {32: 0.97}}, L)[0] == "held"
     v, why = verdict(mq, {"rope": {32: 0.95}, "nope": {32: 0.4}}, L)
     assert v == "not held" and why.endswith("below: nope")
+    v, why = verdict(mq, {"rope": {32: 0.5}, "alibi": {32: 0.97}}, L)  # the setting is too small to test the claim
+    assert v == "no verdict" and why.endswith("the baseline rope is below 90% at L: not learned at this scale")
     glitch = next(x for x in EXPECTATIONS if x.glitches)
     assert verdict(glitch, {"fox": {32: 1.0, 64: 0.99}, "sba": {32: 0.9, 64: 1.0, 128: 0.98}}, L)[0] == "held"
     v, why = verdict(glitch, {"fox": {32: 0.9, 64: 1.0, 128: 1.0}, "sba": {32: 1.0, 64: 0.5}}, L)
     assert v == "not held" and why.endswith(": fox")
     assert {x.task for x in EXPECTATIONS} == {"copy", "reverse", "addition", "flip_flop", "selective_copy",
                                              "counting", "mqar", "passkey"}
+
+
+def test_seeds_must_agree_for_a_verdict():
+    e = Expectation("copy", "NoPE beats RoPE", "paper", "nope", "rope")
+    L = 32
+    good = {"nope": {32: 1.0, 64: 0.6}, "rope": {32: 1.0, 64: 0.1}}
+    bad = {"nope": {32: 1.0, 64: 0.0}, "rope": {32: 1.0, 64: 0.1}}
+    both = {k: {0: good[k], 1: {32: 0.95, 64: 0.4} if k == "nope" else good[k]} for k in good}
+    v, why = seed_verdict(e, both, L)
+    assert v == "held" and why.startswith("seed 0: nope 60% vs rope 10%") and "seed 1: nope 40%" in why
+    split = {k: {0: good[k], 1: bad[k]} for k in good}
+    v, why = seed_verdict(e, split, L)
+    assert v == "no verdict" and why.startswith("the seeds disagree (seed 0 held, seed 1 not held)")
+    unlearned = {k: {0: good[k], 1: {32: 0.5, 64: 0.0}} for k in good}
+    v, why = seed_verdict(e, unlearned, L)  # seed 1's baseline did not learn the task: no common verdict
+    assert v == "no verdict" and "seed 1 no verdict" in why
+    assert seed_verdict(e, {k: {3: good[k]} for k in good}, L) == verdict(e, good, L)
+    table = task_table({"nope": {32: 0.975, 64: 0.5}}, L, {"nope": "none"}, None,
+                       {"nope": {0: {32: 1.0, 64: 0.5}, 1: {32: 0.95, 64: 0.5}}})
+    assert table.splitlines()[-1] == "| nope | none | 98 (95-100) | 50 | 50 |"

@@ -137,6 +137,21 @@ def test_mqar_queries_return_their_values():
         assert set(body) - set(pairs) - set(pairs.values()) <= {"."}
 
 
+def test_mqar_queries_with_replacement_return_their_values():
+    repeats = 0
+    for task, n, e in _examples("mqar", n_pairs=5, n_keys=8, n_values=4, distinct_queries=False):
+        toks, ans = _strip(task, e)
+        pairs = dict(zip(toks[1:11:2], toks[2:11:2]))
+        body, flags = toks[11:], ans[11:]
+        queries = [(body[i], body[i + 1]) for i in range(len(body) - 1) if body[i].startswith("k")]
+        assert len(queries) == 5 and all(pairs[k] == v for k, v in queries)
+        assert [t for t, f in zip(body, flags) if f] == [v for _, v in queries]
+        repeats += len({q for q, _ in queries}) < 5
+    assert repeats > 0  # some key is queried twice: the values answered so far do not give the rest away
+    assert build_task("mqar", distinct_queries=False).config()["distinct_queries"] is False
+    assert "distinct_queries" not in build_task("mqar").config()  # the default keeps earlier cells' signature
+
+
 def test_passkey_answer_is_the_key():
     for task, n, e in _examples("passkey", n_digits=4):
         toks, ans = _strip(task, e)

@@ -106,7 +106,7 @@ class TaskEvalCallback(pl.Callback):
             for e, f in zip(scalable, saved):
                 e.set_scale(f)
         res = metric.compute()
-        em, tok = res["exact_match"].tolist(), res["token_accuracy"].tolist()
+        em, tok = res["exact_match"].reshape(-1).tolist(), res["token_accuracy"].reshape(-1).tolist()  # one length: 0-d
         self.results = {n: math.nan if n in self.failures else em[i] for i, n in enumerate(lengths)}
         self.token_accuracy = {n: math.nan if n in self.failures else tok[i] for i, n in enumerate(lengths)}
         return self.results

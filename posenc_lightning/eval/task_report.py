@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: accuracy at the training length below which a pair is not compared (the task was not learned)
-LEARNED = 0.5
+#: exact match at the training length the baseline (an ordering's loser) must reach for a verdict:
+#: below it the task was not learned in distribution and "beyond L" compares nothing
+LEARNED = 0.9
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class Expectation:
     loser: str | None = None
     threshold: float | None = None
     glitches: bool = False
+    #: with ``threshold``: the paper's baseline, which must itself reach `LEARNED` at L for a verdict
+    #: (below it the setting is too small to test the claim)
+    baseline: str | None = None
 
 
 EXPECTATIONS = (
@@ -46,7 +50,7 @@ EXPECTATIONS = (
     Expectation("counting", "CoPE beats RoPE beyond the training length", "Golovneva et al. 2024 (CoPE)",
                 "cope", "rope"),
     Expectation("mqar", "attention solves MQAR at the training length (every encoding >= 90% exact match)",
-                "Arora et al. 2023, Zoology", threshold=0.9),
+                "Arora et al. 2023, Zoology", threshold=0.9, baseline="rope"),
     Expectation("passkey", "YaRN (zero-shot, factor n/L) beats RoPE beyond the training length",
                 "Peng et al. 2023, YaRN", "yarn", "rope"),
 )
@@ -74,6 +78,9 @@ def verdict(e: Expectation, acc: dict[str, dict[int, float]], base_len: int) -> 
             return "no verdict", "no encoding ran"
         below = sorted(k for k, v in at_l.items() if not v >= e.threshold)
         detail = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(at_l.items(), key=lambda kv: -kv[1]))
+        if e.baseline in at_l and not at_l[e.baseline] >= LEARNED:
+            return "no verdict", (f"at L: {detail}; the baseline {e.baseline} is below {100 * LEARNED:.0f}% at L: "
+                                  "not learned at this scale")
         return ("held" if not below else "not held"), f"at L: {detail}" + (f"; below: {', '.join(below)}" if below else "")
     if e.winner not in acc or e.loser not in acc:
         return "no verdict", f"needs {e.winner} and {e.loser} in the grid"
@@ -81,9 +88,26 @@ def verdict(e: Expectation, acc: dict[str, dict[int, float]], base_len: int) -> 
     bw, bl = beyond(w, base_len), beyond(lo, base_len)
     detail = (f"{e.winner} {100 * bw:.0f}% vs {e.loser} {100 * bl:.0f}% beyond L "
               f"(at L: {100 * w.get(base_len, math.nan):.0f}% vs {100 * lo.get(base_len, math.nan):.0f}%)")
-    if not max(w.get(base_len, 0.0), lo.get(base_len, 0.0)) >= LEARNED:
-        return "no verdict", detail + f"; neither reaches {100 * LEARNED:.0f}% at L: not learned at this scale"
+    if not lo.get(base_len, 0.0) >= LEARNED:
+        return "no verdict", detail + (f"; the baseline {e.loser} is below {100 * LEARNED:.0f}% at L: "
+                                       "not learned at this scale")
     return ("held" if bw > bl else "not held"), detail
+
+
+def seed_verdict(e: Expectation, by_seed: dict[str, dict[int, dict[int, float]]], base_len: int) -> tuple[str, str]:
+    """`verdict` at every seed (``by_seed``: ``{encoding: {seed: {length: exact match}}}``): the
+    common verdict when every seed gives the same one, else ``no verdict`` naming each seed's."""
+    seeds = sorted({s for r in by_seed.values() for s in r})
+    if not seeds:
+        return "no verdict", "no encoding ran"
+    each = {s: verdict(e, {k: r[s] for k, r in by_seed.items() if s in r}, base_len) for s in seeds}
+    kinds = {v for v, _ in each.values()}
+    text = "; ".join(f"seed {s}: {why}" for s, (_, why) in each.items())
+    if len(seeds) == 1:
+        return each[seeds[0]]
+    if len(kinds) == 1:
+        return kinds.pop(), text
+    return "no verdict", "the seeds disagree (" + ", ".join(f"seed {s} {v}" for s, (v, _) in each.items()) + "): " + text
 
 
 def _pct(v: float) -> str:
@@ -91,9 +115,12 @@ def _pct(v: float) -> str:
 
 
 def task_table(acc: dict[str, dict[int, float]], base_len: int, families: dict[str, str],
-               tokens: dict[str, dict[int, float]] | None = None) -> str:
+               tokens: dict[str, dict[int, float]] | None = None,
+               by_seed: dict[str, dict[int, dict[int, float]]] | None = None) -> str:
     """Markdown: one row per encoding (grouped by family, best first), exact match % per length,
-    and (given ``tokens``, answer-token accuracy per length) answer-token accuracy at L and beyond."""
+    and (given ``tokens``, answer-token accuracy per length) answer-token accuracy at L and beyond.
+    Given ``by_seed`` (``{encoding: {seed: {length: exact match}}}``) with several seeds, a cell
+    is the seeds' mean with their range, ``mean (min-max)``, where they differ."""
     from posenc_lightning.eval.plots import FAMILY_ORDER
 
     lengths = sorted({n for r in acc.values() for n in r})
@@ -103,13 +130,21 @@ def task_table(acc: dict[str, dict[int, float]], base_len: int, families: dict[s
     head += " tokens at L | tokens beyond L |" if tokens else ""
     lines = [head, "|" + "---|" * (len(lengths) + 3 + (2 if tokens else 0))]
     for k in rows:
-        cells = " | ".join(_pct(acc[k].get(n, math.nan)) for n in lengths)
+        runs = list((by_seed or {}).get(k, {}).values())
+        cells = " | ".join(_spread(acc[k].get(n, math.nan), [r.get(n, math.nan) for r in runs]) for n in lengths)
         line = f"| {k} | {families.get(k, 'other')} | {cells} | {_pct(beyond(acc[k], base_len))} |"
         if tokens:
             t = tokens.get(k, {})
             line += f" {_pct(t.get(base_len, math.nan))} | {_pct(beyond(t, base_len))} |"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _spread(mean: float, runs: list[float]) -> str:
+    """``mean`` in percent, with the runs' range when there are several and they differ."""
+    if len(runs) < 2 or not all(math.isfinite(v) for v in runs) or _pct(min(runs)) == _pct(max(runs)):
+        return _pct(mean)
+    return f"{_pct(mean)} ({_pct(min(runs))}-{_pct(max(runs))})"
 
 
 def _score(r: dict[int, float], base_len: int) -> float:
@@ -178,11 +213,14 @@ def render_tasks(results: dict[str, Any], out_dir: str | Path, heatmaps: bool = 
     for r in tasks.values():  # lengths as ints, NaN for null: results read back from results.json render too
         for key in ("exact_match", "token_accuracy"):
             r[key] = {k: {int(n): _num(v) for n, v in a.items()} for k, a in (r.get(key) or {}).items()}
+        r["by_seed"] = {k: {int(s): {int(n): _num(v) for n, v in a.items()} for s, a in per.items()}
+                        for k, per in (r.get("by_seed") or {}).items()}
     fam = families_of(sorted({k for t in tasks.values() for k in t["exact_match"]}))
     checks = []
     for e in EXPECTATIONS:
         if e.task in tasks:
-            v, why = verdict(e, tasks[e.task]["exact_match"], L)
+            r = tasks[e.task]
+            v, why = (seed_verdict(e, r["by_seed"], L) if r.get("by_seed") else verdict(e, r["exact_match"], L))
             checks.append({"task": e.task, "claim": e.claim, "source": e.source, "verdict": v, "measured": why})
     results["expectations"] = checks
     md = [f"# {results.get('title', 'compare_tasks')}", "",
@@ -191,6 +229,10 @@ def render_tasks(results: dict[str, Any], out_dir: str | Path, heatmaps: bool = 
           f"{'/'.join(str(m) for m in results.get('multiples', []))}; a sequence counts when every answer token is "
           f"the model's argmax. \"tokens\": the share of answer tokens right (at L, and the mean beyond L). "
           f"{results.get('notes', '')}".rstrip(), ""]
+    if len(results.get("seeds") or []) > 1:
+        md += [(f"Seeds {', '.join(map(str, results['seeds']))}: a cell is their mean, with their range where they "
+               f"differ; an ordering gets a verdict only where every seed gives the same one and its baseline "
+               f"reaches {100 * LEARNED:.0f}% at L."), ""]
     if results.get("command"):
         md += [f"Command: `{results['command']}`", ""]
     if checks:
@@ -202,7 +244,9 @@ def render_tasks(results: dict[str, Any], out_dir: str | Path, heatmaps: bool = 
         acc = r["exact_match"]
         about = (f"Task arguments: `{json.dumps(r.get('config', {}))}`; training lengths "
                  f"{r.get('min_train_len', '?')}..{L}; {_steps(r)}.")
-        md += [f"## {t}", "", about, "", task_table(acc, L, fam, r["token_accuracy"]), ""]
+        if r.get("source"):
+            about += f" Setting: {r['source']}."
+        md += [f"## {t}", "", about, "", task_table(acc, L, fam, r["token_accuracy"], r["by_seed"]), ""]
         if r.get("failures"):
             md += ["Failures: " + "; ".join(f"{k}: {v}" for k, v in r["failures"].items()), ""]
         if heatmaps:

@@ -50,20 +50,29 @@ class FlipFlop(Task):
 
 
 class MQAR(Task):
-    """``n_pairs`` key-value pairs ``k v``, then every key queried once, in random order, each
-    query ``k v`` at a random place in the rest of the sequence (blanks ``.`` between them). The
-    queried values are the answers. Longer inputs put more blanks between the pairs and queries.
+    """``n_pairs`` key-value pairs ``k v``, then ``n_pairs`` queries ``k v``, each at a random
+    place in the rest of the sequence (blanks ``.`` between them). The queried values are the
+    answers. Longer inputs put more blanks between the pairs and queries.
+
+    In Zoology (Arora et al. 2023) a query is the key alone, its value a label the input never
+    shows. Here the answer is the next input token, so with every key queried once
+    (``distinct_queries``) an answer is partly given away by the values already answered (the
+    last query has one value left): a 2-layer model settles on that shortcut (about half the
+    answers right with 4 pairs) instead of recall. ``distinct_queries=False`` draws the queried
+    keys with replacement, which removes the shortcut as Zoology's hidden labels do.
 
     Args:
         n_pairs: key-value pairs (distinct keys).
         n_keys: key vocabulary.
         n_values: value vocabulary.
+        distinct_queries: query every key once, in random order (else keys drawn with replacement).
     """
 
     name = "mqar"
 
-    def __init__(self, n_pairs: int = 6, n_keys: int = 32, n_values: int = 32) -> None:
+    def __init__(self, n_pairs: int = 6, n_keys: int = 32, n_values: int = 32, distinct_queries: bool = True) -> None:
         check_positive(self.name, n_pairs=n_pairs, n_keys=n_keys, n_values=n_values)
+        self.distinct_queries = bool(distinct_queries)
         if n_pairs > n_keys:
             raise ValueError(f"mqar: n_pairs={n_pairs} needs n_keys >= n_pairs (keys are distinct); got n_keys={n_keys}")
         self.n_pairs, self.n_keys, self.n_values = n_pairs, n_keys, n_values
@@ -74,7 +83,10 @@ class MQAR(Task):
         return 4 * self.n_pairs
 
     def config(self) -> dict[str, Any]:
-        return {"n_pairs": self.n_pairs, "n_keys": self.n_keys, "n_values": self.n_values}
+        cfg: dict[str, Any] = {"n_pairs": self.n_pairs, "n_keys": self.n_keys, "n_values": self.n_values}
+        if not self.distinct_queries:  # the default stays out of the record: earlier cells keep their signature
+            cfg["distinct_queries"] = False
+        return cfg
 
     def _build(self, rng: np.random.Generator, total: int) -> tuple[list[int], list[bool]]:
         d = self.n_pairs
@@ -84,7 +96,8 @@ class MQAR(Task):
         slots = sorted(int(s) for s in rng.choice(rest // 2, size=d, replace=False))
         body = [self.id(".")] * rest
         ans = [False] * rest
-        for slot, q in zip(slots, rng.permutation(d)):
+        order = rng.permutation(d) if self.distinct_queries else rng.integers(d, size=d)
+        for slot, q in zip(slots, order):
             body[2 * slot], body[2 * slot + 1] = keys[q], values[q]
             ans[2 * slot + 1] = True
         pairs = [t for kv in zip(keys, values) for t in kv]
