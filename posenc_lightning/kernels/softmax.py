@@ -96,6 +96,24 @@ def _window_split(m0, full, q_offset, window, BM: tl.constexpr, BN: tl.constexpr
 
 
 @triton.jit
+def _query_block_tiles(m0, Nk, q_offset, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr):
+    """``(lo, full, edge, end, gap)`` of the key tiles of the query block at ``m0``: unmasked
+    ``[lo, full)``; masked ``[edge, lo)`` and ``[full, end)``, walked by one loop that jumps ``gap``
+    (`_key_split`; with ``WINDOW``, `_window_split`: the tiles before ``edge`` lie below the window of
+    every row and are never visited, O(N W) work)."""
+    full, end = _key_split(m0, Nk, q_offset, CAUSAL, BM, BN)
+    lo = 0
+    edge = full
+    gap = 0
+    if WINDOW:
+        edge, lo = _window_split(m0, full, q_offset, window, BM, BN)
+        gap = full - lo
+        end = end - gap
+    return lo, full, edge, end, gap
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
                 H, GROUP, Nq, Nk, D, scale, qk_scale, q_offset, window, q_start, k_start,
                 QSEG, KSEG, KVALID,
@@ -125,16 +143,9 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, so
     m_i = tl.full((BM,), float("-inf"), ACC)
     l_i = tl.zeros((BM,), ACC)
     acc = tl.zeros((BM, BD), ACC)
-    full, end = _key_split(m0, Nk, q_offset, CAUSAL, BM, BN)
+    lo, full, edge, end, gap = _query_block_tiles(m0, Nk, q_offset, window, CAUSAL, WINDOW, BM, BN)
     Kh = K + b * skb + hk * skh
     Vh = V + b * svb + hk * svh
-    lo = 0  # unmasked key tiles [lo, full); masked [edge, lo) and [full, end), one loop jumping the gap
-    edge = full
-    gap = 0
-    if WINDOW:  # tiles before `edge` lie below the window of every row: never visited (O(N W) work)
-        edge, lo = _window_split(m0, full, q_offset, window, BM, BN)
-        gap = full - lo
-        end = end - gap
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, lo, full, lo, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
                                skn, svn, Nk, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th,
                                DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 0, CAUSAL, WINDOW, HAS_SEG,
@@ -369,16 +380,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DCQ,
         cq2 = tl.load(CQ + b * s_cqb + h * s_cqh + offs_m, mask=m_mask, other=0.0).to(ACC) * log2e(ACC)
     dq = tl.zeros((BM, BD), ACC)
     dcq = tl.zeros((BM,), ACC)
-    full, end = _key_split(m0, Nk, q_offset, CAUSAL, BM, BN)
+    lo, full, edge, end, gap = _query_block_tiles(m0, Nk, q_offset, window, CAUSAL, WINDOW, BM, BN)
     Kh = K + b * skb + hk * skh
     Vh = V + b * svb + hk * svh
-    lo = 0  # unmasked key tiles [lo, full); masked [edge, lo) and [full, end), one loop jumping the gap
-    edge = full
-    gap = 0
-    if WINDOW:  # tiles before `edge` lie below the window of every row: never visited (O(N W) work)
-        edge, lo = _window_split(m0, full, q_offset, window, BM, BN)
-        gap = full - lo
-        end = end - gap
     dq, dcq = _dq_tiles(dq, dcq, q, do, lse, delta, lo, full, lo, gap, h, offs_m, m_mask, offs_d, d_mask, qp, cq2, Kh, Vh,
                         skn, svn, Nk, qk_scale, q_offset, window, QSEG + b * Nq, KSEG + b * Nk, KVALID + b * Nk, KP + b * Nk, k_start, CK + b * s_ckb + h * s_ckh, SLOPES, TABLE, RMAX, s_th, DENSE + b * s_db + h * s_dh, s_dm, TILE, TILE_W, H, tile_eps, 0, CAUSAL, WINDOW, HAS_SEG, HAS_KVALID, HAS_LIN, HAS_REL,
                         HAS_DEC, HAS_DENSE, HAS_TILE, TILE_VALUE, POS_RANGE, DOT_T, PREC, BM, BN, ACC, mod_a, mod_floor, HAS_MOD)
