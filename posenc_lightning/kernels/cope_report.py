@@ -10,14 +10,13 @@ Run as ``python -m posenc_lightning.kernels.cope_report [--check] [--json PATH]`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from posenc_lightning.kernels.resource_report import TARGETS, WORST_CASES, compile_launch, format_table
+from posenc_lightning.kernels.resource_report import TARGETS, WORST_CASES, compile_launch, emit
 
 KINDS = ("cope_fwd", "cope_bwd_dq", "cope_bwd_dkdv")
 #: the integer positions of the example launch (CoPE's default ``max_position``)
@@ -84,12 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("unset TRITON_INTERPRET: the interpreter cannot compile for GPU targets", file=sys.stderr)
         return 2
-    rows = run_all(tuple(a.kinds), a.jobs, not a.no_ptxas)
-    print(format_table(rows))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 1 if a.check and not all(r["ok"] for r in rows) else 0
+    return emit(run_all(tuple(a.kinds), a.jobs, not a.no_ptxas), a.json, a.check)
 
 
 if __name__ == "__main__":

@@ -272,6 +272,24 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def emit(rows: list[dict], json_path: str | None, check: bool) -> int:
+    """Print ``rows`` as the report's table, write them as JSON to ``json_path`` (if given).
+
+    Args:
+        rows: `compile_launch` rows.
+        json_path: where to write them as JSON, or None.
+        check: fail on any row that did not compile cleanly.
+
+    Returns:
+        The exit status: 1 when ``check`` and a row is not ok, else 0.
+    """
+    print(format_table(rows))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if check and not all(r["ok"] for r in rows) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="exit 1 on any compile error or shared memory overflow")
@@ -290,11 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = run_all(a.jobs, not a.no_ptxas, tuple(a.without), a.window, kinds=tuple(a.kinds or all_kinds()), head_dims=tuple(a.head_dims), dtypes=tuple(a.dtypes),
                    worst_only=a.worst_only)
-    print(format_table(rows))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 1 if a.check and not all(r["ok"] for r in rows) else 0
+    return emit(rows, a.json, a.check)
 
 
 if __name__ == "__main__":
