@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 from posenc_lightning.callbacks import PosEncCallback, TaskEvalCallback
 from posenc_lightning.data.tasks import TASKS, TaskDataModule, build_task
 from posenc_lightning.encodings import available_encodings
+from posenc_lightning.encodings.presets import available_presets
 from posenc_lightning.eval.task_report import jsonable, render_tasks
 from posenc_lightning.inject import inject
 from posenc_lightning.models import TinyGPT
@@ -96,9 +97,10 @@ def grid(cfg: TasksOptions) -> tuple[list[str], list[str]]:
     bad = [t for t in tasks if t not in TASKS]
     if bad:
         raise ValueError(f"--tasks.tasks: unknown {bad}; known tasks: {sorted(TASKS)}")
-    unknown = [n for n in names if n not in available_encodings()]
+    known = available_encodings() + available_presets()  # a preset is a layer schedule by name
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"--tasks.encodings: unknown {unknown}; known: {available_encodings()}")
+        raise ValueError(f"--tasks.encodings: unknown {unknown}; known: {known}")
     return tasks, names
 
 

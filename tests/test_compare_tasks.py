@@ -59,8 +59,8 @@ def test_compare_tasks_writes_results_and_skips_finished_cells(tmp_path, capsys)
     assert saved["tasks"]["mqar"]["model"]["d_model"] == 8 and saved["tasks"]["copy"]["model"]["d_model"] == 16
     assert saved["tasks"]["mqar"]["source"] == "Zoology"
     md = (out / "results.md").read_text()
-    assert "| copy | NoPE beats RoPE beyond the training length |" in md  # rope is not in this grid:
-    assert "needs nope and rope in the grid" in md                     # no verdict, said so
+    assert "NoPE beats RoPE" not in md  # rope is not in this grid: an ordering it cannot judge is not listed
+    assert "| mqar | attention solves MQAR at the training length" in md  # a threshold judges any grid
     assert "| nope | none |" in md and "| yarn | rotate |" in md and "2x (48)" in md
 
     from posenc_lightning.eval.compare import scalar_series
@@ -135,6 +135,12 @@ def test_verdicts_follow_the_stated_rule():
     assert v == "not held" and why.endswith(": fox")
     assert {x.task for x in EXPECTATIONS} == {"copy", "reverse", "addition", "flip_flop", "selective_copy",
                                              "counting", "mqar", "passkey"}
+    # the layer schedules' and PaTH's orderings name registered encodings
+    from posenc_lightning.encodings import available_encodings
+    from posenc_lightning.encodings.presets import available_presets
+
+    named = {n for x in EXPECTATIONS for n in (x.winner, x.loser) if n is not None}
+    assert {"rnope_swa", "irope", "path"} <= named <= set(available_encodings() + available_presets())
 
 
 def test_seeds_must_agree_for_a_verdict():
