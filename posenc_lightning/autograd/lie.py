@@ -225,7 +225,7 @@ def lie_rotate_pair_op(q: Tensor, k: Tensor, basis: Tensor, freq: Tensor, pos_q:
     if _triton_ready(q, basis):
         from posenc_lightning.autograd.lie_triton import lie_pair_forward
 
-        return lie_pair_forward(q, k, basis, freq, pos_q, pos_k)
+        return lie_pair_forward(q, k, _lie_out(q), _lie_out(k), basis, freq, pos_q, pos_k)
     outs = []
     for x, pos in ((q, pos_q), (k, pos_k)):
         cm1, sin = lie_tables(lie_angles(pos, freq), basis.dtype)
@@ -248,7 +248,9 @@ def lie_rotate_pair_backward_op(q: Tensor, k: Tensor, basis: Tensor, freq: Tenso
     if _triton_ready(q, basis):
         from posenc_lightning.autograd.lie_triton import lie_pair_backward
 
-        return lie_pair_backward(q, k, basis, freq, pos_q, pos_k, gq, gk, need_params)
+        dq, dk = _lie_out(q), _lie_out(k)
+        db, df = lie_pair_backward(q, k, gq, gk, dq, dk, basis, freq, pos_q, pos_k, need_params)
+        return dq, dk, db, df
     grads, db, df = [], None, None
     for x, pos, g in ((q, pos_q, gq), (k, pos_k, gk)):
         angles = lie_angles(pos, freq)
