@@ -203,8 +203,9 @@ def lie_tables(angles: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 
 def _triton_ready(x: Tensor, basis: Tensor) -> bool:
     """The Triton launch applies: CUDA, triton installed, a head of at most 128 channels (a
-    token's ``D x D`` product in one program), float32 or float64 math."""
-    if x.device.type != "cuda" or x.shape[-1] > 128 or basis.dtype not in (torch.float32, torch.float64):
+    token's ``D x D`` product in one program), float32 math (float64, for checks, takes the torch
+    math: the kernel's float64 products are sums of ``[rows, D, D/2]`` products, correct but slow)."""
+    if x.device.type != "cuda" or x.shape[-1] > 128 or basis.dtype != torch.float32:
         return False
     try:
         import triton  # noqa: F401

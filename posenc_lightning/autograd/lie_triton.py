@@ -198,9 +198,18 @@ def _pos_strides(pos: Tensor) -> tuple[int, int, int]:
     return sb, pos.stride(1), pos.stride(2) if pos.dim() == 3 else 0
 
 
-def _sizes(q: Tensor, basis: Tensor, freq: Tensor, block_t: int) -> dict[str, int | bool]:
+#: warps of a program by ``(backward, BLOCK_D)``: the float32 products run as FMA (IEEE precision), with
+#: the basis halves and (backward) the ``dQ`` sums held in registers. ptxas for sm90 (float32, 16 rows,
+#: one axis): forward 0 spill bytes up to D = 64, 1356 stored / 1356 loaded at D = 128; backward 0 at
+#: D = 16, 48 / 24 at 32, 184 / 104 at 64, 4724 / 4132 at 128 (4 warps there spill 5x to 20x more)
+WARPS = {(False, 16): 4, (False, 32): 4, (False, 64): 4, (False, 128): 8,
+         (True, 16): 4, (True, 32): 4, (True, 64): 8, (True, 128): 8}
+
+
+def _sizes(q: Tensor, basis: Tensor, freq: Tensor, block_t: int, backward: bool) -> dict[str, int | bool]:
     d = q.shape[-1]
-    return {"A": freq.shape[0], "MB": freq.shape[-1], "DOT": basis.dtype != torch.float64, "BLOCK_T": block_t,
+    block_d = max(16, triton.next_power_of_2(d))
+    return {"num_warps": WARPS[(backward, block_d)],"A": freq.shape[0], "MB": freq.shape[-1], "DOT": basis.dtype != torch.float64, "BLOCK_T": block_t,
             "BLOCK_D": max(16, triton.next_power_of_2(d)), "BLOCK_M": max(16, triton.next_power_of_2(d // 2)),
             "BLOCK_A": triton.next_power_of_2(freq.shape[0])}
 
@@ -225,7 +234,7 @@ def lie_pair_forward(q: Tensor, k: Tensor, qo: Tensor, ko: Tensor, basis: Tensor
     _lie_forward_kernel[(progs_q + progs_k,)](
         q, k, qo, ko, basis, freq, pos_q, pos_k, rows_q, rows_k, progs_q, q.shape[1], q.shape[2], k.shape[1],
         k.shape[2], d, d // 2, *q.stride(), *k.stride(), *qo.stride()[:3], *ko.stride()[:3], *_pos_strides(pos_q),
-        *_pos_strides(pos_k), *freq.stride(), **_sizes(q, basis, freq, block_t))
+        *_pos_strides(pos_k), *freq.stride(), **_sizes(q, basis, freq, block_t, False))
     return qo, ko
 
 
@@ -251,5 +260,5 @@ def lie_pair_backward(q: Tensor, k: Tensor, gq: Tensor, gk: Tensor, dq: Tensor, 
         q, k, gq, gk, dq, dk, basis, freq, pos_q, pos_k, db, df, rows_q, rows_k, progs_q, progs_k,
         q.shape[1], q.shape[2], k.shape[1], k.shape[2], d, d // 2, *q.stride(), *k.stride(), *gq.stride(),
         *gk.stride(), *dq.stride()[:3], *dk.stride()[:3], *_pos_strides(pos_q), *_pos_strides(pos_k),
-        *freq.stride(), NEED=need_params, **_sizes(q, basis, freq, block_t))
+        *freq.stride(), NEED=need_params, **_sizes(q, basis, freq, block_t, True))
     return db, df
