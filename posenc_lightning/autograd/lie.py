@@ -57,7 +57,7 @@ def token_major(x: Tensor) -> bool:
 
 
 def _lie_forward(x: Tensor, q: Tensor, cosm1: Tensor, sin: Tensor) -> tuple[Tensor, bool]:
-    """``x + Q (R - I) Q^T x`` and whether ``x`` was token-major (`LieRotation`)."""
+    """``x + Q (R - I) Q^T x`` and whether ``x`` was token-major (the torch math of `lie_rotate_pair_op`)."""
     t = token_major(x)
     c, s = (cosm1[:, :, None], sin[:, :, None]) if t else (cosm1[:, None], sin[:, None])
     xl = (x.transpose(1, 2) if t else x).to(q.dtype)

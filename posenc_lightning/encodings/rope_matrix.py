@@ -51,7 +51,10 @@ class _Planes:
     """One `lie_planes` result and what it was computed from: the generator tensors themselves
     (identity), their ``_version`` (bumped by every in-place change: an optimizer step, ``copy_``,
     ``load_state_dict``), storage and dtype, and the compute dtype. ``graph``: the outputs carry the
-    generators' autograd graph; ``spent`` once that graph's backward ran (its saved tensors freed)."""
+    generators' autograd graph; ``spent`` once that graph's backward ran (its saved tensors freed).
+    A change through ``.data`` bumps no version and is not seen: change the generators in place
+    under ``torch.no_grad()``, as optimizers and ``load_state_dict`` do (``train()``/``eval()``
+    and ``load_state_dict`` also drop the entry)."""
 
     __slots__ = ("basis", "freq", "graph", "key", "spent", "tensors")
 
