@@ -48,7 +48,7 @@ def _pair_inputs(dtype: torch.dtype, d: int, blocks: int, axes: int):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("d,blocks,axes", [(16, 1, 1), (32, 4, 2)])
+@pytest.mark.parametrize("d,blocks,axes", [(16, 1, 1), (32, 4, 2), (96, 3, 1)])  # 96: padded to 128 channels
 @pytest.mark.parametrize("need_params", [True, False])
 def test_the_triton_launches_equal_the_torch_math(dtype, d, blocks, axes, need_params):
     _interpret()
