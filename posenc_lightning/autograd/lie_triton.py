@@ -200,10 +200,11 @@ def _pos_strides(pos: Tensor) -> tuple[int, int, int]:
 
 #: warps of a program by ``(backward, BLOCK_D)``: the float32 products run as FMA (IEEE precision), with
 #: the basis halves and (backward) the ``dQ`` sums held in registers. ptxas for sm90 (float32, 16 rows,
-#: one axis): forward 0 spill bytes up to D = 64, 1356 stored / 1356 loaded at D = 128; backward 0 at
-#: D = 16, 48 / 24 at 32, 184 / 104 at 64, 4724 / 4132 at 128 (4 warps there spill 5x to 20x more)
+#: one axis), spill bytes stored / loaded: forward 0 up to D = 64, 1356 / 1356 at D = 128; backward 0 up
+#: to D = 32, 184 / 104 at 64, 3320 / 2952 at 128 (4724 / 4132 with 8 warps; chunking D or 3xTF32
+#: products spilled more or overran shared memory)
 WARPS = {(False, 16): 4, (False, 32): 4, (False, 64): 4, (False, 128): 8,
-         (True, 16): 4, (True, 32): 4, (True, 64): 8, (True, 128): 8}
+         (True, 16): 4, (True, 32): 8, (True, 64): 8, (True, 128): 16}
 
 
 def _sizes(q: Tensor, basis: Tensor, freq: Tensor, block_t: int, backward: bool) -> dict[str, int | bool]:
