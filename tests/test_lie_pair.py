@@ -164,3 +164,49 @@ def test_a_state_dict_load_changes_the_planes():
         _rotate(enc)
         enc.load_state_dict(other.state_dict())
         torch.testing.assert_close(_rotate(enc)[0], _rotate(other)[0], rtol=0, atol=0)
+
+
+_COMPILE = """
+import json, sys, torch
+from posenc_lightning.autograd import lie_triton as lt
+from posenc_lightning.kernels.resource_report import compile_launch
+
+def spec(kernel, d, backward):
+    def make(dtype):
+        vals = {"A": 2, "MB": 4, "DOT": True, "BLOCK_T": 16, "BLOCK_D": d, "BLOCK_M": d // 2, "BLOCK_A": 2,
+                "NEED": True, "BM": 16, "BN": 0}
+        for p in kernel.params:
+            if p.name in vals:
+                continue
+            if p.name in ("FREQ", "DF"):
+                vals[p.name] = torch.zeros(1, dtype=torch.float64)
+            elif p.name in ("PQ", "PK"):
+                vals[p.name] = torch.zeros(1, dtype=torch.int64)
+            elif p.name in ("Q", "K", "QO", "KO", "GQ", "GK", "DQ", "DK", "BASIS", "DB"):
+                vals[p.name] = torch.zeros(1, dtype=dtype)
+            else:
+                vals[p.name] = 64
+        return kernel, vals, lt.WARPS[(backward, d)], 1
+    return make
+
+rows = [compile_launch(name, d, "float32", cc, spec(kernel, d, name == "bwd"), ptxas=False)
+        for name, kernel in (("fwd", lt._lie_forward_kernel), ("bwd", lt._lie_backward_kernel))
+        for d in (32, 128) for cc in (80, 90)]
+print(json.dumps(rows))
+"""
+
+
+def test_the_launches_compile_for_sm80_and_sm90():
+    """Both kernels compile for real targets without a GPU (a subprocess: the interpreter is on
+    here), at a small and the largest head size, within the targets' shared memory."""
+    pytest.importorskip("triton")
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    r = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=900,
+                       check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(rows) == 8 and all(row["ok"] for row in rows), [row for row in rows if not row["ok"]]
