@@ -169,9 +169,10 @@ def test_functional_is_formulas_without_autograd_functions():
 
     assert functions(ROOT / "autograd" / "rotary.py")  # the check sees a Function where there is one
     assert [f for p in sorted((ROOT / "functional").glob("*.py")) for f in functions(p)] == []
-    # autograd imports nothing of the package but itself: the rotation's Triton launch, on CUDA only
+    # autograd imports nothing of the package but itself: the rotations' Triton launches, on CUDA only
     assert GRAPH[f"{PKG}.autograd.rotary"] == {f"{PKG}.autograd.rotary_triton"}
-    assert GRAPH[f"{PKG}.autograd.rotary_triton"] == set() and GRAPH[f"{PKG}.autograd.lie"] == set()
+    assert GRAPH[f"{PKG}.autograd.lie"] == {f"{PKG}.autograd.lie_triton"}
+    assert GRAPH[f"{PKG}.autograd.rotary_triton"] == set() and GRAPH[f"{PKG}.autograd.lie_triton"] == set()
 
 
 

@@ -16,7 +16,6 @@ Positions may be ``[B, N]`` (read as ``[B, N, 1]``; needs ``n_axes = 1``) or ``[
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -25,10 +24,10 @@ from torch import Tensor, nn
 from posenc_lightning.encodings.base import AttentionContext, Encoding
 from posenc_lightning.encodings.registry import register
 from posenc_lightning.functional.lie_rotary import (
-    DECOMPOSITION_DTYPE,
     canonical_basis,
+    lie_planes,
+    lie_planes_traceable,
     lie_rotate_pair,
-    lie_tables,
     matrix_exp_rotate,
     relative_spectral_gap,
     skew,
@@ -46,6 +45,44 @@ MIN_RELATIVE_GAP = 1e-6
 
 def _recheck(module: MatrixRotary, _incompatible: Any) -> None:
     module.check_spectrum()
+
+
+class _Planes:
+    """One `lie_planes` result and what it was computed from: the generator tensors themselves
+    (identity), their ``_version`` (bumped by every in-place change: an optimizer step, ``copy_``,
+    ``load_state_dict``), storage and dtype, and the compute dtype. ``graph``: the outputs carry the
+    generators' autograd graph; ``spent`` once that graph's backward ran (its saved tensors freed).
+    A change through ``.data`` bumps no version and is not seen: change the generators in place
+    under ``torch.no_grad()``, as optimizers and ``load_state_dict`` do (``train()``/``eval()``
+    and ``load_state_dict`` also drop the entry)."""
+
+    __slots__ = ("basis", "freq", "graph", "key", "spent", "tensors")
+
+    def __init__(self, tensors: tuple[Tensor, ...], dtype: torch.dtype, graph: bool) -> None:
+        self.tensors, self.key, self.graph, self.spent = tensors, _planes_key(tensors, dtype), graph, False
+        self.basis: Tensor | None = None
+        self.freq: Tensor | None = None
+
+    def serves(self, tensors: tuple[Tensor, ...], dtype: torch.dtype, graph: bool) -> bool:
+        return (not self.spent and (self.graph or not graph) and len(tensors) == len(self.tensors)
+                and all(a is b for a, b in zip(tensors, self.tensors)) and self.key == _planes_key(tensors, dtype))
+
+    def spend(self) -> None:
+        self.spent = True
+
+    def __deepcopy__(self, memo: dict) -> None:  # a copy of the module computes its own
+        return None
+
+    def __reduce__(self) -> tuple:  # nor is it saved with the module
+        return _no_planes, ()
+
+
+def _no_planes() -> None:
+    return None
+
+
+def _planes_key(tensors: tuple[Tensor, ...], dtype: torch.dtype) -> tuple:
+    return (dtype, *((t._version, t.data_ptr(), t.dtype, t.device) for t in tensors))
 
 
 class MatrixRotary(Encoding):
@@ -76,9 +113,10 @@ class MatrixRotary(Encoding):
         self.exact = bool(exact)
         #: the eigenbasis path is in use (a Python bool: decided by `check_spectrum`, never in rotate)
         self.fast_path = False
-        #: ``(ctx weakref, basis, tables_q, tables_k)`` of the last training call, detached: attention's backward
-        #: rotates q and k again with them (`attention.recompute`) instead of decomposing the generators again
-        self._recompute_memo: tuple | None = None
+        #: the last `planes` (eager only): shared by every call until the generators change or, when it
+        #: carries their graph, until that graph's backward ran: layers sharing the encoding, attention's
+        #: recompute in backward (`attention.recompute`) and frozen or inference calls decompose once
+        self._planes: _Planes | None = None
         self.register_load_state_dict_post_hook(_recheck)
 
     @property
@@ -120,6 +158,18 @@ class MatrixRotary(Encoding):
             raise ValueError(f"{self.name}: positions have {positions.shape[-1]} coordinates, n_axes={self.n_axes}")
         return positions
 
+    def _check_axes(self, positions: Tensor) -> None:
+        """`_positions`' checks without its view (shapes only: no operator)."""
+        if positions.dim() == 2 and self.n_axes != 1:
+            raise ValueError(f"{self.name} has n_axes={self.n_axes}: pass positions [B, N, {self.n_axes}]")
+        if positions.dim() == 3 and positions.shape[-1] != self.n_axes:
+            raise ValueError(f"{self.name}: positions have {positions.shape[-1]} coordinates, n_axes={self.n_axes}")
+
+    def _math_dtype(self, *xs: Tensor) -> torch.dtype:
+        """`_dtype` without ``torch.promote_types`` (a dispatched operator): float64 if the weights or
+        an input are, else float32."""
+        return torch.float64 if any(t.dtype == torch.float64 for t in (self.weight, *xs)) else torch.float32
+
     def _dtype(self, *xs: Tensor) -> torch.dtype:
         dt = torch.promote_types(self.weight.dtype, torch.float32)
         for x in xs:
@@ -144,17 +194,29 @@ class MatrixRotary(Encoding):
         return out
 
     # ---------------------------------------------------------------- the eigenbasis path
+    def plane_inputs(self) -> tuple[Tensor, Tensor | None]:
+        """``(W, c)`` for `lie_planes`: raw generator weights ``[(1,) K, b, b]`` whose skew parts are
+        the directions ``P_k``, and the axis weights (``[A, K]``, ``[A]``, or None for ``c = 1``),
+        as stored (no operator: `directions` is the same as matrices)."""
+        raise NotImplementedError
+
     def planes(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``(Q [D, D] in dtype, F [n_axes, D/2] float64)``: the rotation of a token at ``x`` is RoPE
-        with angles ``x @ F`` (half layout) in the orthonormal basis ``Q`` (block diagonal up to
-        a column order: plane ``k * b/2 + j`` is block k's j-th eigen-plane)."""
-        p, c = self.directions()
-        q, mu = canonical_basis(p)  # [K, b, b], [K, b/2]
-        k, b = q.shape[0], q.shape[-1]
-        order = torch.arange(k * b, device=q.device).view(k, 2, b // 2).transpose(0, 1).reshape(-1)
-        basis = torch.block_diag(*q.unbind(0))[:, order].to(dtype)
-        freq = (c.to(DECOMPOSITION_DTYPE)[:, :, None] * mu[None]).flatten(1)
-        return basis, freq
+        """``(Q [D, D] in dtype, F [n_axes, K, b/2] float64)``: the rotation of a token at ``x`` is RoPE
+        with angles ``sum_a x_a F[a]`` (half layout, plane ``k b/2 + j``) in the orthonormal basis
+        ``Q`` (block diagonal up to a column order). Eager calls share one result until the
+        generators change (`_Planes`); a traced call computes it in the graph."""
+        w, c = self.plane_inputs()
+        tensors = (w,) if c is None else (w, c)
+        graph = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        if torch.compiler.is_compiling():
+            return lie_planes_traceable(w, c, dtype)
+        memo = self._planes
+        if memo is not None and memo.serves(tensors, dtype, graph):
+            return memo.basis, memo.freq  # type: ignore[return-value]
+        memo = _Planes(tensors, dtype, graph)
+        memo.basis, memo.freq = lie_planes(w, c, dtype, memo.spend if graph else None)
+        self._planes = memo
+        return memo.basis, memo.freq
 
     def spectral_gap(self) -> float:
         """The smallest `relative_spectral_gap` over blocks (a host read: a diagnostic)."""
@@ -167,6 +229,7 @@ class MatrixRotary(Encoding):
         ``train()``/``eval()``, never inside `rotate`): the eigenbasis unless ``exact``, the
         generators are not of one direction per block, or a block's spectrum is degenerate."""
         fast = False
+        self._planes = None
         if self._built and not self.exact and self.weight.device.type != "meta":
             fast = self.directions() is not None and self.spectral_gap() > MIN_RELATIVE_GAP
         self.fast_path = fast
@@ -193,22 +256,10 @@ class MatrixRotary(Encoding):
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         if self.fast_path:
-            memo = None if ctx.mode.compiling else self._recompute_memo
-            if memo is not None and memo[0]() is ctx and not torch.is_grad_enabled():
-                # attention's backward rotating again (`attention.recompute`): this call's basis and tables
-                self._recompute_memo = None
-                return lie_rotate_pair(q, k, *memo[1:])
-            dtype = self._dtype(q, k)
-            basis, freq = self.planes(dtype)
-            tq = lie_tables(self._positions(ctx.q_pos).to(freq.dtype) @ freq, dtype)
-            tk = tq if ctx.k_pos is ctx.q_pos else lie_tables(self._positions(ctx.k_pos).to(freq.dtype) @ freq, dtype)
-            if not ctx.mode.compiling:  # (a traced graph keeps what its backward needs itself)
-                self._recompute_memo = None
-            if torch.is_grad_enabled() and not ctx.mode.compiling:  # kept (parameter-sized and [B, N, D/2]) for the recompute
-                dq = tuple(t.detach() for t in tq)
-                self._recompute_memo = (weakref.ref(ctx), basis.detach(), dq,
-                                        dq if tk is tq else tuple(t.detach() for t in tk))
-            return lie_rotate_pair(q, k, basis, tq, tk)
+            self._check_axes(ctx.q_pos)
+            self._check_axes(ctx.k_pos)
+            basis, freq = self.planes(self._math_dtype(q, k))
+            return lie_rotate_pair(q, k, basis, freq, ctx.q_pos, ctx.k_pos)
         gens, chunk = self.generators().to(self._dtype(q, k)), self.exact_chunk_elems
         if ctx.k_pos is ctx.q_pos:
             qr, kr = matrix_exp_rotate((q, k), self._positions(ctx.q_pos), gens, chunk)
@@ -240,6 +291,9 @@ class LieRE(MatrixRotary):
             return None
         p = skew(self.weight[0])
         return p, p.new_ones(1, p.shape[0])
+
+    def plane_inputs(self) -> tuple[Tensor, Tensor | None]:
+        return self.weight, None
 
     def generators(self) -> Tensor:
         return skew(self.weight)
@@ -283,3 +337,6 @@ class ComRoPE(MatrixRotary):
         if self.variant == "ld":
             return p, self.axis_weight[:, None].expand(-1, p.shape[0])
         return p, self.axis_mask.to(p.dtype)
+
+    def plane_inputs(self) -> tuple[Tensor, Tensor | None]:
+        return self.weight, self.axis_weight if self.variant == "ld" else self.axis_mask

@@ -11,10 +11,14 @@ learned orthonormal basis ``Q``: two small matmuls and a rotation per token. ``Q
 from one eigen-decomposition of the Hermitian ``i A`` per generator, shared by every position:
 ``i A u_k = mu_k u_k`` gives ``A Re(u_k) = mu_k Im(u_k)``, ``A Im(u_k) = -mu_k Re(u_k)``.
 
-`lie_rotate` applies ``Q R(angles) Q^T x`` (as ``x + Q (R - I) Q^T x``) with a backward that
-keeps only ``x`` (which attention keeps anyway), ``Q`` and the ``[B, N, b/2]`` cos/sin: nothing
-``[N, b, b]`` and no rotated copy. Cost per token and head: two ``D x D`` matmuls forward, four
-backward (``Q`` is block diagonal up to a column order, applied as one dense ``D x D`` matmul).
+`lie_planes` gives ``Q`` and the frequencies ``F`` (``mu`` times each axis' weight) from the raw
+generator weights in ~10 operators forward and ~20 backward (`autograd.lie.LiePlanes`, one batched
+eigh). `lie_rotate_pair` applies ``Q R(pos @ F) Q^T x`` (as ``x + Q (R - I) Q^T x``) to q and k
+through one operator forward (``posenc::lie_rotate_pair``) and one backward, each one Triton launch
+on CUDA; the cos/sin of the angles are computed inside from the positions and ``F``. Its backward
+keeps only q and k (which attention keeps anyway), ``Q``, ``F`` and the positions: nothing
+``[N, b, b]`` and no rotated copy. Cost per token and head: two ``D x D`` products forward, four
+backward (``Q`` is block diagonal up to a column order, applied as one dense ``D x D`` product).
 `matrix_exp_rotate` is the exact ``torch.linalg.matrix_exp`` path (for non-commuting generators,
 LieRE with several axes), recomputed chunk by chunk in backward.
 """
@@ -22,15 +26,16 @@ LieRE with several axes), recomputed chunk by chunk in backward.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from posenc_lightning.autograd.lie import HermitianEigh, LieRotation, LieRotationPair
+from posenc_lightning.autograd.lie import HermitianEigh, LiePlanes, LieRotationPair, lie_angles, lie_tables
 
-__all__ = ["canonical_basis", "lie_rotate", "lie_rotate_pair", "lie_tables", "matrix_exp_rotate", "relative_spectral_gap",
-           "skew"]
+__all__ = ["canonical_basis", "lie_angles", "lie_planes", "lie_planes_traceable", "lie_rotate_pair", "lie_tables", "matrix_exp_rotate",
+           "relative_spectral_gap", "skew"]
 
 #: dtype of the eigen-decomposition (the generators are tiny): its gradient has
 #: ``1 / (mu_i - mu_j)`` terms, whose rounding float64 keeps at ~1e-16 / relative gap
@@ -67,25 +72,35 @@ def relative_spectral_gap(mu: Tensor) -> Tensor:
     return torch.where(scale > 0, d.amin((-1, -2)) / scale.clamp_min(torch.finfo(mu.dtype).tiny), 0.0)
 
 
-def lie_tables(angles: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``(cos - 1, sin)`` of ``angles`` in ``dtype``: ``cos - 1 = -2 sin^2(theta / 2)`` (exact for
-    small angles) and sin, computed in the angles' dtype (float64 from `planes`), then cast."""
-    return (-2.0 * (0.5 * angles).sin().square()).to(dtype), angles.sin().to(dtype)
+def lie_planes(w: Tensor, c: Tensor | None, dtype: torch.dtype,
+               on_backward: Callable[[], None] | None = None) -> tuple[Tensor, Tensor]:
+    """``(Q [D, D] in dtype, F [A, K, b/2] float64)`` of generator weights ``w`` ``[(1,) K, b, b]``
+    (their skew parts ``P_k`` are taken inside) and axis weights ``c`` (``[A, K]``, ``[A]``, or None
+    for one axis): the rotation of a token at ``x`` is RoPE with angles ``sum_a x_a F[a]`` (plane
+    ``k b/2 + j``, half layout) in the orthonormal basis ``Q`` (`autograd.lie.LiePlanes`; the basis
+    is `canonical_basis`'s blocks in that column order). ``on_backward`` is called when the
+    outputs' backward runs."""
+    return LiePlanes.apply(w, c, dtype, on_backward)
 
 
-def lie_rotate(x: Tensor, basis: Tensor, angles: Tensor) -> Tensor:
-    """``Q R(angles) Q^T x``: x ``[B, H, N, D]``, basis ``Q`` ``[D, D]`` (half-layout columns,
-    see `canonical_basis`), angles ``[B, N, D/2]`` (any float dtype); computed in ``basis.dtype``,
-    returned in ``x.dtype``."""
-    return LieRotation.apply(x, basis, *lie_tables(angles, basis.dtype))
+def lie_planes_traceable(w: Tensor, c: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`lie_planes` as differentiable torch operators around `canonical_basis` (what a traced graph
+    runs: `autograd.lie.LiePlanes` builds its outputs through strided views dynamo does not trace;
+    the compiler fuses these anyway); the same values and gradients."""
+    b = w.shape[-1]
+    q, mu = canonical_basis(skew(w.reshape(-1, b, b)))  # [K, b, b], [K, b/2]
+    k = q.shape[0]
+    order = torch.arange(k * b, device=q.device).view(k, 2, b // 2).transpose(0, 1).reshape(-1)
+    basis = torch.block_diag(*q.unbind(0))[:, order].to(dtype)
+    return basis, mu[None] if c is None else c.reshape(c.shape[0], -1, 1) * mu[None]
 
 
-def lie_rotate_pair(q: Tensor, k: Tensor, basis: Tensor, tables_q: tuple[Tensor, Tensor],
-                    tables_k: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """`lie_rotate` of q and k in one Function (`autograd.lie.LieRotationPair`), given their
-    `lie_tables` (the same tables for both when q and k are the same tokens)."""
-    shared = tables_k is tables_q
-    return LieRotationPair.apply(q, k, basis, *tables_q, *((None, None) if shared else tables_k))
+def lie_rotate_pair(q: Tensor, k: Tensor, basis: Tensor, freq: Tensor, pos_q: Tensor,
+                    pos_k: Tensor) -> tuple[Tensor, Tensor]:
+    """``Q R(angles) Q^T x`` for q ``[B, H, Nq, D]`` and k ``[B, Hkv, Nk, D]`` in one operator each
+    way (`autograd.lie.LieRotationPair`): ``Q`` and ``F`` from `lie_planes`, positions ``[B, N]`` or
+    ``[B, N, A]`` (angles `lie_angles`); computed in ``basis.dtype``, returned in q's and k's."""
+    return LieRotationPair.apply(q, k, basis, freq, pos_q, None if pos_k is pos_q else pos_k)
 
 
 def matrix_exp_rotate(xs: tuple[Tensor, ...], positions: Tensor, generators: Tensor,
