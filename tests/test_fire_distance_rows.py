@@ -287,8 +287,9 @@ def test_causal_rows_exact_where_the_mask_shows_keys(kind, monkeypatch):
         with torch.no_grad(), monkeypatch.context() as m:
             m.setattr(_blocks, "block_vjp", None)  # the hook's route only
             ref = _blocks.BlockRows.of(bias, inputs, need, s, e, ke, False)
+            ref_rows = ref.rows.clone()  # hand rows are valid until the next call (`HandRows`)
             got = _blocks.BlockRows.of(bias, inputs, need, s, e, ke, False, diagonal=s)
-        torch.testing.assert_close(got.rows[..., shown], ref.rows[..., shown], rtol=0, atol=1e-6)
+        torch.testing.assert_close(got.rows[..., shown], ref_rows[..., shown], rtol=0, atol=1e-6)
         d = torch.randn(1, 4, e - s, ke) * shown
         acc_ref, acc_got = [torch.zeros_like(t) for t in inputs], [torch.zeros_like(t) for t in inputs]
         ref.backward(d, acc_ref.__getitem__)

@@ -139,7 +139,8 @@ def _step_x(p: Tensor, n_col: Tensor, a: int, z: int, dt: torch.dtype) -> Tensor
 
 def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
                    on: Tensor, runs: list[tuple[list[int], int, int]], n_keys: int, group: int,
-                   table: Tensor | None = None, keep: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
+                   table: Tensor | None = None, keep: list[Tensor | None] | None = None, reuse: bool = False
+                   ) -> tuple[Tensor, Tensor]:
     """The block ``[1, H, R, C]`` of ``x = p / n`` and the folded units' per-column slope and
     intercept ``[2H, T]``: computed in the distance layout ``[H, R, T]`` of its own buffer
     (`padded_rows`), per column the folded units' ``A x + B`` (one pass), then the runs' units per
@@ -151,10 +152,11 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
 
     ``keep`` (a list): each run step's hidden units ``relu(w1 x + b1)`` ``[U, R S]`` are appended,
     for the pullback to reuse instead of recomputing them, while together they hold at most a
-    quarter of the block's elements or 2^18 (None for a step past that: recomputed there)."""
+    quarter of the block's elements or 2^18 (None for a step past that: recomputed there).
+    ``reuse``: the buffer is `padded_rows`' reused one."""
     nr, nt = n.shape[0], p.shape[0]
     h = w2.shape[0]
-    rows, dist = padded_rows(h, nr, n_keys, dt, p.device)
+    rows, dist = padded_rows(h, nr, n_keys, dt, p.device, reuse)
     ab = _group_coef(on, w1, b1, w2, nt, group)
     b = ab[h:] + b2[:, None] if table is None else ab[h:] + b2[:, None] + table.to(dt)  # a table: per column
     if dt == p.dtype:
@@ -261,19 +263,20 @@ def _selection(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, q_pos: Tensor, k_
 def _forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, table: Tensor | None,
              q_pos: Tensor, k_pos: Tensor, eps: float, shift: int, keep: list[Tensor | None] | None = None,
              memo: Memo | None = None, last: int | None = None,
-             tunables: Tunables = DEFAULT_TUNABLES) -> tuple[Tensor, ...]:
+             tunables: Tunables = DEFAULT_TUNABLES, reuse: bool = False) -> tuple[Tensor, ...]:
     """`_FireDiagonalRows`'s outputs; ``keep``: `_diagonal_rows`' (the runs' hidden units); ``memo``,
-    ``last`` and ``tunables``: `_selection`'s."""
+    ``last`` and ``tunables``: `_selection`'s; ``reuse``: the rows are written into `padded_rows`'
+    reused buffer (valid until the next such call on this thread)."""
     dt = torch.promote_types(torch.promote_types(torch.float32, c.dtype), w2.dtype)  # n's, p's and w2's
     w1, b1, w2, b2 = (t if t.dtype == dt else t.to(dt) for t in (w1, b1, w2, b2))
     n, p, on, runs, spans = _selection(c, thr, w1, b1, q_pos, k_pos, eps, shift, dt, tunables, memo, last)
     group = tunables.fire_column_group
     if not _below(q_pos, thr):
-        rows, ab = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], group, table, keep)
+        rows, ab = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], group, table, keep, reuse)
         return rows, n, p, on, spans, ab
     # every row the same (one normalizer): its one row of the distance layout, then copied to each
     one, ab = _diagonal_rows(p, n[:1], dt, w1, b1, w2, b2, on, runs, p.shape[0], group, table, keep)
-    rows, dist = padded_rows(w2.shape[0], n.shape[0], k_pos.shape[1], dt, p.device)
+    rows, dist = padded_rows(w2.shape[0], n.shape[0], k_pos.shape[1], dt, p.device, reuse)
     dist.copy_(one[0].expand_as(dist))
     return rows, n, p, on, spans, ab
 
@@ -328,10 +331,12 @@ def rows_and_pullback(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor
     gradients ``(c, thr, w1, b1, w2, b2, table)`` (``c``'s and ``thr``'s zeros unless ``need_x``;
     ``table``'s None without a table). The runs' hidden units of the rows are kept for the
     pullback (`_diagonal_rows`' ``keep``), not recomputed; ``memo``: `_selection`'s; ``last``: as
-    `_selection`'s, ``grad`` then 0 past it (the caller's mask); ``tunables``: the call's."""
+    `_selection`'s, ``grad`` then 0 past it (the caller's mask); ``tunables``: the call's. The rows
+    are written into `padded_rows`' reused buffer: valid until the next such call on this thread
+    (the engine adds them to a block's logits first, `HandRows`)."""
     hids: list[Tensor | None] = []
     rows, n, p, on, spans, ab = _forward(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, hids, memo, last,
-                                         tunables)
+                                         tunables, reuse=True)
     saved = (c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table)
     group = tunables.fire_column_group
     return rows, lambda grad: _pullback(grad, saved, shift, need_x, table is not None, group, hids)
