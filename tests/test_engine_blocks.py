@@ -46,6 +46,23 @@ def test_whole_budget_only_with_released_rows_and_threads():
     assert _blocks.backward_rows(B, H, N, N, 0.75, released=True, threads=2, tunables=t) == 12  # a share: half
     assert _blocks.backward_rows(B, H, N, N, released=True, threads=1, tunables=t) == 16
     assert _blocks.backward_rows(B, H, N, N, released=True, tunables=t) == 16  # one thread unless told
+    # a bias that asks for the forward's blocks (`Bias.forward_blocks`) gets the whole budget at one
+    # thread too, only where its rows are released and take a full share
+    assert _blocks.backward_rows(B, H, N, N, released=True, threads=1, forward_blocks=True, tunables=t) == 20
+    assert _blocks.backward_rows(B, H, N, N, threads=1, forward_blocks=True, tunables=t) == 16
+    assert _blocks.backward_rows(B, H, N, N, 0.75, released=True, forward_blocks=True, tunables=t) == 12
+
+
+def test_only_fire_asks_for_the_forward_blocks():
+    """FIRE's rows keep their selection from a forward block for the backward block of the same
+    rows (`FireBias._memo`); other kinds keep the default (their blocks, and numbers, unchanged)."""
+    from posenc_lightning.encodings.base import Bias
+    from posenc_lightning.encodings.bias import LinearBias
+    from posenc_lightning.encodings.fire import FireBias
+
+    assert FireBias.forward_blocks is True
+    assert Bias.forward_blocks.fget(None) is False  # the base's default
+    assert "forward_blocks" not in vars(LinearBias)
 
 
 @pytest.mark.parametrize("layout", ["arange", "gaps"])

@@ -287,8 +287,9 @@ def test_causal_rows_exact_where_the_mask_shows_keys(kind, monkeypatch):
         with torch.no_grad(), monkeypatch.context() as m:
             m.setattr(_blocks, "block_vjp", None)  # the hook's route only
             ref = _blocks.BlockRows.of(bias, inputs, need, s, e, ke, False)
+            ref_rows = ref.rows.clone()  # hand rows are valid until the next call (`HandRows`)
             got = _blocks.BlockRows.of(bias, inputs, need, s, e, ke, False, diagonal=s)
-        torch.testing.assert_close(got.rows[..., shown], ref.rows[..., shown], rtol=0, atol=1e-6)
+        torch.testing.assert_close(got.rows[..., shown], ref_rows[..., shown], rtol=0, atol=1e-6)
         d = torch.randn(1, 4, e - s, ke) * shown
         acc_ref, acc_got = [torch.zeros_like(t) for t in inputs], [torch.zeros_like(t) for t in inputs]
         ref.backward(d, acc_ref.__getitem__)
@@ -296,3 +297,38 @@ def test_causal_rows_exact_where_the_mask_shows_keys(kind, monkeypatch):
         for a, b in zip(acc_got, acc_ref):  # sums over other run steps: float32 rounding apart
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert differ  # some unit switching about distance 0 was skipped on the hidden keys
+
+
+def test_backward_takes_the_forward_blocks_and_their_selection(monkeypatch):
+    """sdpa's own backward with FIRE (`Bias.forward_blocks`) takes the forward's blocks of rows at
+    any thread count, so each backward block finds its unit selection kept by the forward's block
+    of the same rows (`FireBias._memo`): no selection is computed again. The output and every
+    gradient (q, k, v, each FIRE parameter) equal eager attention on the float64 formula; blocks
+    that do not divide the queries, positions from 5, rows on both sides of L (40)."""
+    torch.manual_seed(4)
+    n, h, d, start = 150, 4, 8, 5
+    enc = _fire(init_l=40.0)
+    pos = (torch.arange(n) + start)[None]
+    q, k, v = (torch.randn(1, h, n, d, requires_grad=True) for _ in range(3))
+    tunables = Tunables(bias_block_bytes=60 * 4 * h * n)  # blocks of 60 rows: 0-60, 60-120, 120-150
+    ctx = AttentionContext(pos, pos, True, q_start=start, k_start=start)
+    calls = []
+    select = bdist._diagonal_select
+    monkeypatch.setattr(bdist, "_diagonal_select", lambda *a: calls.append(a) or select(*a))
+    params = [p for p in enc.parameters() if p.requires_grad]
+    out = sdpa.attend(q, k, v, bias=enc.bias(q, k, ctx), mask=AttentionMask(True, 0, n, n), scale=d ** -0.5, ctx=ctx,
+                      tunables=tunables)
+    forward = len(calls)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad((out * g).sum(), [q, k, v, *params])
+    assert forward == 3 and len(calls) == forward  # the backward computed no selection of its own
+
+    exact = copy.deepcopy(enc).double()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    logits = q64 @ k64.mT * d ** -0.5 + exact.bias_tensor(pos, pos).double()
+    logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    ref_out = logits.softmax(-1) @ v64
+    ref = torch.autograd.grad((ref_out * g.double()).sum(), [q64, k64, v64, *exact.parameters()])
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, ref):
+        assert (a.double() - b).abs().max() <= 1e-4 * b.abs().max() + 1e-5, (a, b)

@@ -108,6 +108,10 @@ class HandRows:
             ``causal_rows``' (``d_rows`` is 0 past it), None: every key is seen. Same values and
             gradients as differentiating `Bias.rows_from`; None where the kind has no such form
             for these rows (the engine differentiates `Bias.rows_from`).
+
+    The rows of either (grad mode off) may be written into a buffer the kind reuses: they are
+    valid until the next call of either on the same thread, so a caller consumes (or copies) a
+    block's rows before it asks for the next block's (sdpa's forward and backward by blocks do).
     """
 
     causal_rows: Callable[[int, int, int, int], Tensor]

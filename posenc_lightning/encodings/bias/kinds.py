@@ -133,6 +133,14 @@ class Bias(ABC):
         return 1.0
 
     @property
+    def forward_blocks(self) -> bool:
+        """The engine's own backward takes the forward's blocks of rows (its whole block budget)
+        at any thread count, not half of it at one thread: this kind's rows cost a fixed amount per
+        block and keep work from a forward block for the backward block of the same rows (FIRE's
+        unit selection by distance), so fewer, larger blocks pay it fewer times (default False)."""
+        return False
+
+    @property
     def rows_shape(self) -> tuple[int, int] | None:
         """``(Nq, Nk)`` when the values exist only as `rows` computed on request (a lazy dense
         bias, FIRE's MLP per pair): what a backend computes block by block; None when the kind

@@ -63,6 +63,9 @@ class FireBias(Bias):
     #: the call's tunables (`Mode.tunables`): the rows' unit selection (`fire_rows`)
     tunables: Tunables = DEFAULT_TUNABLES
     recomputable = True
+    #: a block's rows cost a fixed number of operators and keep their unit selection (`_memo`) from
+    #: the forward's block for the backward's block of the same rows (`Bias.forward_blocks`)
+    forward_blocks = True
     fused_in: ClassVar[frozenset[str]] = frozenset({"kernel", "score_mod"})
     # inductor's flex backward does not lower its per-unit MLP: flex refuses it for training
     score_mod_backward: ClassVar[bool] = False
@@ -88,11 +91,12 @@ class FireBias(Bias):
         return (qp[:1], kp[:1]) if self._one_row else (qp, kp)  # rows shared by the batch: computed once
 
     def rows_from(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor],
-                  table: Tensor | None = None, diagonal: int | None = None) -> Tensor:
+                  table: Tensor | None = None, diagonal: int | None = None, reuse: bool = False) -> Tensor:
         """The rows from ``views`` of `grad_inputs`; ``table``: a distance-only term's window ``[H,
         rows + k_stop - 1]`` (``table[h, rows - 1 - r + j]`` at row r, key j) added to them, inside
         the MLP's per-distance intercept (`FireTableSum`; only at known ``start + arange``
-        positions); ``diagonal``: as `causal_rows`'."""
+        positions); ``diagonal``: as `causal_rows`'; ``reuse``: as `causal_rows`' (by distance,
+        without grad)."""
         c, l_mult, w1, b1 = views[:4]
         w2, b2 = self._mlp_out(views)
         qp, kp = self._positions(start, stop, k_stop)
@@ -104,14 +108,15 @@ class FireBias(Bias):
         last = _last_column(start, stop, diagonal)
         return fire_rows(qp, kp, c, (l_mult * self.init_L).abs(), w1[:, 0], b1, w2, b2, self.eps, shift,
                          table, self._memo(start, stop, k_stop, views, last)
-                         if arange and not torch.is_grad_enabled() else None, last, self.tunables).float()
+                         if arange and not torch.is_grad_enabled() else None, last, self.tunables, reuse).float()
 
     def causal_rows(self, start: int, stop: int, k_stop: int, diagonal: int) -> Tensor:
         """`rows`; at known ``start + arange`` positions (by distance) the switching units are not
         evaluated on the keys the caller's mask hides (the block's negative distances, where a
         unit that switches about distance 0 would be evaluated a second time): those keys hold the
-        folded units' values only."""
-        return self.rows_from(start, stop, k_stop, self.grad_inputs(), diagonal=diagonal)
+        folded units' values only. Without grad they are written into a buffer that the next hand
+        rows of this thread overwrite (`HandRows`: the caller consumes them first)."""
+        return self.rows_from(start, stop, k_stop, self.grad_inputs(), diagonal=diagonal, reuse=True)
 
     def rows_and_pullback(self, start: int, stop: int, k_stop: int, views: Sequence[Tensor], need: Sequence[bool],
                           diagonal: int | None = None, table: Tensor | None = None
@@ -372,10 +377,10 @@ class FireTableSum(BiasSum):
         """`rows`, FIRE's as `FireBias.causal_rows` where its rows take the table."""
         if self._fire_term() is None or stop <= start or k_stop <= 0:
             return self.rows(start, stop, k_stop)
-        return self._rows(start, stop, k_stop, None, [None] * len(self.parts), diagonal)
+        return self._rows(start, stop, k_stop, None, [None] * len(self.parts), diagonal, reuse=True)
 
     def _rows(self, start: int, stop: int, k_stop: int, u: Tensor | None,
-              views: Sequence[Sequence[Tensor] | None], diagonal: int | None = None) -> Tensor:
+              views: Sequence[Sequence[Tensor] | None], diagonal: int | None = None, reuse: bool = False) -> Tensor:
         i = self._fire_term() if stop > start and k_stop > 0 else None
         if i is None:
             return super()._rows(start, stop, k_stop, u, views)
@@ -383,6 +388,7 @@ class FireTableSum(BiasSum):
         if u is None:  # the table's own window (`BiasSum.rows`)
             g = self._group
             u = g.u[g.window(start, stop, k_stop)]
-        rows = f.rows_from(start, stop, k_stop, f.grad_inputs() if v is None else v, table=u, diagonal=diagonal)
+        rows = f.rows_from(start, stop, k_stop, f.grad_inputs() if v is None else v, table=u, diagonal=diagonal,
+                           reuse=reuse)
         b = self._group.q_pos.shape[0]  # as the table's rows: one row of positions, expanded
         return rows if b == rows.shape[0] else rows.expand(b, *rows.shape[1:])

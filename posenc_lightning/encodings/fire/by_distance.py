@@ -139,7 +139,8 @@ def _step_x(p: Tensor, n_col: Tensor, a: int, z: int, dt: torch.dtype) -> Tensor
 
 def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
                    on: Tensor, runs: list[tuple[list[int], int, int]], n_keys: int, group: int,
-                   table: Tensor | None = None, keep: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
+                   table: Tensor | None = None, keep: list[Tensor | None] | None = None, reuse: bool = False
+                   ) -> tuple[Tensor, Tensor]:
     """The block ``[1, H, R, C]`` of ``x = p / n`` and the folded units' per-column slope and
     intercept ``[2H, T]``: computed in the distance layout ``[H, R, T]`` of its own buffer
     (`padded_rows`), per column the folded units' ``A x + B`` (one pass), then the runs' units per
@@ -151,10 +152,11 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
 
     ``keep`` (a list): each run step's hidden units ``relu(w1 x + b1)`` ``[U, R S]`` are appended,
     for the pullback to reuse instead of recomputing them, while together they hold at most a
-    quarter of the block's elements or 2^18 (None for a step past that: recomputed there)."""
+    quarter of the block's elements or 2^18 (None for a step past that: recomputed there).
+    ``reuse``: the buffer is `padded_rows`' reused one."""
     nr, nt = n.shape[0], p.shape[0]
     h = w2.shape[0]
-    rows, dist = padded_rows(h, nr, n_keys, dt, p.device)
+    rows, dist = padded_rows(h, nr, n_keys, dt, p.device, reuse)
     ab = _group_coef(on, w1, b1, w2, nt, group)
     b = ab[h:] + b2[:, None] if table is None else ab[h:] + b2[:, None] + table.to(dt)  # a table: per column
     if dt == p.dtype:
@@ -165,12 +167,13 @@ def _diagonal_rows(p: Tensor, n: Tensor, dt: torch.dtype, w1: Tensor, b1: Tensor
         return rows, ab
     plan = _RunSteps(runs, nr, h, _run_budget(h * nr * nt), p.device)
     packed = plan.packed(w1, b1, w2)  # [S, 2 + H]
+    w2t = packed[:, 2:].t().contiguous()  # [H, S]: MKL takes a transposed slice of `packed` ~2x slower
     n_col = n[:, None]
     room = max(h * nr * nt // 4, 1 << 18)  # the hidden units kept for the pullback (`keep`)
     for i, j, a0, z0 in plan.steps:
         w = packed[i:j]
         hid = torch.addmm(w[:, 1:2], w[:, :1], _step_x(p, n_col, a0, z0, dt)).relu_()  # [U, R S]
-        dist.narrow(2, a0, z0 - a0).add_(torch.mm(w[:, 2:].t(), hid).view(h, nr, z0 - a0))  # in place: no write-back
+        dist.narrow(2, a0, z0 - a0).add_(torch.mm(w2t[:, i:j], hid).view(h, nr, z0 - a0))  # in place: no write-back
         if keep is not None:
             room -= hid.numel()
             keep.append(hid if room >= 0 else None)
@@ -261,19 +264,20 @@ def _selection(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, q_pos: Tensor, k_
 def _forward(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, table: Tensor | None,
              q_pos: Tensor, k_pos: Tensor, eps: float, shift: int, keep: list[Tensor | None] | None = None,
              memo: Memo | None = None, last: int | None = None,
-             tunables: Tunables = DEFAULT_TUNABLES) -> tuple[Tensor, ...]:
+             tunables: Tunables = DEFAULT_TUNABLES, reuse: bool = False) -> tuple[Tensor, ...]:
     """`_FireDiagonalRows`'s outputs; ``keep``: `_diagonal_rows`' (the runs' hidden units); ``memo``,
-    ``last`` and ``tunables``: `_selection`'s."""
+    ``last`` and ``tunables``: `_selection`'s; ``reuse``: the rows are written into `padded_rows`'
+    reused buffer (valid until the next such call on this thread)."""
     dt = torch.promote_types(torch.promote_types(torch.float32, c.dtype), w2.dtype)  # n's, p's and w2's
     w1, b1, w2, b2 = (t if t.dtype == dt else t.to(dt) for t in (w1, b1, w2, b2))
     n, p, on, runs, spans = _selection(c, thr, w1, b1, q_pos, k_pos, eps, shift, dt, tunables, memo, last)
     group = tunables.fire_column_group
     if not _below(q_pos, thr):
-        rows, ab = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], group, table, keep)
+        rows, ab = _diagonal_rows(p, n, dt, w1, b1, w2, b2, on, runs, k_pos.shape[1], group, table, keep, reuse)
         return rows, n, p, on, spans, ab
     # every row the same (one normalizer): its one row of the distance layout, then copied to each
     one, ab = _diagonal_rows(p, n[:1], dt, w1, b1, w2, b2, on, runs, p.shape[0], group, table, keep)
-    rows, dist = padded_rows(w2.shape[0], n.shape[0], k_pos.shape[1], dt, p.device)
+    rows, dist = padded_rows(w2.shape[0], n.shape[0], k_pos.shape[1], dt, p.device, reuse)
     dist.copy_(one[0].expand_as(dist))
     return rows, n, p, on, spans, ab
 
@@ -328,10 +332,12 @@ def rows_and_pullback(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor
     gradients ``(c, thr, w1, b1, w2, b2, table)`` (``c``'s and ``thr``'s zeros unless ``need_x``;
     ``table``'s None without a table). The runs' hidden units of the rows are kept for the
     pullback (`_diagonal_rows`' ``keep``), not recomputed; ``memo``: `_selection`'s; ``last``: as
-    `_selection`'s, ``grad`` then 0 past it (the caller's mask); ``tunables``: the call's."""
+    `_selection`'s, ``grad`` then 0 past it (the caller's mask); ``tunables``: the call's. The rows
+    are written into `padded_rows`' reused buffer: valid until the next such call on this thread
+    (the engine adds them to a block's logits first, `HandRows`)."""
     hids: list[Tensor | None] = []
     rows, n, p, on, spans, ab = _forward(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, hids, memo, last,
-                                         tunables)
+                                         tunables, reuse=True)
     saved = (c, thr, q_pos, k_pos, n, p, on, spans, ab, w1, b1, w2, b2, table)
     group = tunables.fire_column_group
     return rows, lambda grad: _pullback(grad, saved, shift, need_x, table is not None, group, hids)
@@ -373,7 +379,7 @@ def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2:
     ``hids`` (the forward's, one per run step) where given.
 
     A run step's gradient to the pre-activations ``gpre`` ``[U, R, S]`` is reduced once, against
-    its columns' ``[p, 1, dpsi]`` (``[U R, S] @ [S, 3]``), into ``acc`` ``[W, R, 3]``: ``w1``'s
+    its columns' ``[p, 1, dpsi]`` (``[3, S] @ [S, U R]``), into ``acc`` ``[W, R, 3]``: ``w1``'s
     gradient is ``sum_r acc[.., r, 0] / n_r`` (``x = p / n``), ``b1``'s ``sum_r acc[.., r, 1]``, and
     ``sum_u w1_u acc[u]`` the rows' ``sum g_x p`` and ``sum g_x dpsi`` (the normalizers', ``c``'s)."""
     dt = g.dtype
@@ -399,7 +405,8 @@ def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2:
     plan = _RunSteps(_runs(spans), nr, h, _run_budget(h * nr * nt), g.device)  # the forward's steps
     packed = plan.packed(w1, b1, w2)  # [S, 2 + H]
     # each run step's d loss / d pre-activation against its columns' [p, 1, dpsi]
-    cols = torch.stack((pd, torch.ones_like(pd)) if dist is None else (pd, torch.ones_like(pd), dpsi), 1)
+    # [2|3, T], the product taken as [2|3, S] @ [S, U R] (MKL's [U R, S] @ [S, 3] measured 4x slower)
+    cols = torch.stack((pd, torch.ones_like(pd)) if dist is None else (pd, torch.ones_like(pd), dpsi))
     steps = iter(hids or ())
     n_col = n[:, None]
     per_w2, per_acc = [], []
@@ -409,12 +416,12 @@ def _diagonal_grads(g: Tensor, p: Tensor, n: Tensor, w1: Tensor, b1: Tensor, w2:
         if hid is None:  # recomputed as the forward did: x its division
             hid = torch.addmm(w[:, 1:2], w[:, :1], _step_x(p, n_col, a0, z0, dt)).relu_()
         gs = gd.columns(a0, z0).view(h, -1)  # [H, R S]
-        per_w2.append(gs @ hid.t())  # [H, U]
+        per_w2.append(torch.mm(hid, gs.t()).t())  # [H, U] (MKL: ~1.5x faster than gs @ hid.t())
         gpre = torch.ops.aten.threshold_backward(torch.mm(w[:, 2:], gs), hid, 0)  # relu': 0 at u = 0, as torch
-        per_acc.append(gpre.view(-1, z0 - a0) @ cols[a0:z0])  # [U R, 2|3]
+        per_acc.append(torch.mm(cols[:, a0:z0], gpre.view(-1, z0 - a0).t()).t())  # [U R, 2|3]
     gw2.index_add_(1, plan.step_units, torch.cat(per_w2, 1))
-    acc = g.new_zeros(w1.shape[0], nr, cols.shape[1])  # [W, R, 2 or 3]
-    acc.index_add_(0, plan.step_units, torch.cat(per_acc).view(-1, nr, cols.shape[1]))
+    acc = g.new_zeros(w1.shape[0], nr, cols.shape[0])  # [W, R, 2 or 3]
+    acc.index_add_(0, plan.step_units, torch.cat(per_acc).view(-1, nr, cols.shape[0]))
     gw1 = gw1 + acc[..., 0] @ inv_n
     gb1 = gb1 + acc[..., 1].sum(1)
     if dist is not None:

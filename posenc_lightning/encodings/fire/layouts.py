@@ -10,13 +10,19 @@ import torch
 from torch import Tensor
 
 
-def padded_rows(h: int, r: int, k: int, dt: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+def padded_rows(h: int, r: int, k: int, dt: torch.dtype, device: torch.device, reuse: bool = False
+                ) -> tuple[Tensor, Tensor]:
     """``(rows [1, H, r, k], dist [H, r, r + k - 1])``: two views of one buffer, ``dist[h, i, m] =
     rows[0, h, i, m - (r - 1 - i)]`` where that is a key (the distance layout; its other entries are
     padding, ``r`` a row). ``rows`` is a tensor of its own over the buffer's storage (not a view:
-    the attention may write its mask into it, as into any fresh rows)."""
+    the attention may write its mask into it, as into any fresh rows). ``reuse`` (on CPU): the
+    buffer is this thread's `RowsBuffer`, overwritten by the next such call (for rows the caller
+    consumes before asking for more: `FireBias.hand_rows`)."""
     size = r - 1 + r * (k + r)
-    buf = torch.empty(h, size, dtype=dt, device=device)
+    if reuse and device.type == "cpu":
+        buf = _ROWS_BUFFER.get(h * size, dt, device).view(h, size)
+    else:
+        buf = torch.empty(h, size, dtype=dt, device=device)
     dist = buf.as_strided((h, r, r + k - 1), (size, k + r + 1, 1))
     rows = torch.empty(0, dtype=dt, device=device).set_(buf.untyped_storage(), r - 1, (1, h, r, k),
                                                         (h * size, size, k + r, 1))
@@ -53,6 +59,25 @@ class EndBuffer(threading.local):
 
 
 _END_BUFFER = EndBuffer()
+
+
+class RowsBuffer(threading.local):
+    """`padded_rows`' buffer where the rows are consumed before the next block's (``reuse``), kept
+    per thread at the largest size asked (a block of rows: within the attention's block budget).
+    A block's rows written into a buffer new to the process fault in its pages (glibc hands a
+    freed block of this size back to the system), ~2000 a block of 128 rows at N 2048; this one
+    is faulted in once. Its first elements, as a flat tensor, are handed out by `get`."""
+
+    buf: Tensor | None = None
+
+    def get(self, n: int, dt: torch.dtype, device: torch.device) -> Tensor:
+        b = self.buf
+        if b is None or b.dtype != dt or b.device != device or b.numel() < n:
+            self.buf = b = torch.empty(n, dtype=dt, device=device)
+        return b[:n]
+
+
+_ROWS_BUFFER = RowsBuffer()
 
 
 def end_layouts(g: Tensor) -> Tensor:

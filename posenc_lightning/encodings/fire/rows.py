@@ -15,7 +15,8 @@ from posenc_lightning.functional.tunables import DEFAULT_TUNABLES, Tunables
 
 def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Tensor, b1: Tensor, w2: Tensor,
               b2: Tensor, eps: float = 1e-6, shift: int | None = None, table: Tensor | None = None,
-              memo: Memo | None = None, last: int | None = None, tunables: Tunables = DEFAULT_TUNABLES) -> Tensor:
+              memo: Memo | None = None, last: int | None = None, tunables: Tunables = DEFAULT_TUNABLES,
+              reuse: bool = False) -> Tensor:
     """FIRE's bias ``[B, H, Nq, Nk]`` (eq. 3): `fire_mlp` of `fire_normalized_distance`, the same
     arithmetic, as one autograd Function. The units are selected per group of keys (`_select`): the
     forward folds those on throughout a group into ``A x + B`` (`_column_rows`), the backward (eq. 3
@@ -32,6 +33,8 @@ def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Te
     (with ``shift``, without grad): the last column of the distance layout a caller's causal mask
     shows, past which the rows need only be finite (`FireBias.causal_rows`). ``tunables``: the
     call's (`Mode.tunables`): the keys per unit selection, the runs' slack, the MLP's chunks.
+    ``reuse`` (with ``shift``, without grad): the rows are written into a buffer reused by the next
+    such call on this thread (`layouts.padded_rows`), for a caller that consumes them first.
     """
     diagonal = shift is not None and q_pos.shape[0] == k_pos.shape[0] == 1 and q_pos.shape[1] and k_pos.shape[1]
     if table is not None and (not diagonal or Mode.tracing()):
@@ -42,6 +45,6 @@ def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Te
     if diagonal:
         if not torch.is_grad_enabled():  # nothing to record: the Function's forward, no `apply` (binding)
             return _forward(c, threshold, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, None, memo, last,
-                            tunables)[0]
+                            tunables, reuse)[0]
         return _FireDiagonalRows.apply(c, threshold, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, tunables)[0]
     return _FireRows.apply(c, threshold, w1, b1, w2, b2, q_pos, k_pos, eps, shift, tunables)[0]

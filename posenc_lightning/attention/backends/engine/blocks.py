@@ -50,7 +50,7 @@ def forward_rows(n_heads: int, n_q: int, n_k: int, *, tunables: Tunables = DEFAU
 
 
 def backward_rows(b: int, n_heads: int, n_q: int, n_k: int, share: float = 1.0, released: bool = False,
-                  threads: int = 1, *, tunables: Tunables = DEFAULT_TUNABLES) -> int:
+                  threads: int = 1, *, forward_blocks: bool = False, tunables: Tunables = DEFAULT_TUNABLES) -> int:
     """Query rows per block of the own backward passes: half a forward block, as the logits, the
     weights, ``dS`` and the bias rows of a block are alive together; ``share`` of that for a bias
     whose recomputed rows keep more row-sized state (`Bias.backward_share`).
@@ -66,12 +66,14 @@ def backward_rows(b: int, n_heads: int, n_q: int, n_k: int, share: float = 1.0, 
             keeps half a block times ``share``.
         threads: the intra-op threads the backward runs on (1 where traced: no thread count is read
             inside a compiled graph).
+        forward_blocks: the bias asks for the forward's blocks (`Bias.forward_blocks`): with
+            ``released`` and ``share`` 1 the whole budget at one thread too.
         tunables: the call's (`functional.mode.Mode.tunables`).
 
     Returns:
         The rows per block.
     """
-    whole = released and share >= 1.0 and threads > 1
+    whole = released and share >= 1.0 and (threads > 1 or forward_blocks)
     rows = rows_within(n_q, _F32 * b * n_heads * max(n_k, 1), live=1 if whole else 2, tunables=tunables)
     return rows if share >= 1.0 else max(tunables.min_rows // 2, int(rows * share))
 

@@ -160,7 +160,8 @@ def rows_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d_out: Tensor, s
         block.backward(ds.reshape(b, h, stop - start, k_stop), into)
 
     rows = backward_rows(b, h, n_q, n_k, spec.bias.backward_share, released=True,  # `add_bias` releases
-                         threads=1 if compiling else torch.get_num_threads(), tunables=spec.tunables)
+                         threads=1 if compiling else torch.get_num_threads(),
+                         forward_blocks=spec.bias.forward_blocks, tunables=spec.tunables)
     on_ds = to_inputs if any(live) else None
     if lse is None:
         dq, dk, dv = attention_backward_by_blocks(
