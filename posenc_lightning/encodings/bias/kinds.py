@@ -22,6 +22,7 @@ from posenc_lightning.encodings.bias.forms import (
     KernelBias,
     KeyOnly,
     OpaqueOperands,
+    OwnAttention,
     ValueDependentForm,
 )
 from posenc_lightning.encodings.bias.windows import Index, cut, span
@@ -36,6 +37,7 @@ __all__ = [
     "KernelBias",
     "KeyOnly",
     "OpaqueOperands",
+    "OwnAttention",
     "ScaledBias",
     "ValueDependentForm",
     "cut",
@@ -269,6 +271,15 @@ class Bias(ABC):
 
         Returns:
             The hooks, or None (default): callers take `rows` and differentiate `rows_from`.
+        """
+        return None
+
+    def own_attention(self) -> OwnAttention | None:
+        """Whether the kind computes the whole attention of its logits itself (`OwnAttention`:
+        PaTH's walk, whose logits are not ``q . k`` plus rows).
+
+        Returns:
+            The form, or None (default): backends add the bias to their own logits.
         """
         return None
 

@@ -1,0 +1,174 @@
+"""PaTH's causal softmax attention computed by its own walk (`path_attention`): the logits are
+``q~_i . k~_j`` carried through the chunks between them, so neither a separate ``q . k`` nor a
+block of bias rows is formed.
+
+Tokens in chunks of ``C`` (`functional.path`). The keys' side (each key carried to its chunk's end,
+``k~``; each chunk's product as a ``D x D`` matrix ``P``) and the queries' side in their own chunk
+(``q~``, the query carried to its chunk's start; the logits ``s0`` of its own chunk) are computed
+once per call by autograd. `_PaTHWalk` then walks every query chunk of a block down the key chunks
+before it, nearest first, all query chunks at once (step ``delta``: query chunk ``c`` meets key
+chunk ``c - delta``): logits ``r . k~`` (``r`` starts at ``q~``), an online softmax and ``P V``,
+then ``r <- r P``. Its backward recomputes a block's walk, keeping ``r`` and its logits' gradient
+for every step (``rows x D x N / C`` per block), then runs the carry's adjoint back from the
+farthest chunk: ``g <- g P^T + dS k~`` and ``dP += r^T g``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from posenc_lightning.functional.path import path_carries, path_query_chunks
+
+__all__ = ["path_attention", "walk_blocks"]
+
+#: tensors of one step's size a forward block keeps alive together (logits, weights, their temporaries)
+_FORWARD_LIVE = 6
+
+
+def walk_blocks(batch_heads: int, n_chunks: int, chunk: int, head_dim: int, budget: int) -> tuple[int, int]:
+    """Query chunks per block of the forward and of the backward walk within ``budget`` bytes.
+
+    The forward keeps a few step-sized tensors (``[B, H, chunks, C, max(C, D)]``); the backward
+    keeps the carried queries and their gradients of every step (``2 x [B, H, chunks, C, D]`` per
+    step, up to ``n_chunks`` steps). At least one chunk each.
+    """
+    step = 4 * batch_heads * chunk * max(chunk, head_dim)
+    fwd = max(1, budget // (_FORWARD_LIVE * step))
+    bwd = max(1, budget // (2 * 4 * batch_heads * chunk * head_dim * max(1, n_chunks)))
+    return min(fwd, n_chunks), min(bwd, n_chunks)
+
+
+def path_attention(q: Tensor, parts: tuple[Tensor, ...], v: Tensor, q_offset: int, scale: float,
+                   budget: int) -> Tensor:
+    """Causal PaTH attention ``softmax(scale * q_i^T H_i ... H_{j+1} k_j) v`` of the queries at key
+    indices ``q_offset .. q_offset + m - 1`` over keys ``0 .. q_offset + m - 1``.
+
+    Args:
+        q: ``[B, H, m, D]``.
+        parts: the keys' chunks, `functional.path.path_chunk_parts` of every key (heads repeated).
+        v: ``[B, H, q_offset + m, D]`` (heads repeated).
+        q_offset: the key index of the first query.
+        scale: the logit scale.
+        budget: bytes a block of the walk may keep (`walk_blocks`).
+
+    Returns:
+        ``[B, H, m, D]`` in q's dtype (computed in float32 at least).
+    """
+    b, h, m, d = q.shape
+    wc, t, wk, kc, kt = parts
+    n_ch, c = wc.shape[2], wc.shape[3]
+    qt, s0, front = path_query_chunks(q, wc, t, wk, kc, q_offset)
+    vc = F.pad(v.to(wc.dtype), (0, 0, 0, n_ch * c - v.shape[-2])).view(b, h, n_ch, c, d)
+    fwd, bwd = walk_blocks(b * h, n_ch, c, d, budget)
+    ins = (qt, s0, kt * scale, path_carries(wc, t), vc)
+    out = _PaTHWalk.apply(*(_chunk_major(x) for x in ins), q_offset // c, scale, fwd, bwd)
+    out = out.transpose(0, 1).reshape(b, h, -1, d)  # back from [chunks, B * H, C, D]
+    return out[:, :, front:front + m].to(q.dtype)
+
+
+def _chunk_major(x: Tensor) -> Tensor:
+    """``[B, H, n, ...]`` as ``[n, B * H, ...]``, contiguous: a range of chunks is then one
+    contiguous batch of matrices (a product over it needs no copy)."""
+    return x.flatten(0, 1).transpose(0, 1).contiguous()
+
+
+def _steps(c0: int, j_lo: int, j_hi: int, delta: int) -> tuple[int, int, int]:
+    """Step ``delta`` of the query chunks ``j_lo .. j_hi - 1`` (absolute ``c0 + j``): the first
+    active one (``c0 + j >= delta``) and the key chunks ``a0 .. a1 - 1`` they meet."""
+    j0 = max(j_lo, delta - c0)
+    return j0, c0 + j0 - delta, c0 + j_hi - delta
+
+
+class _PaTHWalk(torch.autograd.Function):
+    """``softmax`` attention of the walk (module docstring), chunks first (`_chunk_major`). Inputs:
+    ``q~ [nq, B * H, C, D]`` and ``s0 [nq, B * H, C, C]`` of the query chunks ``c0 ..``; ``k~ *
+    scale``, ``P [.., D, D]`` and ``v`` as ``[c0 + nq, B * H, C, .]``. Output: ``[nq, B * H, C, D]``."""
+
+    @staticmethod
+    def forward(ctx, qt: Tensor, s0: Tensor, kts: Tensor, pc: Tensor, vc: Tensor, c0: int, scale: float,
+                fwd_chunks: int, bwd_chunks: int) -> Tensor:
+        nq, c = qt.shape[0], qt.shape[2]
+        hidden = ~torch.ones(c, c, dtype=torch.bool, device=qt.device).tril()
+        out = torch.empty_like(qt)
+        lse = qt.new_empty(qt.shape[:-1])
+        for j_lo in range(0, nq, fwd_chunks):
+            j_hi = min(nq, j_lo + fwd_chunks)
+            s = (s0[j_lo:j_hi] * scale).masked_fill_(hidden, float("-inf"))
+            mx = s.amax(-1)
+            p = torch.exp(s - mx[..., None])
+            den = p.sum(-1)
+            acc = p @ vc[c0 + j_lo:c0 + j_hi]
+            r = qt[j_lo:j_hi]
+            last = c0 + j_hi - 1
+            for delta in range(1, last + 1):
+                j0, a0, a1 = _steps(c0, j_lo, j_hi, delta)
+                r = r[r.shape[0] - (j_hi - j0):]
+                s = r @ kts[a0:a1].transpose(-1, -2)
+                m_old = mx[j0 - j_lo:]
+                m_new = torch.maximum(m_old, s.amax(-1))
+                alpha = torch.exp(m_old - m_new)
+                p = torch.exp(s - m_new[..., None])
+                den[j0 - j_lo:] = den[j0 - j_lo:] * alpha + p.sum(-1)
+                acc[j0 - j_lo:] = acc[j0 - j_lo:] * alpha[..., None] + p @ vc[a0:a1]
+                m_old.copy_(m_new)
+                if delta < last:
+                    j1 = _steps(c0, j_lo, j_hi, delta + 1)[0]
+                    r = r[j1 - j0:] @ pc[a0 + j1 - j0:a1]
+            out[j_lo:j_hi] = acc / den[..., None]
+            lse[j_lo:j_hi] = mx + torch.log(den)
+        ctx.save_for_backward(qt, s0, kts, pc, vc, out, lse)
+        ctx.c0, ctx.scale, ctx.bwd_chunks = c0, scale, bwd_chunks
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        qt, s0, kts, pc, vc, out, lse = ctx.saved_tensors
+        c0, scale = ctx.c0, ctx.scale
+        nq, c = qt.shape[0], qt.shape[2]
+        hidden = ~torch.ones(c, c, dtype=torch.bool, device=qt.device).tril()
+        d_out = d_out.contiguous()
+        d_qt, d_s0 = torch.empty_like(qt), torch.empty_like(s0)
+        d_kts, d_pc, d_vc = torch.zeros_like(kts), torch.zeros_like(pc), torch.zeros_like(vc)
+        rowdot = (d_out * out).sum(-1)
+        for j_lo in range(0, nq, ctx.bwd_chunks):
+            j_hi = min(nq, j_lo + ctx.bwd_chunks)
+            do, dl, ls = d_out[j_lo:j_hi], rowdot[j_lo:j_hi, ..., None], lse[j_lo:j_hi, ..., None]
+            # the queries' own chunk
+            s = (s0[j_lo:j_hi] * scale).masked_fill_(hidden, float("-inf"))
+            p = torch.exp(s - ls)
+            d_vc[c0 + j_lo:c0 + j_hi] += p.transpose(-1, -2) @ do
+            ds = p * (do @ vc[c0 + j_lo:c0 + j_hi].transpose(-1, -2) - dl)
+            d_s0[j_lo:j_hi] = ds * scale
+            # the walk, recomputed: each step's carried queries and their logits' gradient
+            rs, gs = [], []
+            r = qt[j_lo:j_hi]
+            last = c0 + j_hi - 1
+            for delta in range(1, last + 1):
+                j0, a0, a1 = _steps(c0, j_lo, j_hi, delta)
+                r = r[r.shape[0] - (j_hi - j0):]
+                k_a, do_a = kts[a0:a1], do[j0 - j_lo:]
+                p = torch.exp(r @ k_a.transpose(-1, -2) - ls[j0 - j_lo:])
+                d_vc[a0:a1] += p.transpose(-1, -2) @ do_a
+                ds = p.mul_(do_a @ vc[a0:a1].transpose(-1, -2) - dl[j0 - j_lo:])
+                d_kts[a0:a1] += ds.transpose(-1, -2) @ r
+                rs.append(r)
+                gs.append(ds @ k_a)
+                if delta < last:
+                    j1 = _steps(c0, j_lo, j_hi, delta + 1)[0]
+                    r = r[j1 - j0:] @ pc[a0 + j1 - j0:a1]
+            # the carry's adjoint, from the farthest step back: g_delta = dS k~ + g_{delta+1} P^T
+            g = d_qt[j_lo:j_hi]
+            g.zero_()
+            for delta in range(last, 0, -1):
+                j0, a0, a1 = _steps(c0, j_lo, j_hi, delta)
+                r = rs.pop()
+                if delta < last:
+                    j1 = _steps(c0, j_lo, j_hi, delta + 1)[0]
+                    g_next = g[j1 - j_lo:]
+                    p_a = pc[a0 + j1 - j0:a1]
+                    d_pc[a0 + j1 - j0:a1] += r[j1 - j0:].transpose(-1, -2) @ g_next
+                    g_next.copy_(g_next @ p_a.transpose(-1, -2))
+                g[j0 - j_lo:] += gs.pop()
+        return d_qt, d_s0, d_kts, d_pc, d_vc, None, None, None, None
