@@ -122,10 +122,11 @@ class PaTH(Encoding):
         chunks = (wc, t, wk, torch.cat((kt, kt - kc), dim=-1))
         budget = ctx.mode.tunables.path_walk_bytes
 
-        def attend(v: Tensor, q_offset: int, s: float) -> Tensor | None:
+        def attend(v: Tensor, q_offset: int, s: float, key_bias: Tensor | None) -> Tensor | None:
             if s != scale or q_offset != off:
                 return None  # the rows form adds the bias at its own scale to the backend's logits
-            return path_attention(q, parts, v.repeat_interleave(rep, dim=1) if rep > 1 else v, off, scale, budget)
+            return path_attention(q, parts, v.repeat_interleave(rep, dim=1) if rep > 1 else v, off, scale, budget,
+                                  key_bias)
 
         def rows(s: int, e: int, ke: int, q_rows: Tensor, *parts: Tensor) -> Tensor:
             return path_walk_rows(q_rows, *parts, off + s, ke) * scale

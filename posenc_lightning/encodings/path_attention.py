@@ -41,7 +41,7 @@ def walk_blocks(batch_heads: int, n_chunks: int, chunk: int, head_dim: int, budg
 
 
 def path_attention(q: Tensor, parts: tuple[Tensor, ...], v: Tensor, q_offset: int, scale: float,
-                   budget: int) -> Tensor:
+                   budget: int, key_bias: Tensor | None = None) -> Tensor:
     """Causal PaTH attention ``softmax(scale * q_i^T H_i ... H_{j+1} k_j) v`` of the queries at key
     indices ``q_offset .. q_offset + m - 1`` over keys ``0 .. q_offset + m - 1``.
 
@@ -52,6 +52,8 @@ def path_attention(q: Tensor, parts: tuple[Tensor, ...], v: Tensor, q_offset: in
         q_offset: the key index of the first query.
         scale: the logit scale.
         budget: bytes a block of the walk may keep (`walk_blocks`).
+        key_bias: ``[B|1, H|1, q_offset + m]`` added to every query's scaled logits (a key-only
+            term beside PaTH's: FoX's gates), or None.
 
     Returns:
         ``[B, H, m, D]`` in q's dtype (computed in float32 at least).
@@ -62,8 +64,11 @@ def path_attention(q: Tensor, parts: tuple[Tensor, ...], v: Tensor, q_offset: in
     qt, s0, front = path_query_chunks(q, wc, t, wk, kc, q_offset)
     vc = F.pad(v.to(wc.dtype), (0, 0, 0, n_ch * c - v.shape[-2])).view(b, h, n_ch, c, d)
     fwd, bwd = walk_blocks(b * h, n_ch, c, d, budget)
-    ins = (qt, s0, kt * scale, path_carries(wc, t), vc)
-    out = _PaTHWalk.apply(*(_chunk_major(x) for x in ins), q_offset // c, scale, fwd, bwd)
+    kb = None
+    if key_bias is not None:
+        kb = F.pad(key_bias.to(wc.dtype).expand(b, h, -1), (0, n_ch * c - key_bias.shape[-1])).view(b, h, n_ch, 1, c)
+    ins = (qt, s0, kt * scale, path_carries(wc, t), vc, kb)
+    out = _PaTHWalk.apply(*(None if x is None else _chunk_major(x) for x in ins), q_offset // c, scale, fwd, bwd)
     out = out.transpose(0, 1).reshape(b, h, -1, d)  # back from [chunks, B * H, C, D]
     return out[:, :, front:front + m].to(q.dtype)
 
@@ -81,23 +86,29 @@ def _steps(c0: int, j_lo: int, j_hi: int, delta: int) -> tuple[int, int, int]:
     return j0, c0 + j0 - delta, c0 + j_hi - delta
 
 
+def _acc(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``out += a @ b`` in place, batched over the leading dims (``out`` contiguous)."""
+    out.view(-1, *out.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+
+
 class _PaTHWalk(torch.autograd.Function):
     """``softmax`` attention of the walk (module docstring), chunks first (`_chunk_major`). Inputs:
     ``q~ [nq, B * H, C, D]`` and ``s0 [nq, B * H, C, C]`` of the query chunks ``c0 ..``; ``k~ *
-    scale``, ``P [.., D, D]`` and ``v`` as ``[c0 + nq, B * H, C, .]``. Output: ``[nq, B * H, C, D]``."""
+    scale``, ``P [.., D, D]``, ``v`` and a key bias ``[.., 1, C]`` (or None) as ``[c0 + nq, B * H,
+    C, .]``. Output: ``[nq, B * H, C, D]``."""
 
     @staticmethod
-    def forward(ctx, qt: Tensor, s0: Tensor, kts: Tensor, pc: Tensor, vc: Tensor, c0: int, scale: float,
-                fwd_chunks: int, bwd_chunks: int) -> Tensor:
+    def forward(ctx, qt: Tensor, s0: Tensor, kts: Tensor, pc: Tensor, vc: Tensor, kb: Tensor | None, c0: int,
+                scale: float, fwd_chunks: int, bwd_chunks: int) -> Tensor:
         nq, c = qt.shape[0], qt.shape[2]
         hidden = ~torch.ones(c, c, dtype=torch.bool, device=qt.device).tril()
         out = torch.empty_like(qt)
         lse = qt.new_empty(qt.shape[:-1])
         for j_lo in range(0, nq, fwd_chunks):
             j_hi = min(nq, j_lo + fwd_chunks)
-            s = (s0[j_lo:j_hi] * scale).masked_fill_(hidden, float("-inf"))
+            s = _own_chunk(s0[j_lo:j_hi], scale, hidden, None if kb is None else kb[c0 + j_lo:c0 + j_hi])
             mx = s.amax(-1)
-            p = torch.exp(s - mx[..., None])
+            p = s.sub_(mx[..., None]).exp_()
             den = p.sum(-1)
             acc = p @ vc[c0 + j_lo:c0 + j_hi]
             r = qt[j_lo:j_hi]
@@ -106,41 +117,48 @@ class _PaTHWalk(torch.autograd.Function):
                 j0, a0, a1 = _steps(c0, j_lo, j_hi, delta)
                 r = r[r.shape[0] - (j_hi - j0):]
                 s = r @ kts[a0:a1].transpose(-1, -2)
+                if kb is not None:
+                    s += kb[a0:a1]
                 m_old = mx[j0 - j_lo:]
                 m_new = torch.maximum(m_old, s.amax(-1))
-                alpha = torch.exp(m_old - m_new)
-                p = torch.exp(s - m_new[..., None])
-                den[j0 - j_lo:] = den[j0 - j_lo:] * alpha + p.sum(-1)
-                acc[j0 - j_lo:] = acc[j0 - j_lo:] * alpha[..., None] + p @ vc[a0:a1]
+                alpha = m_old.sub_(m_new).exp_()
+                p = s.sub_(m_new[..., None]).exp_()
+                den[j0 - j_lo:].mul_(alpha).add_(p.sum(-1))
+                acc_a = acc[j0 - j_lo:]
+                acc_a.mul_(alpha[..., None])
+                _acc(acc_a, p, vc[a0:a1])
                 m_old.copy_(m_new)
                 if delta < last:
                     j1 = _steps(c0, j_lo, j_hi, delta + 1)[0]
                     r = r[j1 - j0:] @ pc[a0 + j1 - j0:a1]
-            out[j_lo:j_hi] = acc / den[..., None]
-            lse[j_lo:j_hi] = mx + torch.log(den)
-        ctx.save_for_backward(qt, s0, kts, pc, vc, out, lse)
+            out[j_lo:j_hi] = acc.div_(den[..., None])
+            lse[j_lo:j_hi] = mx.add_(den.log_())
+        ctx.save_for_backward(qt, s0, kts, pc, vc, kb, out, lse)
         ctx.c0, ctx.scale, ctx.bwd_chunks = c0, scale, bwd_chunks
         return out
 
     @staticmethod
     def backward(ctx, d_out: Tensor) -> tuple[Tensor | None, ...]:
-        qt, s0, kts, pc, vc, out, lse = ctx.saved_tensors
+        qt, s0, kts, pc, vc, kb, out, lse = ctx.saved_tensors
         c0, scale = ctx.c0, ctx.scale
         nq, c = qt.shape[0], qt.shape[2]
         hidden = ~torch.ones(c, c, dtype=torch.bool, device=qt.device).tril()
         d_out = d_out.contiguous()
         d_qt, d_s0 = torch.empty_like(qt), torch.empty_like(s0)
         d_kts, d_pc, d_vc = torch.zeros_like(kts), torch.zeros_like(pc), torch.zeros_like(vc)
+        d_kb = None if kb is None else torch.zeros_like(kb)
         rowdot = (d_out * out).sum(-1)
         for j_lo in range(0, nq, ctx.bwd_chunks):
             j_hi = min(nq, j_lo + ctx.bwd_chunks)
             do, dl, ls = d_out[j_lo:j_hi], rowdot[j_lo:j_hi, ..., None], lse[j_lo:j_hi, ..., None]
             # the queries' own chunk
-            s = (s0[j_lo:j_hi] * scale).masked_fill_(hidden, float("-inf"))
-            p = torch.exp(s - ls)
-            d_vc[c0 + j_lo:c0 + j_hi] += p.transpose(-1, -2) @ do
-            ds = p * (do @ vc[c0 + j_lo:c0 + j_hi].transpose(-1, -2) - dl)
-            d_s0[j_lo:j_hi] = ds * scale
+            own = slice(c0 + j_lo, c0 + j_hi)
+            p = _own_chunk(s0[j_lo:j_hi], scale, hidden, None if kb is None else kb[own]).sub_(ls).exp_()
+            _acc(d_vc[own], p.transpose(-1, -2), do)
+            ds = p.mul_((do @ vc[own].transpose(-1, -2)).sub_(dl))
+            if d_kb is not None:
+                d_kb[own] += ds.sum(-2, keepdim=True)
+            d_s0[j_lo:j_hi] = ds.mul_(scale)
             # the walk, recomputed: each step's carried queries and their logits' gradient
             rs, gs = [], []
             r = qt[j_lo:j_hi]
@@ -149,10 +167,15 @@ class _PaTHWalk(torch.autograd.Function):
                 j0, a0, a1 = _steps(c0, j_lo, j_hi, delta)
                 r = r[r.shape[0] - (j_hi - j0):]
                 k_a, do_a = kts[a0:a1], do[j0 - j_lo:]
-                p = torch.exp(r @ k_a.transpose(-1, -2) - ls[j0 - j_lo:])
-                d_vc[a0:a1] += p.transpose(-1, -2) @ do_a
-                ds = p.mul_(do_a @ vc[a0:a1].transpose(-1, -2) - dl[j0 - j_lo:])
-                d_kts[a0:a1] += ds.transpose(-1, -2) @ r
+                s = r @ k_a.transpose(-1, -2)
+                if kb is not None:
+                    s += kb[a0:a1]
+                p = s.sub_(ls[j0 - j_lo:]).exp_()
+                _acc(d_vc[a0:a1], p.transpose(-1, -2), do_a)
+                ds = p.mul_((do_a @ vc[a0:a1].transpose(-1, -2)).sub_(dl[j0 - j_lo:]))
+                if d_kb is not None:
+                    d_kb[a0:a1] += ds.sum(-2, keepdim=True)
+                _acc(d_kts[a0:a1], ds.transpose(-1, -2), r)
                 rs.append(r)
                 gs.append(ds @ k_a)
                 if delta < last:
@@ -167,8 +190,15 @@ class _PaTHWalk(torch.autograd.Function):
                 if delta < last:
                     j1 = _steps(c0, j_lo, j_hi, delta + 1)[0]
                     g_next = g[j1 - j_lo:]
-                    p_a = pc[a0 + j1 - j0:a1]
-                    d_pc[a0 + j1 - j0:a1] += r[j1 - j0:].transpose(-1, -2) @ g_next
-                    g_next.copy_(g_next @ p_a.transpose(-1, -2))
+                    _acc(d_pc[a0 + j1 - j0:a1], r[j1 - j0:].transpose(-1, -2), g_next)
+                    g_next.copy_(g_next @ pc[a0 + j1 - j0:a1].transpose(-1, -2))
                 g[j0 - j_lo:] += gs.pop()
-        return d_qt, d_s0, d_kts, d_pc, d_vc, None, None, None, None
+        return d_qt, d_s0, d_kts, d_pc, d_vc, d_kb, None, None, None, None
+
+
+def _own_chunk(s0: Tensor, scale: float, hidden: Tensor, kb: Tensor | None) -> Tensor:
+    """The scaled logits of the queries' own chunk (a new tensor), ``-inf`` past the diagonal."""
+    s = s0 * scale
+    if kb is not None:
+        s += kb
+    return s.masked_fill_(hidden, float("-inf"))

@@ -395,6 +395,25 @@ class BiasSum(Bias):
     def recomputable(self) -> bool:
         return all(p.recomputable for p in self.parts)
 
+    def own_attention(self) -> OwnAttention | None:
+        """One term's own attention (`OwnAttention`) with the others' key-only forms (FoX's gates
+        beside PaTH) added to its logits; it declines where one of them has none."""
+        forms = [t.own_attention() for t in self.terms]
+        found = [f for f in forms if f is not None]
+        if len(found) != 1:
+            return None
+        own, others = found[0], [t for t, f in zip(self.terms, forms) if f is None]
+
+        def attend(v: Tensor, q_offset: int, scale: float, key_bias: Tensor | None) -> Tensor | None:
+            for t in others:
+                form = t.key_only(v.dtype, q_offset == 0 and v.shape[-2] == own.q.shape[-2])
+                if form is None:
+                    return None
+                key_bias = form.key_bias() if key_bias is None else key_bias + form.key_bias()
+            return own.attend(v, q_offset, scale, key_bias)
+
+        return OwnAttention(own.q, own.k, attend)
+
     def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
         g = self._group
         u = None if g is None else cut((g.u,), (g.window(start, stop, k_stop),))[0]

@@ -170,7 +170,7 @@ def _run(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attentio
     n_q = q.shape[-2]
     form = plan.form
     if form is Form.OWN:
-        out = found.own.attend(v, mask.q_offset, scale)
+        out = found.own.attend(v, mask.q_offset, scale, None)
         return out if out is not None else _run(plan.fallback, q, k, v, bias, mask, scale, gqa, ctx, given, mode,
                                                 found)
     if form is Form.ONE_BLOCK:
