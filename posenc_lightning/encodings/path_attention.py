@@ -15,6 +15,8 @@ farthest chunk: ``g <- g P^T + dS k~`` and ``dP += r^T g``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -25,6 +27,9 @@ __all__ = ["path_attention", "walk_blocks"]
 
 #: tensors of one step's size a forward block keeps alive together (logits, weights, their temporaries)
 _FORWARD_LIVE = 6
+#: the walk's logits are in base 2 (``exp2``: ``exp``'s slow path for results below float32's
+#: smallest normal, logits far below their row's maximum as FoX's gates make them, is many times slower)
+_LOG2E = math.log2(math.e)
 
 
 def walk_blocks(batch_heads: int, n_chunks: int, chunk: int, head_dim: int, budget: int) -> tuple[int, int]:
@@ -64,11 +69,12 @@ def path_attention(q: Tensor, parts: tuple[Tensor, ...], v: Tensor, q_offset: in
     qt, s0, front = path_query_chunks(q, wc, t, wk, kc, q_offset)
     vc = F.pad(v.to(wc.dtype), (0, 0, 0, n_ch * c - v.shape[-2])).view(b, h, n_ch, c, d)
     fwd, bwd = walk_blocks(b * h, n_ch, c, d, budget)
-    kb = None
+    kb, scale2 = None, scale * _LOG2E
     if key_bias is not None:
-        kb = F.pad(key_bias.to(wc.dtype).expand(b, h, -1), (0, n_ch * c - key_bias.shape[-1])).view(b, h, n_ch, 1, c)
-    ins = (qt, s0, kt * scale, path_carries(wc, t), vc, kb)
-    out = _PaTHWalk.apply(*(None if x is None else _chunk_major(x) for x in ins), q_offset // c, scale, fwd, bwd)
+        kb = F.pad(key_bias.to(wc.dtype).expand(b, h, -1) * _LOG2E, (0, n_ch * c - key_bias.shape[-1]))
+        kb = kb.view(b, h, n_ch, 1, c)
+    ins = (qt, s0, kt * scale2, path_carries(wc, t), vc, kb)
+    out = _PaTHWalk.apply(*(None if x is None else _chunk_major(x) for x in ins), q_offset // c, scale2, fwd, bwd)
     out = out.transpose(0, 1).reshape(b, h, -1, d)  # back from [chunks, B * H, C, D]
     return out[:, :, front:front + m].to(q.dtype)
 
@@ -95,7 +101,7 @@ class _PaTHWalk(torch.autograd.Function):
     """``softmax`` attention of the walk (module docstring), chunks first (`_chunk_major`). Inputs:
     ``q~ [nq, B * H, C, D]`` and ``s0 [nq, B * H, C, C]`` of the query chunks ``c0 ..``; ``k~ *
     scale``, ``P [.., D, D]``, ``v`` and a key bias ``[.., 1, C]`` (or None) as ``[c0 + nq, B * H,
-    C, .]``. Output: ``[nq, B * H, C, D]``."""
+    C, .]``; ``scale`` and the key bias in base 2 (times ``log2 e``). Output: ``[nq, B * H, C, D]``."""
 
     @staticmethod
     def forward(ctx, qt: Tensor, s0: Tensor, kts: Tensor, pc: Tensor, vc: Tensor, kb: Tensor | None, c0: int,
@@ -108,7 +114,7 @@ class _PaTHWalk(torch.autograd.Function):
             j_hi = min(nq, j_lo + fwd_chunks)
             s = _own_chunk(s0[j_lo:j_hi], scale, hidden, None if kb is None else kb[c0 + j_lo:c0 + j_hi])
             mx = s.amax(-1)
-            p = s.sub_(mx[..., None]).exp_()
+            p = s.sub_(mx[..., None]).exp2_()
             den = p.sum(-1)
             acc = p @ vc[c0 + j_lo:c0 + j_hi]
             r = qt[j_lo:j_hi]
@@ -121,8 +127,8 @@ class _PaTHWalk(torch.autograd.Function):
                     s += kb[a0:a1]
                 m_old = mx[j0 - j_lo:]
                 m_new = torch.maximum(m_old, s.amax(-1))
-                alpha = m_old.sub_(m_new).exp_()
-                p = s.sub_(m_new[..., None]).exp_()
+                alpha = m_old.sub_(m_new).exp2_()
+                p = s.sub_(m_new[..., None]).exp2_()
                 den[j0 - j_lo:].mul_(alpha).add_(p.sum(-1))
                 acc_a = acc[j0 - j_lo:]
                 acc_a.mul_(alpha[..., None])
@@ -132,7 +138,7 @@ class _PaTHWalk(torch.autograd.Function):
                     j1 = _steps(c0, j_lo, j_hi, delta + 1)[0]
                     r = r[j1 - j0:] @ pc[a0 + j1 - j0:a1]
             out[j_lo:j_hi] = acc.div_(den[..., None])
-            lse[j_lo:j_hi] = mx.add_(den.log_())
+            lse[j_lo:j_hi] = mx.add_(den.log2_())
         ctx.save_for_backward(qt, s0, kts, pc, vc, kb, out, lse)
         ctx.c0, ctx.scale, ctx.bwd_chunks = c0, scale, bwd_chunks
         return out
@@ -143,7 +149,8 @@ class _PaTHWalk(torch.autograd.Function):
         c0, scale = ctx.c0, ctx.scale
         nq, c = qt.shape[0], qt.shape[2]
         hidden = ~torch.ones(c, c, dtype=torch.bool, device=qt.device).tril()
-        d_out = d_out.contiguous()
+        # d_out times ln 2: the logits' gradient comes out in base 2 (d_v takes log2 e back at the end)
+        d_out = d_out * (1.0 / _LOG2E)
         d_qt, d_s0 = torch.empty_like(qt), torch.empty_like(s0)
         d_kts, d_pc, d_vc = torch.zeros_like(kts), torch.zeros_like(pc), torch.zeros_like(vc)
         d_kb = None if kb is None else torch.zeros_like(kb)
@@ -153,7 +160,7 @@ class _PaTHWalk(torch.autograd.Function):
             do, dl, ls = d_out[j_lo:j_hi], rowdot[j_lo:j_hi, ..., None], lse[j_lo:j_hi, ..., None]
             # the queries' own chunk
             own = slice(c0 + j_lo, c0 + j_hi)
-            p = _own_chunk(s0[j_lo:j_hi], scale, hidden, None if kb is None else kb[own]).sub_(ls).exp_()
+            p = _own_chunk(s0[j_lo:j_hi], scale, hidden, None if kb is None else kb[own]).sub_(ls).exp2_()
             _acc(d_vc[own], p.transpose(-1, -2), do)
             ds = p.mul_((do @ vc[own].transpose(-1, -2)).sub_(dl))
             if d_kb is not None:
@@ -170,7 +177,7 @@ class _PaTHWalk(torch.autograd.Function):
                 s = r @ k_a.transpose(-1, -2)
                 if kb is not None:
                     s += kb[a0:a1]
-                p = s.sub_(ls[j0 - j_lo:]).exp_()
+                p = s.sub_(ls[j0 - j_lo:]).exp2_()
                 _acc(d_vc[a0:a1], p.transpose(-1, -2), do_a)
                 ds = p.mul_((do_a @ vc[a0:a1].transpose(-1, -2)).sub_(dl[j0 - j_lo:]))
                 if d_kb is not None:
@@ -193,7 +200,7 @@ class _PaTHWalk(torch.autograd.Function):
                     _acc(d_pc[a0 + j1 - j0:a1], r[j1 - j0:].transpose(-1, -2), g_next)
                     g_next.copy_(g_next @ pc[a0 + j1 - j0:a1].transpose(-1, -2))
                 g[j0 - j_lo:] += gs.pop()
-        return d_qt, d_s0, d_kts, d_pc, d_vc, d_kb, None, None, None, None
+        return d_qt, d_s0, d_kts, d_pc, d_vc.mul_(_LOG2E), d_kb, None, None, None, None
 
 
 def _own_chunk(s0: Tensor, scale: float, hidden: Tensor, kb: Tensor | None) -> Tensor:
