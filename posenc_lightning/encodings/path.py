@@ -118,8 +118,6 @@ class PaTH(Encoding):
         # the keys' chunks once per call (linear in N); each block of rows walks its queries down
         # them, or the whole attention does (`attend`)
         parts = path_chunk_parts(k, w[..., :n_k, :], beta[..., :n_k], c)
-        wc, t, wk, kc, kt = parts
-        chunks = (wc, t, wk, torch.cat((kt, kt - kc), dim=-1))
         budget = ctx.mode.tunables.path_walk_bytes
 
         def attend(v: Tensor, q_offset: int, s: float, key_bias: Tensor | None) -> Tensor | None:
@@ -128,14 +126,15 @@ class PaTH(Encoding):
             return path_attention(q, parts, v.repeat_interleave(rep, dim=1) if rep > 1 else v, off, scale, budget,
                                   key_bias)
 
-        def rows(s: int, e: int, ke: int, q_rows: Tensor, *parts: Tensor) -> Tensor:
-            return path_walk_rows(q_rows, *parts, off + s, ke) * scale
+        def rows(s: int, e: int, ke: int, q_rows: Tensor, wc: Tensor, t: Tensor, wk: Tensor, kc: Tensor,
+                 kt: Tensor) -> Tensor:
+            return path_walk_rows(q_rows, wc, t, wk, torch.cat((kt, kt - kc), dim=-1), off + s, ke) * scale
 
         def window(s: int, e: int, ke: int) -> tuple:
             stop = -(-max(ke, off + e) // c)  # the chunks of the rows' keys and of their queries
-            return (span(s, e, -2), *(span(0, stop, -3),) * 4)
+            return (span(s, e, -2), *(span(0, stop, -3),) * 5)
 
-        return DenseBias.lazy(rows, n_q, n_k, inputs=(q, *chunks), window=window,
+        return DenseBias.lazy(rows, n_q, n_k, inputs=(q, *parts), window=window,
                               backward_share=self.BACKWARD_SHARE, own_attention=OwnAttention(q, given, attend))
 
 

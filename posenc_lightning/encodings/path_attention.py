@@ -32,17 +32,32 @@ _FORWARD_LIVE = 6
 _LOG2E = math.log2(math.e)
 
 
-def walk_blocks(batch_heads: int, n_chunks: int, chunk: int, head_dim: int, budget: int) -> tuple[int, int]:
-    """Query chunks per block of the forward and of the backward walk within ``budget`` bytes.
+def walk_blocks(batch_heads: int, c0: int, n_q: int, chunk: int, head_dim: int, item: int,
+                budget: int) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """The blocks of query chunks ``(j_lo, j_hi)`` of the forward and of the backward walk, each
+    within ``budget`` bytes (at least one chunk).
 
-    The forward keeps a few step-sized tensors (``[B, H, chunks, C, max(C, D)]``); the backward
-    keeps the carried queries and their gradients of every step (``2 x [B, H, chunks, C, D]`` per
-    step, up to ``n_chunks`` steps). At least one chunk each.
+    The forward keeps a few step-sized tensors (``[chunks, B * H, C, max(C, D)]``): equal blocks.
+    The backward keeps the carried queries and their gradients of every step: query chunk ``c0 +
+    j`` takes ``c0 + j`` steps of ``2 x [B * H, C, D]``, so a block takes chunks while their steps
+    fit (the first chunks, with the fewest steps, share a block).
+
+    Args:
+        batch_heads: ``B * H``; c0: the first query chunk; n_q: the query chunks; chunk: ``C``;
+        head_dim: ``D``; item: bytes per element; budget: bytes per block.
     """
-    step = 4 * batch_heads * chunk * max(chunk, head_dim)
-    fwd = max(1, budget // (_FORWARD_LIVE * step))
-    bwd = max(1, budget // (2 * 4 * batch_heads * chunk * head_dim * max(1, n_chunks)))
-    return min(fwd, n_chunks), min(bwd, n_chunks)
+    step = item * batch_heads * chunk * max(chunk, head_dim)
+    n_fwd = max(1, budget // (_FORWARD_LIVE * step))
+    fwd = tuple((j, min(n_q, j + n_fwd)) for j in range(0, n_q, n_fwd))
+    cap = budget // (2 * item * batch_heads * chunk * head_dim)  # chunk-steps per backward block
+    bwd, j_lo, held = [], 0, 0
+    for j in range(n_q):
+        if j > j_lo and held + c0 + j > cap:
+            bwd.append((j_lo, j))
+            j_lo, held = j, 0
+        held += c0 + j
+    bwd.append((j_lo, n_q))
+    return fwd, tuple(bwd)
 
 
 def path_attention(q: Tensor, parts: tuple[Tensor, ...], v: Tensor, q_offset: int, scale: float,
@@ -68,7 +83,7 @@ def path_attention(q: Tensor, parts: tuple[Tensor, ...], v: Tensor, q_offset: in
     n_ch, c = wc.shape[2], wc.shape[3]
     qt, s0, front = path_query_chunks(q, wc, t, wk, kc, q_offset)
     vc = F.pad(v.to(wc.dtype), (0, 0, 0, n_ch * c - v.shape[-2])).view(b, h, n_ch, c, d)
-    fwd, bwd = walk_blocks(b * h, n_ch, c, d, budget)
+    fwd, bwd = walk_blocks(b * h, q_offset // c, qt.shape[2], c, d, qt.element_size(), budget)
     kb, scale2 = None, scale * _LOG2E
     if key_bias is not None:
         kb = F.pad(key_bias.to(wc.dtype).expand(b, h, -1) * _LOG2E, (0, n_ch * c - key_bias.shape[-1]))
@@ -105,13 +120,13 @@ class _PaTHWalk(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qt: Tensor, s0: Tensor, kts: Tensor, pc: Tensor, vc: Tensor, kb: Tensor | None, c0: int,
-                scale: float, fwd_chunks: int, bwd_chunks: int) -> Tensor:
-        nq, c = qt.shape[0], qt.shape[2]
+                scale: float, fwd_blocks: tuple[tuple[int, int], ...], bwd_blocks: tuple[tuple[int, int], ...],
+                ) -> Tensor:
+        c = qt.shape[2]
         hidden = ~torch.ones(c, c, dtype=torch.bool, device=qt.device).tril()
         out = torch.empty_like(qt)
         lse = qt.new_empty(qt.shape[:-1])
-        for j_lo in range(0, nq, fwd_chunks):
-            j_hi = min(nq, j_lo + fwd_chunks)
+        for j_lo, j_hi in fwd_blocks:
             s = _own_chunk(s0[j_lo:j_hi], scale, hidden, None if kb is None else kb[c0 + j_lo:c0 + j_hi])
             mx = s.amax(-1)
             p = s.sub_(mx[..., None]).exp2_()
@@ -140,14 +155,14 @@ class _PaTHWalk(torch.autograd.Function):
             out[j_lo:j_hi] = acc.div_(den[..., None])
             lse[j_lo:j_hi] = mx.add_(den.log2_())
         ctx.save_for_backward(qt, s0, kts, pc, vc, kb, out, lse)
-        ctx.c0, ctx.scale, ctx.bwd_chunks = c0, scale, bwd_chunks
+        ctx.c0, ctx.scale, ctx.bwd_blocks = c0, scale, bwd_blocks
         return out
 
     @staticmethod
     def backward(ctx, d_out: Tensor) -> tuple[Tensor | None, ...]:
         qt, s0, kts, pc, vc, kb, out, lse = ctx.saved_tensors
         c0, scale = ctx.c0, ctx.scale
-        nq, c = qt.shape[0], qt.shape[2]
+        c = qt.shape[2]
         hidden = ~torch.ones(c, c, dtype=torch.bool, device=qt.device).tril()
         # d_out times ln 2: the logits' gradient comes out in base 2 (d_v takes log2 e back at the end)
         d_out = d_out * (1.0 / _LOG2E)
@@ -155,8 +170,7 @@ class _PaTHWalk(torch.autograd.Function):
         d_kts, d_pc, d_vc = torch.zeros_like(kts), torch.zeros_like(pc), torch.zeros_like(vc)
         d_kb = None if kb is None else torch.zeros_like(kb)
         rowdot = (d_out * out).sum(-1)
-        for j_lo in range(0, nq, ctx.bwd_chunks):
-            j_hi = min(nq, j_lo + ctx.bwd_chunks)
+        for j_lo, j_hi in ctx.bwd_blocks:
             do, dl, ls = d_out[j_lo:j_hi], rowdot[j_lo:j_hi, ..., None], lse[j_lo:j_hi, ..., None]
             # the queries' own chunk
             own = slice(c0 + j_lo, c0 + j_hi)
