@@ -82,7 +82,7 @@ def path_attention(q: Tensor, parts: tuple[Tensor, ...], v: Tensor, q_offset: in
     wc, t, wk, kc, kt = parts
     n_ch, c = wc.shape[2], wc.shape[3]
     qt, s0, front = path_query_chunks(q, wc, t, wk, kc, q_offset)
-    vc = F.pad(v.to(wc.dtype), (0, 0, 0, n_ch * c - v.shape[-2])).view(b, h, n_ch, c, d)
+    vc = F.pad(v.to(wc.dtype).contiguous(), (0, 0, 0, n_ch * c - v.shape[-2])).view(b, h, n_ch, c, d)
     fwd, bwd = walk_blocks(b * h, q_offset // c, qt.shape[2], c, d, qt.element_size(), budget)
     kb, scale2 = None, scale * _LOG2E
     if key_bias is not None:
@@ -165,7 +165,7 @@ class _PaTHWalk(torch.autograd.Function):
         c = qt.shape[2]
         hidden = ~torch.ones(c, c, dtype=torch.bool, device=qt.device).tril()
         # d_out times ln 2: the logits' gradient comes out in base 2 (d_v takes log2 e back at the end)
-        d_out = d_out * (1.0 / _LOG2E)
+        d_out = torch.mul(d_out, 1.0 / _LOG2E, out=torch.empty_like(d_out, memory_format=torch.contiguous_format))
         d_qt, d_s0 = torch.empty_like(qt), torch.empty_like(s0)
         d_kts, d_pc, d_vc = torch.zeros_like(kts), torch.zeros_like(pc), torch.zeros_like(vc)
         d_kb = None if kb is None else torch.zeros_like(kb)

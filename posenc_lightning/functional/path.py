@@ -178,9 +178,11 @@ def path_chunk_parts(k: Tensor, w: Tensor, beta: Tensor, chunk: int) -> tuple[Te
     dt = torch.promote_types(k.dtype, torch.float32)
     n_ch = -(-n // chunk)
     pad = n_ch * chunk - n
-    wc = F.pad(w[..., :n, :].to(dt), (0, 0, 0, pad)).view(b, h, n_ch, chunk, d)
-    bc = F.pad(beta[..., :n].to(dt), (0, pad)).view(b, h, n_ch, chunk)
-    kc = F.pad(k.to(dt), (0, 0, 0, pad)).view(b, h, n_ch, chunk, d)
+    # contiguous first (heads are often a transposed view of the projections): every product
+    # below then runs on contiguous batches, with no copy per product
+    wc = F.pad(w[..., :n, :].to(dt).contiguous(), (0, 0, 0, pad)).view(b, h, n_ch, chunk, d)
+    bc = F.pad(beta[..., :n].to(dt).contiguous(), (0, pad)).view(b, h, n_ch, chunk)
+    kc = F.pad(k.to(dt).contiguous(), (0, 0, 0, pad)).view(b, h, n_ch, chunk, d)
     t = path_ut_transform(wc, bc)
     wk = torch.tril(wc @ kc.transpose(-1, -2), -1)
     return wc, t, wk, kc, kc - (wk.transpose(-1, -2) @ t.transpose(-1, -2)) @ wc
@@ -221,7 +223,7 @@ def path_query_chunks(q: Tensor, wc: Tensor, t: Tensor, wk: Tensor, kc: Tensor,
     c0, c1 = q_offset // c, (q_offset + m - 1) // c
     nq = c1 - c0 + 1
     front = q_offset - c0 * c
-    qq = F.pad(q.to(wc.dtype), (0, 0, front, nq * c - m - front)).view(b, h, nq, c, d)
+    qq = F.pad(q.to(wc.dtype).contiguous(), (0, 0, front, nq * c - m - front)).view(b, h, nq, c, d)
     w_q, t_q = wc[:, :, c0:c1 + 1], t[:, :, c0:c1 + 1]
     x = torch.tril(qq @ w_q.transpose(-1, -2)) @ t_q  # (q_i . w_s) for s <= i, times T
     s0 = qq @ kc[:, :, c0:c1 + 1].transpose(-1, -2) - x @ wk[:, :, c0:c1 + 1]
