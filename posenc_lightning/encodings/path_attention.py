@@ -9,8 +9,10 @@ once per call by autograd. `_PaTHWalk` then walks every query chunk of a block d
 before it, nearest first, all query chunks at once (step ``delta``: query chunk ``c`` meets key
 chunk ``c - delta``): logits ``r . k~`` (``r`` starts at ``q~``), an online softmax and ``P V``,
 then ``r <- r P``. Its backward recomputes a block's walk, keeping ``r`` and its logits' gradient
-for every step (``rows x D x N / C`` per block), then runs the carry's adjoint back from the
-farthest chunk: ``g <- g P^T + dS k~`` and ``dP += r^T g``.
+for every step (``rows x D x N / C`` per block, within `Tunables.path_walk_bytes`), then runs the
+carry's adjoint back from the farthest chunk: ``g <- g P^T + dS k~`` and ``dP += r^T g``. Logits
+are in base 2 (``exp2``). Tensors are chunks first (``[n, B * H, C, .]``): a range of chunks is one
+contiguous batch of matrices.
 """
 
 from __future__ import annotations

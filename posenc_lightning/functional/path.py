@@ -19,6 +19,10 @@ Two forms:
   query is carried to its chunk's start and the keys of earlier chunks to the same point by one
   ``d x d`` product accumulated chunk by chunk, nearest first. No ``N x N`` array of ``d x d``
   matrices; for ``m`` query rows the memory is ``O(m N + N d)``.
+
+The whole attention's parts (`encodings.path_attention` walks them): `path_chunk_parts` (the keys
+carried to their chunk's end), `path_carries` (each chunk's product as a ``d x d`` matrix) and
+`path_query_chunks` (the queries carried to their chunk's start, and the logits within it).
 """
 
 from __future__ import annotations
