@@ -329,14 +329,40 @@ def test_path_fox_own_attention_takes_the_gates_as_a_key_bias():
         _close(a, b, TOL_OWN, "gradient")
 
 
-def test_documents_take_the_rows_form():
-    """With documents the own attention declines (its mask is causal only): bias rows run."""
+@pytest.mark.parametrize("budget", [None, 1])
+def test_own_attention_with_packed_documents(budget):
+    """Documents 5, 9 and 9 tokens (row 0) and one of 23 (row 1), chunks of 4 straddling the
+    boundaries: the own attention keeps each query in its document; output and every gradient
+    equal the per-document float64 reference."""
     n = 23
     m = _layer(PaTH(chunk=4))
+    if budget is not None:
+        m.posenc_tunables = Tunables(path_walk_bytes=budget)
     q, k, v, hid = _inputs(n)
-    seg, _ = _packed(n)
-    assert not _walked(m(q, k, v, hidden=hid, segment_ids=seg))
-    assert _walked(m(q, k, v, hidden=hid))
+    seg, pos = _packed(n)
+    enc = m.posenc
+    params = [enc.w_proj.weight, enc.beta_proj.weight, enc.beta_proj.bias]
+    out = m(q, k, v, positions=pos, hidden=hid, segment_ids=seg)
+    assert _walked(out)
+    w, beta = enc.householder(hid)
+    ref = path_attention_naive(q, k, v, w, beta, D ** -0.5, seg)
+    cot = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    _close(out, ref, TOL_OWN, "output")
+    for a, b in zip(torch.autograd.grad((out * cot).sum(), [q, k, v, hid, *params]),
+                    torch.autograd.grad((ref * cot).sum(), [q, k, v, hid, *params])):
+        _close(a, b, TOL_OWN, "gradient")
+
+
+def test_key_padding_takes_the_rows_form():
+    """With key padding the own attention declines (its mask is causal within documents): bias
+    rows run, and agree with it where nothing is padded."""
+    n = 13
+    m = _layer(PaTH(chunk=4))
+    q, k, v, hid = (t.detach() for t in _inputs(n))
+    keep = torch.ones(B, n, dtype=torch.bool)
+    rows = m(q, k, v, hidden=hid, key_padding_mask=keep)
+    assert rows.grad_fn is not None and not _walked(rows)
+    torch.testing.assert_close(rows, m(q, k, v, hidden=hid), atol=1e-6, rtol=0)
 
 
 # ------------------------------------------------------------------------------------ memory

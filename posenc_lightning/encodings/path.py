@@ -123,11 +123,12 @@ class PaTH(Encoding):
         parts = path_chunk_parts(k, w[..., :n_k, :], beta[..., :n_k], c)
         budget = ctx.mode.tunables.path_walk_bytes
 
-        def attend(v: Tensor, q_offset: int, s: float, key_bias: Tensor | None) -> Tensor | None:
+        def attend(v: Tensor, q_offset: int, s: float, key_bias: Tensor | None,
+                   segments: tuple[Tensor, Tensor] | None) -> Tensor | None:
             if s != scale or q_offset != off:
                 return None  # the rows form adds the bias at its own scale to the backend's logits
             return path_attention(q, parts, v.repeat_interleave(rep, dim=1) if rep > 1 else v, off, scale, budget,
-                                  key_bias)
+                                  key_bias, segments)
 
         def rows(s: int, e: int, ke: int, q_rows: Tensor, wc: Tensor, t: Tensor, wk: Tensor, kc: Tensor,
                  kt: Tensor) -> Tensor:

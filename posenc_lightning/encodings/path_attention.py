@@ -63,7 +63,8 @@ def walk_blocks(batch_heads: int, c0: int, n_q: int, chunk: int, head_dim: int, 
 
 
 def path_attention(q: Tensor, parts: tuple[Tensor, ...], v: Tensor, q_offset: int, scale: float,
-                   budget: int, key_bias: Tensor | None = None) -> Tensor:
+                   budget: int, key_bias: Tensor | None = None,
+                   segments: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Causal PaTH attention ``softmax(scale * q_i^T H_i ... H_{j+1} k_j) v`` of the queries at key
     indices ``q_offset .. q_offset + m - 1`` over keys ``0 .. q_offset + m - 1``.
 
@@ -76,6 +77,8 @@ def path_attention(q: Tensor, parts: tuple[Tensor, ...], v: Tensor, q_offset: in
         budget: bytes a block of the walk may keep (`walk_blocks`).
         key_bias: ``[B|1, H|1, q_offset + m]`` added to every query's scaled logits (a key-only
             term beside PaTH's: FoX's gates), or None.
+        segments: ``(q_seg [B, m], k_seg [B, q_offset + m])`` contiguous document ids: a query
+            sees only the keys of its document; or None.
 
     Returns:
         ``[B, H, m, D]`` in q's dtype (computed in float32 at least).
@@ -91,7 +94,15 @@ def path_attention(q: Tensor, parts: tuple[Tensor, ...], v: Tensor, q_offset: in
         kb = F.pad(key_bias.to(wc.dtype).expand(b, h, -1) * _LOG2E, (0, n_ch * c - key_bias.shape[-1]))
         kb = kb.view(b, h, n_ch, 1, c)
     ins = (qt, s0, kt * scale2, path_carries(wc, t), vc, kb)
-    out = _PaTHWalk.apply(*(None if x is None else _chunk_major(x) for x in ins), q_offset // c, scale2, fwd, bwd)
+    seg_q = seg_k = None
+    if segments is not None:  # [chunks, B, C]; padded rows see their own key (no row without a key)
+        q_seg, k_seg = segments
+        rows = torch.cat((k_seg[:, :q_offset], q_seg), dim=1)
+        seg_k, seg_q = (F.pad(x, (0, n_ch * c - x.shape[1]), value=-1).view(b, n_ch, c).transpose(0, 1).contiguous()
+                        for x in (k_seg, rows))
+        seg_q = seg_q[q_offset // c:]
+    out = _PaTHWalk.apply(*(None if x is None else _chunk_major(x) for x in ins), seg_q, seg_k, q_offset // c, scale2,
+                          fwd, bwd)
     out = out.transpose(0, 1).reshape(b, h, -1, d)  # back from [chunks, B * H, C, D]
     return out[:, :, front:front + m].to(q.dtype)
 
@@ -121,15 +132,16 @@ class _PaTHWalk(torch.autograd.Function):
     C, .]``; ``scale`` and the key bias in base 2 (times ``log2 e``). Output: ``[nq, B * H, C, D]``."""
 
     @staticmethod
-    def forward(ctx, qt: Tensor, s0: Tensor, kts: Tensor, pc: Tensor, vc: Tensor, kb: Tensor | None, c0: int,
-                scale: float, fwd_blocks: tuple[tuple[int, int], ...], bwd_blocks: tuple[tuple[int, int], ...],
-                ) -> Tensor:
+    def forward(ctx, qt: Tensor, s0: Tensor, kts: Tensor, pc: Tensor, vc: Tensor, kb: Tensor | None,
+                seg_q: Tensor | None, seg_k: Tensor | None, c0: int, scale: float,
+                fwd_blocks: tuple[tuple[int, int], ...], bwd_blocks: tuple[tuple[int, int], ...]) -> Tensor:
         c = qt.shape[2]
         hidden = ~torch.ones(c, c, dtype=torch.bool, device=qt.device).tril()
         out = torch.empty_like(qt)
         lse = qt.new_empty(qt.shape[:-1])
         for j_lo, j_hi in fwd_blocks:
             s = _own_chunk(s0[j_lo:j_hi], scale, hidden, None if kb is None else kb[c0 + j_lo:c0 + j_hi])
+            _hide(s, seg_q, seg_k, j_lo, j_hi, c0 + j_lo)
             mx = s.amax(-1)
             p = s.sub_(mx[..., None]).exp2_()
             den = p.sum(-1)
@@ -142,6 +154,7 @@ class _PaTHWalk(torch.autograd.Function):
                 s = r @ kts[a0:a1].transpose(-1, -2)
                 if kb is not None:
                     s += kb[a0:a1]
+                _hide(s, seg_q, seg_k, j0, j_hi, a0)
                 m_old = mx[j0 - j_lo:]
                 m_new = torch.maximum(m_old, s.amax(-1))
                 alpha = m_old.sub_(m_new).exp2_()
@@ -156,13 +169,13 @@ class _PaTHWalk(torch.autograd.Function):
                     r = r[j1 - j0:] @ pc[a0 + j1 - j0:a1]
             out[j_lo:j_hi] = acc.div_(den[..., None])
             lse[j_lo:j_hi] = mx.add_(den.log2_())
-        ctx.save_for_backward(qt, s0, kts, pc, vc, kb, out, lse)
+        ctx.save_for_backward(qt, s0, kts, pc, vc, kb, seg_q, seg_k, out, lse)
         ctx.c0, ctx.scale, ctx.bwd_blocks = c0, scale, bwd_blocks
         return out
 
     @staticmethod
     def backward(ctx, d_out: Tensor) -> tuple[Tensor | None, ...]:
-        qt, s0, kts, pc, vc, kb, out, lse = ctx.saved_tensors
+        qt, s0, kts, pc, vc, kb, seg_q, seg_k, out, lse = ctx.saved_tensors
         c0, scale = ctx.c0, ctx.scale
         c = qt.shape[2]
         hidden = ~torch.ones(c, c, dtype=torch.bool, device=qt.device).tril()
@@ -176,7 +189,8 @@ class _PaTHWalk(torch.autograd.Function):
             do, dl, ls = d_out[j_lo:j_hi], rowdot[j_lo:j_hi, ..., None], lse[j_lo:j_hi, ..., None]
             # the queries' own chunk
             own = slice(c0 + j_lo, c0 + j_hi)
-            p = _own_chunk(s0[j_lo:j_hi], scale, hidden, None if kb is None else kb[own]).sub_(ls).exp2_()
+            s = _own_chunk(s0[j_lo:j_hi], scale, hidden, None if kb is None else kb[own])
+            p = _hide(s, seg_q, seg_k, j_lo, j_hi, own.start).sub_(ls).exp2_()
             _acc(d_vc[own], p.transpose(-1, -2), do)
             ds = p.mul_((do @ vc[own].transpose(-1, -2)).sub_(dl))
             if d_kb is not None:
@@ -193,7 +207,7 @@ class _PaTHWalk(torch.autograd.Function):
                 s = r @ k_a.transpose(-1, -2)
                 if kb is not None:
                     s += kb[a0:a1]
-                p = s.sub_(ls[j0 - j_lo:]).exp2_()
+                p = _hide(s, seg_q, seg_k, j0, j_hi, a0).sub_(ls[j0 - j_lo:]).exp2_()
                 _acc(d_vc[a0:a1], p.transpose(-1, -2), do_a)
                 ds = p.mul_((do_a @ vc[a0:a1].transpose(-1, -2)).sub_(dl[j0 - j_lo:]))
                 if d_kb is not None:
@@ -216,7 +230,17 @@ class _PaTHWalk(torch.autograd.Function):
                     _acc(d_pc[a0 + j1 - j0:a1], r[j1 - j0:].transpose(-1, -2), g_next)
                     g_next.copy_(g_next @ pc[a0 + j1 - j0:a1].transpose(-1, -2))
                 g[j0 - j_lo:] += gs.pop()
-        return d_qt, d_s0, d_kts, d_pc, d_vc.mul_(_LOG2E), d_kb, None, None, None, None
+        return d_qt, d_s0, d_kts, d_pc, d_vc.mul_(_LOG2E), d_kb, None, None, None, None, None, None
+
+
+def _hide(s: Tensor, seg_q: Tensor | None, seg_k: Tensor | None, j0: int, j1: int, a0: int) -> Tensor:
+    """``s`` (the logits of query chunks ``j0 .. j1 - 1`` and key chunks from ``a0``, ``[chunks, B * H,
+    C, C]``) with ``-inf`` where query and key are in different documents, in place."""
+    if seg_q is None:
+        return s
+    other = seg_q[j0:j1, :, :, None] != seg_k[a0:a0 + j1 - j0, :, None, :]  # [chunks, B, C, C]
+    s.view(s.shape[0], other.shape[1], -1, *s.shape[-2:]).masked_fill_(other[:, :, None], float("-inf"))
+    return s
 
 
 def _own_chunk(s0: Tensor, scale: float, hidden: Tensor, kb: Tensor | None) -> Tensor:

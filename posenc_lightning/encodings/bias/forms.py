@@ -124,18 +124,19 @@ class OwnAttention:
 
     Attributes:
         q, k: the queries and keys the bias was computed from: a backend takes the form only when
-            it attends with these, under a causal mask with nothing else (no documents, padding or
-            local window).
-        attend: ``(v, q_offset, scale, key_bias) -> out | None``: ``softmax(logits * scale +
-            key_bias) v`` for the queries whose first is key ``q_offset``, causal by index,
-            ``[B, H, Nq, D]`` in q's dtype; ``key_bias`` ``[B|1, H|1, Nk]`` or None (the key-only
-            terms of a sum, `BiasSum.own_attention`); None where the kind declines (the backend
-            then runs its other forms).
+            it attends with these, under a causal mask with at most documents (no padding or local
+            window).
+        attend: ``(v, q_offset, scale, key_bias, segments) -> out | None``: ``softmax(logits *
+            scale + key_bias) v`` for the queries whose first is key ``q_offset``, causal by index
+            and within documents, ``[B, H, Nq, D]`` in q's dtype; ``key_bias`` ``[B|1, H|1, Nk]``
+            or None (the key-only terms of a sum, `BiasSum.own_attention`); ``segments``
+            ``(q_seg [B, Nq], k_seg [B, Nk])`` document ids or None; None where the kind declines
+            (the backend then runs its other forms).
     """
 
     q: Tensor
     k: Tensor
-    attend: Callable[[Tensor, int, float, Tensor | None], Tensor | None]
+    attend: Callable[[Tensor, int, float, Tensor | None, tuple[Tensor, Tensor] | None], Tensor | None]
 
 
 @dataclass(frozen=True, eq=False)

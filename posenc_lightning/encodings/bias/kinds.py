@@ -404,13 +404,15 @@ class BiasSum(Bias):
             return None
         own, others = found[0], [t for t, f in zip(self.terms, forms) if f is None]
 
-        def attend(v: Tensor, q_offset: int, scale: float, key_bias: Tensor | None) -> Tensor | None:
+        def attend(v: Tensor, q_offset: int, scale: float, key_bias: Tensor | None,
+                   segments: tuple[Tensor, Tensor] | None) -> Tensor | None:
+            plain = q_offset == 0 and v.shape[-2] == own.q.shape[-2] and segments is None
             for t in others:
-                form = t.key_only(v.dtype, q_offset == 0 and v.shape[-2] == own.q.shape[-2])
+                form = t.key_only(v.dtype, plain)
                 if form is None:
                     return None
                 key_bias = form.key_bias() if key_bias is None else key_bias + form.key_bias()
-            return own.attend(v, q_offset, scale, key_bias)
+            return own.attend(v, q_offset, scale, key_bias, segments)
 
         return OwnAttention(own.q, own.k, attend)
 

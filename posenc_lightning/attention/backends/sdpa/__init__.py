@@ -139,7 +139,7 @@ def _declared(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, 
     plain = mask.is_plain_causal or mask.is_trivial
     own = None if mode.compiling else bias.own_attention()
     if own is not None and not (given is not None and own.q is given[0] and own.k is given[1] and mask.causal
-                                and mask.q_segments is None and mask.k_valid is None and not mask.local):
+                                and mask.k_valid is None and not mask.local):
         own = None  # other operands or a mask it does not take: the other forms
     key_only = bias.key_only(q.dtype, mask.is_plain_causal, ctx is not None and ctx.ascending)
     key_bias = None if key_only is None else key_only.key_bias()
@@ -170,7 +170,9 @@ def _run(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attentio
     n_q = q.shape[-2]
     form = plan.form
     if form is Form.OWN:
-        out = found.own.attend(v, mask.q_offset, scale, None)
+        segments = None if mask.q_segments is None else (
+            mask.q_segments, mask.q_segments if mask.k_segments is None else mask.k_segments)
+        out = found.own.attend(v, mask.q_offset, scale, None, segments)
         return out if out is not None else _run(plan.fallback, q, k, v, bias, mask, scale, gqa, ctx, given, mode,
                                                 found)
     if form is Form.ONE_BLOCK:

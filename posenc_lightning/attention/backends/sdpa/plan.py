@@ -57,7 +57,7 @@ class Call:
             its inputs: a block of rows whose bias has a constant run may run on SDPA's CPU
             kernel, forward and backward (`runs`).
         own: the kind computes the whole attention itself (`Bias.own_attention`) for the q and k
-            attended with, and the mask is causal with nothing else (an offset allowed).
+            attended with, and the mask is causal with at most documents (an offset allowed).
     """
 
     batch: int
