@@ -120,6 +120,14 @@ def _steps(c0: int, j_lo: int, j_hi: int, delta: int) -> tuple[int, int, int]:
     return j0, c0 + j0 - delta, c0 + j_hi - delta
 
 
+def _mm(a: Tensor, b: Tensor, add: Tensor | None = None) -> Tensor:
+    """``a @ b (+ add)``, batched over the leading dims as one ``bmm`` (``baddbmm`` with ``add``
+    broadcast), a new tensor."""
+    a3, b3 = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
+    out = torch.bmm(a3, b3) if add is None else torch.baddbmm(add.reshape(-1, *add.shape[-2:]), a3, b3)
+    return out.view(*a.shape[:-2], a.shape[-2], b.shape[-1])
+
+
 def _acc(out: Tensor, a: Tensor, b: Tensor) -> None:
     """``out += a @ b`` in place, batched over the leading dims (``out`` contiguous)."""
     out.view(-1, *out.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
@@ -181,12 +189,13 @@ class _PaTHWalk(torch.autograd.Function):
         hidden = ~torch.ones(c, c, dtype=torch.bool, device=qt.device).tril()
         # d_out times ln 2: the logits' gradient comes out in base 2 (d_v takes log2 e back at the end)
         d_out = torch.mul(d_out, 1.0 / _LOG2E, out=torch.empty_like(d_out, memory_format=torch.contiguous_format))
-        d_qt, d_s0 = torch.empty_like(qt), torch.empty_like(s0)
+        d_qt, d_s0 = torch.zeros_like(qt), torch.empty_like(s0)
         d_kts, d_pc, d_vc = torch.zeros_like(kts), torch.zeros_like(pc), torch.zeros_like(vc)
         d_kb = None if kb is None else torch.zeros_like(kb)
         rowdot = (d_out * out).sum(-1)
         for j_lo, j_hi in ctx.bwd_blocks:
             do, dl, ls = d_out[j_lo:j_hi], rowdot[j_lo:j_hi, ..., None], lse[j_lo:j_hi, ..., None]
+            n_dl, n_ls = -dl, -ls  # added by the products themselves (baddbmm), one pass fewer per step
             # the queries' own chunk
             own = slice(c0 + j_lo, c0 + j_hi)
             s = _own_chunk(s0[j_lo:j_hi], scale, hidden, None if kb is None else kb[own])
@@ -204,12 +213,12 @@ class _PaTHWalk(torch.autograd.Function):
                 j0, a0, a1 = _steps(c0, j_lo, j_hi, delta)
                 r = r[r.shape[0] - (j_hi - j0):]
                 k_a, do_a = kts[a0:a1], do[j0 - j_lo:]
-                s = r @ k_a.transpose(-1, -2)
+                s = _mm(r, k_a.transpose(-1, -2), n_ls[j0 - j_lo:])
                 if kb is not None:
                     s += kb[a0:a1]
-                p = _hide(s, seg_q, seg_k, j0, j_hi, a0).sub_(ls[j0 - j_lo:]).exp2_()
+                p = _hide(s, seg_q, seg_k, j0, j_hi, a0).exp2_()
                 _acc(d_vc[a0:a1], p.transpose(-1, -2), do_a)
-                ds = p.mul_((do_a @ vc[a0:a1].transpose(-1, -2)).sub_(dl[j0 - j_lo:]))
+                ds = p.mul_(_mm(do_a, vc[a0:a1].transpose(-1, -2), n_dl[j0 - j_lo:]))
                 if d_kb is not None:
                     d_kb[a0:a1] += ds.sum(-2, keepdim=True)
                 _acc(d_kts[a0:a1], ds.transpose(-1, -2), r)
@@ -219,17 +228,22 @@ class _PaTHWalk(torch.autograd.Function):
                     j1 = _steps(c0, j_lo, j_hi, delta + 1)[0]
                     r = r[j1 - j0:] @ pc[a0 + j1 - j0:a1]
             # the carry's adjoint, from the farthest step back: g_delta = dS k~ + g_{delta+1} P^T
-            g = d_qt[j_lo:j_hi]
-            g.zero_()
+            # (``g``: the chunks active at the step, ``j0 ..``)
+            g = None
             for delta in range(last, 0, -1):
                 j0, a0, a1 = _steps(c0, j_lo, j_hi, delta)
-                r = rs.pop()
-                if delta < last:
-                    j1 = _steps(c0, j_lo, j_hi, delta + 1)[0]
-                    g_next = g[j1 - j_lo:]
-                    _acc(d_pc[a0 + j1 - j0:a1], r[j1 - j0:].transpose(-1, -2), g_next)
-                    g_next.copy_(g_next @ pc[a0 + j1 - j0:a1].transpose(-1, -2))
-                g[j0 - j_lo:] += gs.pop()
+                r, g_own = rs.pop(), gs.pop()
+                if g is None:
+                    g = g_own
+                    continue
+                j1 = _steps(c0, j_lo, j_hi, delta + 1)[0]
+                p_a = pc[a0 + j1 - j0:a1]
+                _acc(d_pc[a0 + j1 - j0:a1], r[j1 - j0:].transpose(-1, -2), g)
+                g = _mm(g, p_a.transpose(-1, -2), g_own[j1 - j0:])
+                if j1 > j0:  # chunks that join the walk at this step
+                    g = torch.cat((g_own[:j1 - j0], g))
+            if g is not None:
+                d_qt[j_hi - g.shape[0]:j_hi] = g
         return d_qt, d_s0, d_kts, d_pc, d_vc.mul_(_LOG2E), d_kb, None, None, None, None, None, None
 
 
