@@ -27,7 +27,7 @@ class PaTH(Encoding):
     (eq. 3). The change to the logits, ``scale * q_i^T (M_ij - I) k_j``, is a `DenseBias` computed by
     blocks of query rows with the blockwise UT-transform algorithm (`functional.path`), so no
     backend holds an ``N x N`` tensor of it and gradients reach q, k and both projections. Under a
-    causal mask with nothing else the bias also declares its own attention (`Bias.own_attention`):
+    causal mask (documents allowed) the bias also declares its own attention (`Bias.own_attention`):
     sdpa then runs `encodings.path_attention` (the logits ``q~ . k~`` themselves, no ``q . k`` of
     the backend's and no rows).
 
