@@ -23,6 +23,7 @@ from posenc_lightning.functional.path import (
     path_logits_naive,
     path_ut_transform,
 )
+from posenc_lightning.functional.tunables import Tunables
 from tests.helpers import Attn
 
 B, H, D = 2, 2, 8
@@ -212,6 +213,156 @@ def test_non_causal_attention_is_refused():
     q, k, v, hid = (t.detach() for t in _inputs(5))
     with pytest.raises(ValueError, match="path is causal by construction"):
         m(q, k, v, hidden=hid, causal=False)
+
+
+# ------------------------------------------------------------------------- own attention
+TOL_OWN = 1e-12  # the own attention is float64 end to end for float64 inputs (measured <= 3e-15)
+
+
+def _walked(out: torch.Tensor) -> bool:
+    """``out``'s graph runs PaTH's own attention (`encodings.path_attention`), not bias rows."""
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        f = stack.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        if "PaTHWalk" in type(f).__name__:
+            return True
+        stack.extend(g for g, _ in f.next_functions)
+    return False
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    assert want.abs().max() > 0, what
+    torch.testing.assert_close(got, want, atol=tol * float(want.detach().abs().max()), rtol=0,
+                               msg=lambda s: f"{what}: {s}")
+
+
+@pytest.mark.parametrize("n,chunk,budget,kv_heads", [(23, 4, None, H), (23, 4, 1, 1), (37, 5, 3000, H)])
+def test_own_attention_equals_the_naive_reference(n, chunk, budget, kv_heads):
+    """Without documents sdpa lets PaTH compute the whole attention (`Bias.own_attention`); its
+    output and every gradient equal the float64 reference: N not a multiple of the chunk, grouped
+    kv heads, and walks of one chunk per block (``budget`` 1) or a few (3000 bytes)."""
+    m = _layer(PaTH(chunk=chunk))
+    if budget is not None:
+        m.posenc_tunables = Tunables(path_walk_bytes=budget)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, n, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, kv_heads, n, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    hid = torch.randn(B, n, H * D, generator=g, dtype=torch.float64, requires_grad=True)
+    enc = m.posenc
+    params = [enc.w_proj.weight, enc.beta_proj.weight, enc.beta_proj.bias]
+    out = m(q, k, v, hidden=hid)
+    assert _walked(out)
+    cot = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    got = torch.autograd.grad((out * cot).sum(), [q, k, v, hid, *params])
+    w, beta = enc.householder(hid)
+    rep = H // kv_heads
+    ref = path_attention_naive(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), w, beta, D ** -0.5)
+    want = torch.autograd.grad((ref * cot).sum(), [q, k, v, hid, *params])
+    _close(out, ref, TOL_OWN, "output")
+    for name, a, b in zip(["q", "k", "v", "hidden", "w_proj", "beta_proj.weight", "beta_proj.bias"], got, want):
+        _close(a, b, TOL_OWN, f"d{name}")
+
+
+def test_own_attention_after_a_cache_at_an_offset():
+    """6 tokens, then 11 at once (queries from key 6, inside a chunk of 4): the second call's
+    output and gradients (through the cache too) equal the full reference's."""
+    n, first = 17, 6
+    m = _layer(PaTH(chunk=4))
+    q, k, v, hid = _inputs(n)
+    cache = LayerKVCache()
+    m(q[:, :, :first], k[:, :, :first], v[:, :, :first], hidden=hid[:, :first], cache=cache)
+    out = m(q[:, :, first:], k[:, :, first:], v[:, :, first:], hidden=hid[:, first:], cache=cache)
+    assert _walked(out)
+    w, beta = m.posenc.householder(hid)
+    ref = path_attention_naive(q, k, v, w, beta, D ** -0.5)[:, :, first:]
+    cot = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    _close(out, ref, TOL_OWN, "output")
+    for a, b in zip(torch.autograd.grad((out * cot).sum(), (q, k, v, hid)),
+                    torch.autograd.grad((ref * cot).sum(), (q, k, v, hid))):
+        _close(a, b, TOL_OWN, "gradient")
+
+
+def test_own_attention_in_float32_at_the_default_chunk():
+    """The float32 path the layers take (chunk 64, N 130: three chunks, the last partial)
+    against the float64 reference, forward and the gradients of q, k, v and the layer input."""
+    n, h, d = 130, 2, 16
+    torch.manual_seed(0)
+    m = Attn(h, d)
+    inject(m, PaTH(), backend="sdpa")
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, n, d, generator=g, requires_grad=True) for _ in range(3))
+    hid = torch.randn(1, n, h * d, generator=g, requires_grad=True)
+    out = m(q, k, v, hidden=hid)
+    assert _walked(out) and out.dtype == torch.float32
+    cot = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad((out * cot).sum(), (q, k, v, hid))
+    w, beta = m.posenc.householder(hid)
+    ref = path_attention_naive(q, k, v, w, beta, d ** -0.5)
+    want = torch.autograd.grad((ref * cot.double()).sum(), (q, k, v, hid))
+    _close(out.double(), ref, 2e-6, "output")
+    for name, a, b in zip("qkvh", got, want):
+        _close(a.double(), b.double(), 2e-5, f"d{name}")
+
+
+def test_path_fox_own_attention_takes_the_gates_as_a_key_bias():
+    """PaTH-FoX's sum runs PaTH's own attention with FoX's gates as a per-key bias; output and
+    every gradient (both encodings' parameters) equal the float64 reference, in blocks of one chunk."""
+    n = 19
+    m = _layer(PaTHFoX(chunk=4))
+    m.posenc_tunables = Tunables(path_walk_bytes=1)
+    q, k, v, hid = _inputs(n)
+    params = list(m.posenc.parameters())
+    out = m(q, k, v, hidden=hid)
+    assert _walked(out)
+    path, fox = m.posenc.members
+    w, beta = path.householder(hid)
+    c = fox_cumulative(fox.log_forget(hid)).double()
+    s = path_logits_naive(q, k, w, beta) * D ** -0.5 + (c[..., :, None] - c[..., None, :])
+    ref = torch.softmax(s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), -1) @ v
+    cot = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    _close(out, ref, TOL_OWN, "output")
+    for a, b in zip(torch.autograd.grad((out * cot).sum(), [q, k, v, hid, *params]),
+                    torch.autograd.grad((ref * cot).sum(), [q, k, v, hid, *params])):
+        _close(a, b, TOL_OWN, "gradient")
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+def test_own_attention_with_packed_documents(budget):
+    """Documents 5, 9 and 9 tokens (row 0) and one of 23 (row 1), chunks of 4 straddling the
+    boundaries: the own attention keeps each query in its document; output and every gradient
+    equal the per-document float64 reference."""
+    n = 23
+    m = _layer(PaTH(chunk=4))
+    if budget is not None:
+        m.posenc_tunables = Tunables(path_walk_bytes=budget)
+    q, k, v, hid = _inputs(n)
+    seg, pos = _packed(n)
+    enc = m.posenc
+    params = [enc.w_proj.weight, enc.beta_proj.weight, enc.beta_proj.bias]
+    out = m(q, k, v, positions=pos, hidden=hid, segment_ids=seg)
+    assert _walked(out)
+    w, beta = enc.householder(hid)
+    ref = path_attention_naive(q, k, v, w, beta, D ** -0.5, seg)
+    cot = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    _close(out, ref, TOL_OWN, "output")
+    for a, b in zip(torch.autograd.grad((out * cot).sum(), [q, k, v, hid, *params]),
+                    torch.autograd.grad((ref * cot).sum(), [q, k, v, hid, *params])):
+        _close(a, b, TOL_OWN, "gradient")
+
+
+def test_key_padding_takes_the_rows_form():
+    """With key padding the own attention declines (its mask is causal within documents): bias
+    rows run, and agree with it where nothing is padded."""
+    n = 13
+    m = _layer(PaTH(chunk=4))
+    q, k, v, hid = (t.detach() for t in _inputs(n))
+    keep = torch.ones(B, n, dtype=torch.bool)
+    rows = m(q, k, v, hidden=hid, key_padding_mask=keep)
+    assert rows.grad_fn is not None and not _walked(rows)
+    torch.testing.assert_close(rows, m(q, k, v, hidden=hid), atol=1e-6, rtol=0)
 
 
 # ------------------------------------------------------------------------------------ memory

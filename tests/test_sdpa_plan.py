@@ -155,3 +155,14 @@ def test_what_real_kinds_declare_leads_to_their_form():
     assert _declared_form(lazy, q, k, v, mask, ctx) is Form.OWN_BACKWARD
     with torch.no_grad():
         assert _declared_form(lazy, q, k, v, mask, ctx) is Form.ROWS
+
+
+def test_own_attention_eagerly_with_the_rest_of_the_plan_as_fallback():
+    """A kind that computes the whole attention itself (`Bias.own_attention`) runs it eagerly, on any
+    device, falling back to what the plan would be without it; compiled it is ignored."""
+    c = call(own=True, recomputable=True, grads=True, grad_mode=True)
+    rest = Plan(Form.OWN_BACKWARD, rows=_blocks.forward_rows(H, N, N))
+    assert choose(c, EAGER) == Plan(Form.OWN, fallback=rest)
+    assert choose(c, CUDA) == Plan(Form.OWN, fallback=rest)
+    assert choose(c, COMPILED) == choose(call(recomputable=True, grads=True, grad_mode=True), COMPILED)
+    assert choose(call(own=True, bias=False), EAGER) == Plan(Form.SDPA)

@@ -7,10 +7,12 @@ import torch
 from torch import Tensor, nn
 
 from posenc_lightning.encodings.base import AttentionContext, Bias, DenseBias, Encoding, span
+from posenc_lightning.encodings.bias import OwnAttention
 from posenc_lightning.encodings.fox import ForgettingAttention
 from posenc_lightning.encodings.hybrid import CompositeEncoding
+from posenc_lightning.encodings.path_attention import path_attention
 from posenc_lightning.encodings.registry import register
-from posenc_lightning.functional.path import path_chunks, path_householder, path_walk_rows
+from posenc_lightning.functional.path import path_chunk_parts, path_householder, path_walk_rows
 
 #: where the reflections of cached tokens live in ``LayerKVCache.extra``
 CACHE_KEY = "path_householder"
@@ -24,7 +26,10 @@ class PaTH(Encoding):
     head; the paper adds a short convolution, not here) and ``beta_t = 2 sigmoid(W_b x_t + b)``
     (eq. 3). The change to the logits, ``scale * q_i^T (M_ij - I) k_j``, is a `DenseBias` computed by
     blocks of query rows with the blockwise UT-transform algorithm (`functional.path`), so no
-    backend holds an ``N x N`` tensor of it and gradients reach q, k and both projections.
+    backend holds an ``N x N`` tensor of it and gradients reach q, k and both projections. Under a
+    causal mask (documents allowed) the bias also declares its own attention (`Bias.own_attention`):
+    sdpa then runs `encodings.path_attention` (the logits ``q~ . k~`` themselves, no ``q . k`` of
+    the backend's and no rows).
 
     Tokens are ordered by index (positions are not read): a product never crosses a document
     boundary when ``segment_ids`` keep attention inside documents. Causal only. The reflections of
@@ -110,20 +115,31 @@ class PaTH(Encoding):
         w, beta = self._reflections(q, k, ctx)
         n_q, n_k, c = q.shape[-2], k.shape[-2], self.chunk
         off, scale = n_k - n_q, self.softmax_scale(q.shape[-1])
-        if k.shape[1] != q.shape[1]:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        # the keys' chunks once per call (linear in N); each block of rows walks its queries down them
-        chunks = path_chunks(k, w, beta, c)
+        given, rep = k, q.shape[1] // k.shape[1]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+        # the keys' chunks once per call (linear in N); each block of rows walks its queries down
+        # them, or the whole attention does (`attend`)
+        parts = path_chunk_parts(k, w[..., :n_k, :], beta[..., :n_k], c)
+        budget = ctx.mode.tunables.path_walk_bytes
 
-        def rows(s: int, e: int, ke: int, q_rows: Tensor, *parts: Tensor) -> Tensor:
-            return path_walk_rows(q_rows, *parts, off + s, ke) * scale
+        def attend(v: Tensor, q_offset: int, s: float, key_bias: Tensor | None,
+                   segments: tuple[Tensor, Tensor] | None) -> Tensor | None:
+            if s != scale or q_offset != off:
+                return None  # the rows form adds the bias at its own scale to the backend's logits
+            return path_attention(q, parts, v.repeat_interleave(rep, dim=1) if rep > 1 else v, off, scale, budget,
+                                  key_bias, segments)
+
+        def rows(s: int, e: int, ke: int, q_rows: Tensor, wc: Tensor, t: Tensor, wk: Tensor, kc: Tensor,
+                 kt: Tensor) -> Tensor:
+            return path_walk_rows(q_rows, wc, t, wk, torch.cat((kt, kt - kc), dim=-1), off + s, ke) * scale
 
         def window(s: int, e: int, ke: int) -> tuple:
             stop = -(-max(ke, off + e) // c)  # the chunks of the rows' keys and of their queries
-            return (span(s, e, -2), *(span(0, stop, -3),) * 4)
+            return (span(s, e, -2), *(span(0, stop, -3),) * 5)
 
-        return DenseBias.lazy(rows, n_q, n_k, inputs=(q, *chunks), window=window,
-                              backward_share=self.BACKWARD_SHARE)
+        return DenseBias.lazy(rows, n_q, n_k, inputs=(q, *parts), window=window,
+                              backward_share=self.BACKWARD_SHARE, own_attention=OwnAttention(q, given, attend))
 
 
 @register("path_fox", "hybrid", "PaTH-FoX: PaTH's Householder products plus FoX's data-dependent forget gates "

@@ -19,6 +19,10 @@ Two forms:
   query is carried to its chunk's start and the keys of earlier chunks to the same point by one
   ``d x d`` product accumulated chunk by chunk, nearest first. No ``N x N`` array of ``d x d``
   matrices; for ``m`` query rows the memory is ``O(m N + N d)``.
+
+The whole attention's parts (`encodings.path_attention` walks them): `path_chunk_parts` (the keys
+carried to their chunk's end), `path_carries` (each chunk's product as a ``d x d`` matrix) and
+`path_query_chunks` (the queries carried to their chunk's start, and the logits within it).
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["path_attention_naive", "path_chunks", "path_householder", "path_logit_rows", "path_logits_naive",
-           "path_ut_transform", "path_walk_rows"]
+__all__ = ["path_attention_naive", "path_carries", "path_chunk_parts", "path_chunks", "path_householder",
+           "path_logit_rows", "path_logits_naive", "path_query_chunks", "path_ut_transform", "path_walk_rows"]
 
 
 def path_householder(w_raw: Tensor, beta_logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -161,19 +165,73 @@ def path_chunks(k: Tensor, w: Tensor, beta: Tensor, chunk: int) -> tuple[Tensor,
         directions, the UT transforms (`path_ut_transform`), ``(w_t . k_j)`` for ``t > j`` and
         ``[k~ | k~ - k]`` with ``k~_j = H_{e-1} ... H_{j+1} k_j`` the key carried to its chunk's end.
     """
+    wc, t, wk, kc, kt = path_chunk_parts(k, w, beta, chunk)
+    return wc, t, wk, torch.cat((kt, kt - kc), dim=-1)
+
+
+def path_chunk_parts(k: Tensor, w: Tensor, beta: Tensor, chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`path_chunks`' parts: ``(w_c, t, wk, k_c, k~)``, the keys ``k_c [B, H, n, C, D]`` as chunks and
+    ``k~ [B, H, n, C, D]`` each carried to its chunk's end.
+
+    Raises:
+        ValueError: ``chunk`` below 1.
+    """
     if chunk < 1:
         raise ValueError(f"path_chunks: chunk must be >= 1, got {chunk}")
     b, h, n, d = k.shape
     dt = torch.promote_types(k.dtype, torch.float32)
     n_ch = -(-n // chunk)
     pad = n_ch * chunk - n
-    wc = F.pad(w[..., :n, :].to(dt), (0, 0, 0, pad)).view(b, h, n_ch, chunk, d)
-    bc = F.pad(beta[..., :n].to(dt), (0, pad)).view(b, h, n_ch, chunk)
-    kc = F.pad(k.to(dt), (0, 0, 0, pad)).view(b, h, n_ch, chunk, d)
+    # contiguous first (heads are often a transposed view of the projections): every product
+    # below then runs on contiguous batches, with no copy per product
+    wc = F.pad(w[..., :n, :].to(dt).contiguous(), (0, 0, 0, pad)).view(b, h, n_ch, chunk, d)
+    bc = F.pad(beta[..., :n].to(dt).contiguous(), (0, pad)).view(b, h, n_ch, chunk)
+    kc = F.pad(k.to(dt).contiguous(), (0, 0, 0, pad)).view(b, h, n_ch, chunk, d)
     t = path_ut_transform(wc, bc)
     wk = torch.tril(wc @ kc.transpose(-1, -2), -1)
-    dkt = -(wk.transpose(-1, -2) @ t.transpose(-1, -2)) @ wc
-    return wc, t, wk, torch.cat((kc + dkt, dkt), dim=-1)
+    return wc, t, wk, kc, kc - (wk.transpose(-1, -2) @ t.transpose(-1, -2)) @ wc
+
+
+def path_carries(wc: Tensor, t: Tensor) -> Tensor:
+    """Each chunk's whole product ``H_{e-1} ... H_b = I - W^T T W`` as a ``D x D`` matrix: a row
+    vector is carried through the chunk by one product with it (cheaper than the three of the
+    low-rank form when ``D`` is below about ``3 C``).
+
+    Args:
+        wc: ``[..., C, D]`` directions; t: ``[..., C, C]`` their UT transforms.
+
+    Returns:
+        ``[..., D, D]``.
+    """
+    eye = torch.eye(wc.shape[-1], dtype=wc.dtype, device=wc.device)
+    return eye - wc.transpose(-1, -2) @ (t @ wc)
+
+
+def path_query_chunks(q: Tensor, wc: Tensor, t: Tensor, wk: Tensor, kc: Tensor,
+                      q_offset: int) -> tuple[Tensor, Tensor, int]:
+    """The query side of PaTH attention within each query's own chunk.
+
+    Args:
+        q: ``[B, H, m, D]`` query rows at key indices ``q_offset ..``; wc, t, wk, kc: `path_chunk_parts`
+            (covering the queries' chunks).
+        q_offset: the key index of the first query row.
+
+    Returns:
+        ``(q~ [B, H, nq, C, D], s0 [B, H, nq, C, C], front)`` for the query chunks ``c0 .. c1``
+        (``c0 = q_offset // C``, rows padded with zeros: ``front`` rows before the first query):
+        ``q~_i = q_i^T H_i ... H_b`` (the query carried to its chunk's start ``b``) and the logits
+        in the chunk, ``s0_ij = q_i^T H_i ... H_{j+1} k_j`` (every ``j``; only ``j <= i`` means one).
+    """
+    b, h, m, d = q.shape
+    c = wc.shape[-2]
+    c0, c1 = q_offset // c, (q_offset + m - 1) // c
+    nq = c1 - c0 + 1
+    front = q_offset - c0 * c
+    qq = F.pad(q.to(wc.dtype).contiguous(), (0, 0, front, nq * c - m - front)).view(b, h, nq, c, d)
+    w_q, t_q = wc[:, :, c0:c1 + 1], t[:, :, c0:c1 + 1]
+    x = torch.tril(qq @ w_q.transpose(-1, -2)) @ t_q  # (q_i . w_s) for s <= i, times T
+    s0 = qq @ kc[:, :, c0:c1 + 1].transpose(-1, -2) - x @ wk[:, :, c0:c1 + 1]
+    return qq - x @ w_q, s0, front
 
 
 def path_walk_rows(q: Tensor, wc: Tensor, t: Tensor, wk: Tensor, kd: Tensor, q_offset: int, n_k: int) -> Tensor:

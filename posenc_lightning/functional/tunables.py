@@ -79,6 +79,10 @@ class Tunables:
     cope_chunk_bytes: int = 4 * 2**20
     #: CoPE: the same with gradients, where each sub-block is checkpointed (recomputed in backward)
     cope_grad_chunk_bytes: int = 4 * 2**20
+    #: PaTH's own attention (`encodings.path_attention`): the bytes a block of query chunks keeps,
+    #: forward a few step-sized tensors, backward every step's carried queries and their gradients;
+    #: larger blocks walk the key chunks fewer times (a Python loop of small products per walk)
+    path_walk_bytes: int = 16 * 2**20
 
     def as_floats(self) -> list[float]:
         """The values in field order, as floats: for a custom operator, which takes no Python object

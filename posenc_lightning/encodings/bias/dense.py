@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from posenc_lightning.encodings.bias.kinds import Bias, Index, KernelBias, cut
+from posenc_lightning.encodings.bias.kinds import Bias, Index, KernelBias, OwnAttention, cut
 from posenc_lightning.encodings.bias.windows import span
 
 __all__ = ["DenseBias", "ProductBias"]
@@ -32,6 +32,7 @@ class DenseBias(Bias):
             per row (`constant_before`).
         past: ``past(start, stop, k_start, k_stop, *inputs)``: the rows of keys from ``k_start`` on
             (`rows_past`).
+        own_form: the whole attention computed by the kind itself (`own_attention`).
 
     Raises:
         ValueError: neither or both of ``tensor`` and ``fn``, or ``fn`` without ``shape_qk``.
@@ -45,6 +46,7 @@ class DenseBias(Bias):
     share: float = 1.0
     constant: Callable[[int, int, int], int] | None = field(default=None, repr=False)
     past: Callable[..., Tensor] | None = field(default=None, repr=False)
+    own_form: OwnAttention | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if (self.tensor is None) == (self.fn is None) or (self.fn is not None and self.shape_qk is None):
@@ -57,7 +59,7 @@ class DenseBias(Bias):
     def lazy(cls, fn: Callable[..., Tensor], n_q: int, n_k: int, inputs: Sequence[Tensor] | None = None,
              window: Callable[[int, int, int], tuple[Index, ...]] | None = None,
              backward_share: float = 1.0, constant_before: Callable[[int, int, int], int] | None = None,
-             rows_past: Callable[..., Tensor] | None = None) -> DenseBias:
+             rows_past: Callable[..., Tensor] | None = None, own_attention: OwnAttention | None = None) -> DenseBias:
         """A bias computed only for the rows asked for (``materialize()`` = all rows).
 
         Without ``inputs``: ``fn(start, stop, k_stop) -> [B|1, H, stop - start, k_stop]``; the SDPA
@@ -73,11 +75,15 @@ class DenseBias(Bias):
         (smaller backward blocks, `Bias.backward_share`). ``constant_before(start, stop, k_stop)``:
         how many leading keys of those rows hold one value per row (`Bias.constant_before`);
         ``rows_past(start, stop, k_start, k_stop, *inputs)``: the rows of keys ``[k_start, k_stop)``
-        only (`Bias.rows_past`), from the same parts of the inputs as ``fn``.
+        only (`Bias.rows_past`), from the same parts of the inputs as ``fn``. ``own_attention``: the
+        kind computes the whole attention itself where a backend can let it (`Bias.own_attention`).
         """
         ins = None if inputs is None else tuple(inputs)
         return cls(fn=fn, shape_qk=(int(n_q), int(n_k)), inputs=ins, window=window, share=backward_share,
-                   constant=constant_before, past=rows_past)
+                   constant=constant_before, past=rows_past, own_form=own_attention)
+
+    def own_attention(self) -> OwnAttention | None:
+        return self.own_form
 
     def grad_inputs(self) -> tuple[Tensor, ...] | None:
         return (self.tensor,) if self.tensor is not None else self.inputs

@@ -15,7 +15,8 @@ from torch import Tensor
 from posenc_lightning.encodings.bias.tile import TileBias
 from posenc_lightning.encodings.bias.windows import same_positions
 
-__all__ = ["GatedCounts", "HandRows", "HeadScaled", "KernelBias", "KeyOnly", "OpaqueOperands", "ValueDependentForm"]
+__all__ = ["GatedCounts", "HandRows", "HeadScaled", "KernelBias", "KeyOnly", "OpaqueOperands", "OwnAttention",
+           "ValueDependentForm"]
 
 
 @dataclass(eq=False)
@@ -117,6 +118,29 @@ class HandRows:
     causal_rows: Callable[[int, int, int, int], Tensor]
     rows_and_pullback: Callable[[int, int, int, Sequence[Tensor], Sequence[bool], int | None],
                                 RowsAndPullback | None]
+
+
+@dataclass(frozen=True, eq=False)
+class OwnAttention:
+    """A kind whose logits its own algorithm computes whole, not as ``q . k`` plus rows
+    (`Bias.own_attention`; PaTH: ``q~ . k~`` carried through the reflections between them), so it
+    computes the causal softmax attention itself, forward and backward.
+
+    Attributes:
+        q, k: the queries and keys the bias was computed from: a backend takes the form only when
+            it attends with these, under a causal mask with at most documents (no padding or local
+            window).
+        attend: ``(v, q_offset, scale, key_bias, segments) -> out | None``: ``softmax(logits *
+            scale + key_bias) v`` for the queries whose first is key ``q_offset``, causal by index
+            and within documents, ``[B, H, Nq, D]`` in q's dtype; ``key_bias`` ``[B|1, H|1, Nk]``
+            or None (the key-only terms of a sum, `BiasSum.own_attention`); ``segments``
+            ``(q_seg [B, Nq], k_seg [B, Nk])`` document ids or None; None where the kind declines
+            (the backend then runs its other forms).
+    """
+
+    q: Tensor
+    k: Tensor
+    attend: Callable[[Tensor, int, float, Tensor | None, tuple[Tensor, Tensor] | None], Tensor | None]
 
 
 @dataclass(frozen=True, eq=False)

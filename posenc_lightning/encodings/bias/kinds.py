@@ -22,6 +22,7 @@ from posenc_lightning.encodings.bias.forms import (
     KernelBias,
     KeyOnly,
     OpaqueOperands,
+    OwnAttention,
     ValueDependentForm,
 )
 from posenc_lightning.encodings.bias.windows import Index, cut, span
@@ -36,6 +37,7 @@ __all__ = [
     "KernelBias",
     "KeyOnly",
     "OpaqueOperands",
+    "OwnAttention",
     "ScaledBias",
     "ValueDependentForm",
     "cut",
@@ -280,6 +282,15 @@ class Bias(ABC):
         """
         return None
 
+    def own_attention(self) -> OwnAttention | None:
+        """Whether the kind computes the whole attention of its logits itself (`OwnAttention`:
+        PaTH's walk, whose logits are not ``q . k`` plus rows).
+
+        Returns:
+            The form, or None (default): backends add the bias to their own logits.
+        """
+        return None
+
     @property
     def terms(self) -> list[Bias]:
         return [self]
@@ -391,6 +402,27 @@ class BiasSum(Bias):
     @property
     def recomputable(self) -> bool:
         return all(p.recomputable for p in self.parts)
+
+    def own_attention(self) -> OwnAttention | None:
+        """One term's own attention (`OwnAttention`) with the others' key-only forms (FoX's gates
+        beside PaTH) added to its logits; it declines where one of them has none."""
+        forms = [t.own_attention() for t in self.terms]
+        found = [f for f in forms if f is not None]
+        if len(found) != 1:
+            return None
+        own, others = found[0], [t for t, f in zip(self.terms, forms) if f is None]
+
+        def attend(v: Tensor, q_offset: int, scale: float, key_bias: Tensor | None,
+                   segments: tuple[Tensor, Tensor] | None) -> Tensor | None:
+            plain = q_offset == 0 and v.shape[-2] == own.q.shape[-2] and segments is None
+            for t in others:
+                form = t.key_only(v.dtype, plain)
+                if form is None:
+                    return None
+                key_bias = form.key_bias() if key_bias is None else key_bias + form.key_bias()
+            return own.attend(v, q_offset, scale, key_bias, segments)
+
+        return OwnAttention(own.q, own.k, attend)
 
     def rows(self, start: int, stop: int, k_stop: int) -> Tensor:
         g = self._group

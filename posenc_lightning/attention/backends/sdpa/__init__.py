@@ -41,6 +41,7 @@ from posenc_lightning.attention.backends.sdpa.toeplitz import (
 )
 from posenc_lightning.attention.mask import LOCAL_KINDS, AttentionMask
 from posenc_lightning.encodings.base import AttentionContext, Bias, Encoding, KeyOnly, Normalizer
+from posenc_lightning.encodings.bias import OwnAttention
 from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.tunables import Tunables
 
@@ -123,11 +124,12 @@ def _attend_biased(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionM
 @dataclass(frozen=True, eq=False)
 class _Found:
     """What reading a call's declarations computed, for the form that uses it: the key-only form
-    and its key bias, the Toeplitz shift (`toeplitz.toeplitz_shift`)."""
+    and its key bias, the Toeplitz shift (`toeplitz.toeplitz_shift`), the kind's own attention."""
 
     key_only: KeyOnly | None
     key_bias: Tensor | None
     shift: int | None
+    own: OwnAttention | None = None
 
 
 def _declared(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, ctx: AttentionContext | None,
@@ -135,6 +137,10 @@ def _declared(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, 
     """The `plan.Call` of a biased call (no ``N x N`` work), and what reading it computed."""
     n_q, n_k = q.shape[-2], k.shape[-2]
     plain = mask.is_plain_causal or mask.is_trivial
+    own = None if mode.compiling else bias.own_attention()
+    if own is not None and not (given is not None and own.q is given[0] and own.k is given[1] and mask.causal
+                                and mask.k_valid is None and not mask.local):
+        own = None  # other operands or a mask it does not take: the other forms
     key_only = bias.key_only(q.dtype, mask.is_plain_causal, ctx is not None and ctx.ascending)
     key_bias = None if key_only is None else key_only.key_bias()
     # compiled, a kind whose cheapest form depends on values runs as one opaque operator (`opaque_form`)
@@ -151,10 +157,10 @@ def _declared(q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, 
     call = Call(q.shape[0], q.shape[1], n_q, n_k, plain_mask=plain, key_only=key_only is not None,
                 key_mask=key_bias is not None and plain and _key_mask_works(q, k, key_bias),
                 toeplitz=shift is not None, recomputable=recomputable, grads=grads, grad_mode=grad_mode,
-                opaque=opaque,
+                opaque=opaque, own=own is not None,
                 kernel_runs=q.dtype == torch.float32 and mask.k_valid is None and mask.q_segments is None
                 and not mask.local and bias.recomputable)
-    return call, _Found(key_only, key_bias, shift)
+    return call, _Found(key_only, key_bias, shift, own)
 
 
 def _run(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: AttentionMask, scale: float, gqa: bool,
@@ -163,6 +169,12 @@ def _run(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Bias, mask: Attentio
     """Run ``plan`` (its fallback where the form declines)."""
     n_q = q.shape[-2]
     form = plan.form
+    if form is Form.OWN:
+        segments = None if mask.q_segments is None else (
+            mask.q_segments, mask.q_segments if mask.k_segments is None else mask.k_segments)
+        out = found.own.attend(v, mask.q_offset, scale, None, segments)
+        return out if out is not None else _run(plan.fallback, q, k, v, bias, mask, scale, gqa, ctx, given, mode,
+                                                found)
     if form is Form.ONE_BLOCK:
         return attend_rows(q, k, v, bias, mask, scale, gqa, 0, n_q, mode.compiling)
     if form is Form.OPAQUE:

@@ -2,7 +2,8 @@
 choice reads of the call: declarations and shapes, no tensor values), `choose` (a pure function of
 the two) and the `Plan` it returns, which `sdpa` then runs. See docs/architecture.md, section 4.
 
-The forms, cheapest exact first (`Form`): SDPA alone (no bias), a key-only bias as SDPA's key mask
+The forms, cheapest exact first (`Form`): SDPA alone (no bias), the kind's own attention (eagerly, a kind
+whose logits are not ``q . k`` plus rows: `Bias.own_attention`), a key-only bias as SDPA's key mask
 or one extra q/k channel, a Toeplitz bias as a zero-copy view (its own backward when learned), and
 blocks of query rows (checkpointed, or the engine's own backward). Under ``torch.compile`` on CPU a
 small attention is one traced block, and a kind whose cheapest form depends on values
@@ -32,6 +33,7 @@ class Form(enum.Enum):
     OWN_BACKWARD = "rows, own backward"  # blocks of query rows, the engine's backward by blocks
     ONE_BLOCK = "one block"  # compiled on CPU, small: the rows and SDPA's math form, traced
     OPAQUE = "opaque"  # compiled: one opaque operator making the eager, value-dependent choice inside
+    OWN = "own attention"  # eager: the kind computes the whole attention itself (`Bias.own_attention`)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class Call:
         kernel_runs: float32, no key padding and no documents, a kind that recomputes its rows from
             its inputs: a block of rows whose bias has a constant run may run on SDPA's CPU
             kernel, forward and backward (`runs`).
+        own: the kind computes the whole attention itself (`Bias.own_attention`) for the q and k
+            attended with, and the mask is causal with at most documents (an offset allowed).
     """
 
     batch: int
@@ -71,6 +75,7 @@ class Call:
     grad_mode: bool = False
     opaque: bool = False
     kernel_runs: bool = False
+    own: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,8 @@ def choose(call: Call, mode: Mode, one_block_bytes: int = 0) -> Plan:
             # its rows a block at a time (a zero bias)
             return _rows(call, mode)
         return Plan(Form.MASK)
+    if call.own and not mode.compiling:  # a Python loop of the kind's own: eager only
+        return Plan(Form.OWN, fallback=choose(replace(call, own=False), mode, one_block_bytes))
     if (not call.key_only and mode.compiling and mode.device == "cpu"
             and 4 * call.batch * call.heads * call.n_q * call.n_k <= one_block_bytes):
         return Plan(Form.ONE_BLOCK, rows=call.n_q)
