@@ -81,8 +81,9 @@ def test_mqar_is_learned():
 def test_addition_is_learned():
     """Addition (Kazemnejad et al. 2023; digits least significant first) with 1-2 digit operands,
     L=11, 800 steps: RoPE reaches 10% (answer digits 59%). At L=32 (up to 9 digits) RoPE stays at 0%
-    through 1500 steps with 2 or 4 layers, and through 4500 with the larger qkv init that frees MQAR
-    (trials.md). Strict: the day it is learned, this fails."""
+    through 1500 steps with 2 or 4 layers, and through 4500 with the larger qkv init that frees MQAR;
+    that init at L=11 (lr 1e-3 constant, 1600 steps) gives 95%, but no L=32 setting exists to shorten
+    (trials.md). Strict: the day this setting learns it, this fails."""
     assert learned("addition", "rope", L=11, steps=800) >= 0.9
 
 
