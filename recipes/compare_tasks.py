@@ -142,7 +142,8 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
                 dm = TaskDataModule(task=task, task_cfg=cfg.task_cfg.get(task, {}), seed=seed, **t_data)
                 entry["min_train_len"] = dm.min_train_len
                 signature = jsonable({"task": task, "task_cfg": dm.task.config(), "encoding": name,
-                                      "encoding_cfg": enc_cfg, "model": t_model, "data": t_data, "seed": seed,
+                                      "encoding_cfg": enc_cfg, "model": _signed_model(t_model), "data": t_data,
+                                      "seed": seed,
                                       "multiples": list(cfg.multiples), "test_examples": cfg.test_examples,
                                       "scale_with_length": name in cfg.scale_with_length,
                                       "trainer": {key: t_trainer.get(key) for key in ("max_steps", "precision",
@@ -168,6 +169,12 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
             _tensorboard_summary(results, out, md)
         print(md, flush=True)
     return results
+
+
+def _signed_model(model_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The model settings a cell's signature records: ``qkv_init_std`` only where it is set, so
+    cells finished before the option existed keep their signature."""
+    return {k: v for k, v in model_cfg.items() if not (k == "qkv_init_std" and v is None)}
 
 
 def _finished(path: Path, signature: dict[str, Any]) -> dict[str, Any] | None:

@@ -19,7 +19,8 @@ TINY = ["--config", str(ROOT / "configs" / "compare_tasks.yaml"), "--trainer.max
         "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1", "--model.d_model=16", "--model.n_layers=1", "--model.n_heads=2",
         "--data.train_len=24", "--data.batch_size=4", "--tasks.tasks=[copy,mqar]", "--tasks.encodings=[nope,yarn]",
         "--tasks.multiples=[1,2]", "--tasks.test_examples=3", "--tasks.task_cfg={mqar: {n_pairs: 3}}",
-        "--tasks.seeds=[0,1]", "--tasks.task_settings={mqar: {model: {d_model: 8}, trainer: {max_steps: 2}, source: Zoology}}",
+        "--tasks.seeds=[0,1]",
+        "--tasks.task_settings={mqar: {model: {d_model: 8, qkv_init_std: 0.08}, trainer: {max_steps: 2}, source: Zoology}}",
         "--tasks.encoding_cfg={yarn: {factor: 1.0, original_max_position_embeddings: 24}}"]
 
 
@@ -54,6 +55,8 @@ def test_compare_tasks_writes_results_and_skips_finished_cells(tmp_path, capsys)
             for s in (0, 1):
                 cell = json.loads((out / "cells" / task / name / f"seed{s}.json").read_text())
                 assert cell["exact_match"] == seeds[str(s)] and cell["signature"]["seed"] == s
+                # qkv_init_std is signed only where set: cells finished before it existed keep theirs
+                assert cell["signature"]["model"].get("qkv_init_std", "unset") == (0.08 if task == "mqar" else "unset")
         assert (out / f"heatmap_{task}.png").stat().st_size > 5_000
     assert saved["tasks"]["mqar"]["config"] == {"n_pairs": 3, "n_keys": 32, "n_values": 32}
     assert saved["tasks"]["mqar"]["model"]["d_model"] == 8 and saved["tasks"]["copy"]["model"]["d_model"] == 16

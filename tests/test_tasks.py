@@ -152,6 +152,58 @@ def test_mqar_queries_with_replacement_return_their_values():
     assert "distinct_queries" not in build_task("mqar").config()  # the default keeps earlier cells' signature
 
 
+def test_mqar_hidden_values_are_targets_never_inputs():
+    """Zoology's format: the query key's next target is its value, the input there is filler."""
+    for random_filler in (False, True):
+        cfg = {"n_pairs": 5, "n_keys": 8, "n_values": 4, "hidden_values": True, "random_filler": random_filler}
+        for task, n, e in _examples("mqar", **cfg):
+            toks, ans = _strip(task, e)
+            shown = task.decode(e.shown[len(e.tokens) - len(toks):])
+            pairs = dict(zip(toks[1:11:2], toks[2:11:2]))
+            assert len(pairs) == 5 and shown[:11] == toks[:11]  # the pairs are read as they are
+            at = [i for i, f in enumerate(ans) if f]
+            assert len(at) == 5 and sorted(toks[i - 1] for i in at) == sorted(pairs)  # every key queried once
+            assert all(toks[i] == pairs[toks[i - 1]] and shown[i - 1] == toks[i - 1] for i in at)
+            assert [i for i, (t, s) in enumerate(zip(toks, shown)) if t != s] == [i for i in at if shown[i] != toks[i]]
+            if not random_filler:
+                assert [shown[i] for i in at] == ["."] * 5
+                assert set(shown[11:]) <= {".", *pairs}  # the values are never read after the pairs
+            x, y = e.input_target()
+            assert (x.numpy() == e.shown[:-1]).all() and (y[e.answer[1:]].numpy() == e.tokens[1:][e.answer[1:]]).all()
+    plain = build_task("mqar", n_pairs=5, n_keys=8, n_values=4).sample(np.random.default_rng(0), 40)
+    assert plain.shown is None  # the default format reads its tokens
+
+
+def test_mqar_random_filler_draws_keys_and_values():
+    task = build_task("mqar", n_pairs=2, n_keys=3, n_values=3, random_filler=True)
+    seen: dict[str, int] = {}
+    for seed in range(200):
+        e = task.sample(np.random.default_rng(seed), 40)
+        query = np.append(e.answer[1:], False)  # a query key: the token before an answer
+        for t in task.decode(e.tokens[5:][~(e.answer | query)[5:]]):
+            seen[t] = seen.get(t, 0) + 1
+    assert "." not in seen and set(seen) == {"k0", "k1", "k2", "v0", "v1", "v2"}
+    assert max(seen.values()) < 1.5 * min(seen.values())  # uniform but for the queried keys
+
+
+def test_mqar_power_law_query_slots():
+    """``power_a``: slot s (1 right after the pairs) drawn with probability proportional to s ** (a - 1)."""
+    task = build_task("mqar", n_pairs=1, power_a=0.01)
+    p = task.slot_probabilities(12)
+    assert p.sum() == pytest.approx(1.0) and p[0] / p[1] == pytest.approx(2 ** 0.99) and p[0] == pytest.approx(0.3190, abs=1e-4)
+    assert build_task("mqar", power_a=1.0).slot_probabilities(12) == pytest.approx(np.full(12, 1 / 12))
+    counts = np.zeros(12)
+    for seed in range(4000):  # one pair at n = 27: 24 body tokens, 12 query slots
+        e = task.sample(np.random.default_rng(seed), 27)
+        counts[(int(np.flatnonzero(e.answer)[0]) - 4) // 2] += 1
+    assert np.abs(counts / counts.sum() - p).max() < 0.02  # 3 standard errors of the largest slot's frequency
+    assert task.config() == {"n_pairs": 1, "n_keys": 32, "n_values": 32, "power_a": 0.01}
+    assert build_task("mqar", hidden_values=True, random_filler=True).config() == {
+        "n_pairs": 6, "n_keys": 32, "n_values": 32, "hidden_values": True, "random_filler": True}
+    with pytest.raises(ValueError, match="power_a=0.0 must be in"):
+        build_task("mqar", power_a=0.0)
+
+
 def test_passkey_answer_is_the_key():
     for task, n, e in _examples("passkey", n_digits=4):
         toks, ans = _strip(task, e)

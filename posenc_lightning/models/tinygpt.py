@@ -89,6 +89,10 @@ class TinyGPT(CausalLMSteps, pl.LightningModule):
         weight_decay: AdamW weight decay (matrices only).
         warmup_steps: linear warmup steps.
         min_lr_ratio: the cosine decay's floor, as a fraction of lr.
+        qkv_init_std: the std of the attention's query/key/value weights at init (None: 0.02, as
+            every other weight). At 0.02 the attention logits start near 0 and a recall circuit
+            (MQAR's induction head) waits thousands of steps on that plateau; 0.08 (about
+            PyTorch's ``nn.Linear`` default at d_model 64) leaves it within ~1000 steps.
         compile: run the forward without a KV cache through ``torch.compile`` (inductor; built on
             the first call, recompiled when the encoding changes); cached decoding stays eager.
             Position tables are sized for ``max_seq_len`` before each compiled call, outside the graph.
@@ -98,7 +102,7 @@ class TinyGPT(CausalLMSteps, pl.LightningModule):
                  n_kv_heads: int | None = None, max_seq_len: int = 1024, mlp_ratio: int = 4,
                  dropout: float = 0.0, encoding: str | None = "rope", encoding_cfg: dict[str, Any] | None = None,
                  backend: str = "auto", lr: float = 3e-3, weight_decay: float = 0.1, warmup_steps: int = 30,
-                 min_lr_ratio: float = 0.1, compile: bool = False) -> None:
+                 min_lr_ratio: float = 0.1, compile: bool = False, qkv_init_std: float | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.max_seq_len = max_seq_len
@@ -109,6 +113,9 @@ class TinyGPT(CausalLMSteps, pl.LightningModule):
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self.lm_head.weight = self.embed.tok.weight
         self.apply(self._init_weights)
+        if qkv_init_std is not None:
+            for block in self.blocks:
+                nn.init.normal_(block.attn.qkv.weight, std=qkv_init_std)
         if encoding is not None:
             inject(self, encoding, backend=backend, **(encoding_cfg or {}))
         from torchmetrics import MeanMetric

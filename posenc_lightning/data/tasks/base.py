@@ -27,10 +27,14 @@ class Example:
             predicts ``tokens[1:]``.
         answer: ``[n + 1]`` bool, True where a token is part of the answer (scored and trained
             on); never the first token.
+        shown: ``[n + 1]`` int64, the tokens the model reads where they differ from ``tokens``
+            (answers that are labels only, never read: Zoology's MQAR); None: the model reads
+            ``tokens``.
     """
 
     tokens: np.ndarray
     answer: np.ndarray
+    shown: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -40,8 +44,8 @@ class Example:
     def input_target(self, pad_to: int | None = None) -> tuple[Tensor, Tensor]:
         """``(input_ids [n], targets [n])`` with ``targets = IGNORE`` except at answer tokens,
         right-padded to ``pad_to`` (PAD inputs, IGNORE targets: a causal model's earlier
-        predictions cannot see the padding)."""
-        x = torch.from_numpy(self.tokens[:-1].copy())
+        predictions cannot see the padding). The inputs are ``shown`` where the task gives it."""
+        x = torch.from_numpy((self.tokens if self.shown is None else self.shown)[:-1].copy())
         y = torch.from_numpy(np.where(self.answer[1:], self.tokens[1:], IGNORE))
         if pad_to is not None and pad_to > len(x):
             extra = pad_to - len(x)
@@ -93,17 +97,22 @@ class Task(ABC):
         if n < self.min_len:
             raise ValueError(f"{self.name}: length n={n} is shorter than the task's min_len={self.min_len}; "
                              f"use n >= {self.min_len}")
-        toks, ans = self._build(rng, n + 1)
+        toks, ans, *shown = self._build(rng, n + 1)
         pad = n + 1 - len(toks)
         if pad < 0:
             raise AssertionError(f"{self.name}: built {len(toks)} tokens for n + 1 = {n + 1}")
-        tokens = np.concatenate((np.full(pad, PAD, dtype=np.int64), np.asarray(toks, dtype=np.int64)))
+
+        def padded(values: list[int]) -> np.ndarray:
+            return np.concatenate((np.full(pad, PAD, dtype=np.int64), np.asarray(values, dtype=np.int64)))
+
         answer = np.concatenate((np.zeros(pad, dtype=bool), np.asarray(ans, dtype=bool)))
-        return Example(tokens, answer)
+        return Example(padded(toks), answer, padded(shown[0]) if shown else None)
 
     @abstractmethod
-    def _build(self, rng: np.random.Generator, total: int) -> tuple[list[int], list[bool]]:
-        """At most ``total`` tokens (starting with BOS) and their answer flags."""
+    def _build(self, rng: np.random.Generator,
+               total: int) -> tuple[list[int], list[bool]] | tuple[list[int], list[bool], list[int]]:
+        """At most ``total`` tokens (starting with BOS) and their answer flags; a task whose
+        inputs differ from its tokens (answers the model never reads) adds the inputs, as long."""
 
 
 def check_positive(task: str, **values: int) -> None:
