@@ -32,6 +32,7 @@ from posenc_lightning.functional.lie_rotary import (
     relative_spectral_gap,
     skew,
 )
+from posenc_lightning.functional.mode import Mode
 
 __all__ = ["ComRoPE", "LieRE", "MatrixRotary", "skew"]
 
@@ -208,7 +209,7 @@ class MatrixRotary(Encoding):
         w, c = self.plane_inputs()
         tensors = (w,) if c is None else (w, c)
         graph = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        if torch.compiler.is_compiling():
+        if Mode.tracing():
             return lie_planes_traceable(w, c, dtype)
         memo = self._planes
         if memo is not None and memo.serves(tensors, dtype, graph):
