@@ -219,6 +219,16 @@ def test_non_causal_attention_is_refused():
 TOL_OWN = 1e-12  # the own attention is float64 end to end for float64 inputs (measured <= 3e-15)
 
 
+def _float32_layer(n: int, h: int, d: int, seed: int) -> tuple[Attn, torch.Generator, tuple[torch.Tensor, ...]]:
+    """A float32 PaTH layer on sdpa, the generator its inputs came from, and ``(q, k, v, hidden)``."""
+    torch.manual_seed(0)
+    m = Attn(h, d)
+    inject(m, PaTH(), backend="sdpa")
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, n, d, generator=g, requires_grad=True) for _ in range(3))
+    return m, g, (q, k, v, torch.randn(1, n, h * d, generator=g, requires_grad=True))
+
+
 def _walked(out: torch.Tensor) -> bool:
     """``out``'s graph runs PaTH's own attention (`encodings.path_attention`), not bias rows."""
     seen, stack = set(), [out.grad_fn]
@@ -289,12 +299,7 @@ def test_own_attention_in_float32_at_the_default_chunk():
     """The float32 path the layers take (chunk 64, N 130: three chunks, the last partial)
     against the float64 reference, forward and the gradients of q, k, v and the layer input."""
     n, h, d = 130, 2, 16
-    torch.manual_seed(0)
-    m = Attn(h, d)
-    inject(m, PaTH(), backend="sdpa")
-    g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, h, n, d, generator=g, requires_grad=True) for _ in range(3))
-    hid = torch.randn(1, n, h * d, generator=g, requires_grad=True)
+    m, g, (q, k, v, hid) = _float32_layer(n, h, d, seed=5)
     out = m(q, k, v, hidden=hid)
     assert _walked(out) and out.dtype == torch.float32
     cot = torch.randn(out.shape, generator=g)
@@ -369,12 +374,7 @@ def test_key_padding_takes_the_rows_form():
 def _peak_fwd_bwd(n: int, h: int = 4, d: int = 32) -> int:
     from benchmarks.memory import peak_allocated_bytes
 
-    torch.manual_seed(0)
-    m = Attn(h, d)
-    inject(m, PaTH(), backend="sdpa")
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, n, d, generator=g, requires_grad=True) for _ in range(3))
-    hid = torch.randn(1, n, h * d, generator=g, requires_grad=True)
+    m, g, (q, k, v, hid) = _float32_layer(n, h, d, seed=0)
     cot = torch.randn(q.shape, generator=g)
 
     def step():
