@@ -114,7 +114,10 @@ def _rotate(enc, seed: int = 0, n: int = 11):
 
 
 def _eighs(fn) -> int:
-    return dispatched_ops(fn)["aten::_linalg_eigh"]
+    """The generators' decompositions ``fn`` runs: one batched eigh in each ``posenc::lie_planes``."""
+    ops = dispatched_ops(fn)
+    assert ops["aten::_linalg_eigh"] == 0  # none outside the operator
+    return ops["posenc::lie_planes"]
 
 
 def test_an_optimizer_step_changes_the_planes():

@@ -4,8 +4,8 @@ dk; the Triton launch it makes on CUDA (run here under ``TRITON_INTERPRET=1``) e
 every rotary encoding's rotation equals the plain formula forward and backward at positions that are
 not an arange, with sizes that divide no block; and one attention forward+backward dispatches at
 most 8 operators more than ``nope``'s (each is a launch on CUDA; +91 to +405 before). liere and
-comrope (one operator each way for q and k too, ``posenc::lie_rotate_pair``) meet the +8 bound in
-their per-token part; their generators' decomposition is bounded on its own."""
+comrope meet it with trainable generators: q and k through one operator each way
+(``posenc::lie_rotate_pair``), the generators' planes too (``posenc::lie_planes``)."""
 
 from __future__ import annotations
 
@@ -37,12 +37,11 @@ SDPA_ROTARY = {
 #: left out of the +8 bound, and why:
 #: - clex: its frequencies come out of a learned ODE and carry a gradient: one shared solve per
 #:   step and the frequencies' gradient are bounded at rope + 20 in tests/test_clex_cache.py;
-#: - exposb: its stage 4 replaces softmax, so it runs on the blockwise backend, not SDPA;
-#: - liere, comrope: their per-token part meets the bound (below); on top of it, once per optimizer
-#:   step, the learned generators' eigen-decomposition and its gradient (`autograd.lie.LiePlanes`:
-#:   one batched complex eigh, the basis and frequencies built by strided views, and the
-#:   eigen-gradient's products), bounded separately below.
-EXCLUDED = ("clex", "exposb", "liere", "comrope")
+#: - exposb: its stage 4 replaces softmax, so it runs on the blockwise backend, not SDPA.
+EXCLUDED = ("clex", "exposb")
+#: the learned rotations, trainable: q and k through ``posenc::lie_rotate_pair`` (forward, the
+#: recompute, backward), the generators' planes through ``posenc::lie_planes`` and its backward
+MATRIX_ROTARY = ("liere", "comrope")
 #: operators one attention forward+backward may dispatch beyond ``nope``'s
 EXTRA = 8
 
@@ -51,13 +50,13 @@ def _name(case: str) -> str:
     return case.split("_interleaved")[0].split("_partial")[0]
 
 
-def _step(case: str | None, n: int = 67):
+def _step(case: str | None, n: int = 67, cfg: dict | None = None):
     """One attention forward+backward on q, k, v views of one projection output (as a model has
     them), warmed once."""
     torch.manual_seed(0)
     m = Attn(n_heads=H, head_dim=D)
     if case is not None:
-        inject(m, _name(case), **SDPA_ROTARY.get(case, {}))
+        inject(m, _name(case), **(SDPA_ROTARY.get(case, {}) if cfg is None else cfg))
     x = torch.randn(1, n, 3 * H * D, requires_grad=True)
 
     def step():
@@ -68,49 +67,50 @@ def _step(case: str | None, n: int = 67):
     return m, step
 
 
-@pytest.mark.parametrize("case", list(SDPA_ROTARY))
+@pytest.mark.parametrize("case", [*SDPA_ROTARY, *MATRIX_ROTARY])
 def test_one_attention_step_dispatches_at_most_8_operators_more_than_nope(case):
     nope = sum(dispatched_ops(_step(None)[1]).values())
     m, step = _step(case)
     assert resolve_backend("auto", m.encoding, torch.device("cpu"), True).NAME == "sdpa"
     ops = dispatched_ops(step)
     assert sum(ops.values()) <= nope + EXTRA, (case, sum(ops.values()) - nope, ops)
+    if case in MATRIX_ROTARY:  # the planes once each way (eigh inside), the rotation as rope's
+        assert any(p.requires_grad for p in m.posenc.parameters())
+        assert ops["posenc::lie_planes"] == 1 and ops["posenc::lie_planes_backward"] == 1
+        assert ops["posenc::lie_rotate_pair"] == 2 and ops["posenc::lie_rotate_pair_backward"] == 1
+        assert ops["aten::_linalg_eigh"] == 0
+        return
     # one rotation of q and k forward, once again for the saved-tensor recompute, one inverse in backward
     assert ops["posenc::rotate_pair"] == 3
 
 
-#: operators of the generators' work per step beyond the per-token ones (liere and comrope): the
-#: planes forward (~12: ``W - W^T``, its complex cast and ``i/2``, one eigh, the basis and the
-#: frequencies written by strided views) and backward (~26: the basis' gradient read into the
-#: eigenvectors' by views, ``U^H gU``, the ``1 / (l_j - l_i)`` coupling, ``U (.) U^H``, ``Im``'s
-#: skew part, the axis weights' gradient); measured +41 (liere) and +42 (comrope ap) with the
-#: per-token +5. Each is one ``[K, b, b]``-sized operator: complex eigh and its gradient have no
-#: fused form in torch, and this work is N-independent and done once per step, shared by every
-#: call until the generators change (`MatrixRotary.planes`). It was ~316 before.
-GENERATOR_EXTRA = 42
-
-
-@pytest.mark.parametrize("name", ["liere", "comrope"])
-def test_matrix_rotaries_dispatch_their_parameter_work_plus_a_few_per_token_operators(name):
-    """The per-token part, one operator each way for q and k (forward, attention's recompute with
-    the forward's planes, backward), is N-independent and at most ``nope``'s + 8 with the
-    generators frozen; the generators' work adds at most `GENERATOR_EXTRA` once per step (+333
-    in all before: ~110 for the generators, the rest several operators per tensor and pass)."""
+@pytest.mark.parametrize("name,cfg", [("liere", {}), ("liere", {"block_size": 8}), ("comrope", {"variant": "ap"}),
+                                      ("comrope", {"variant": "ld"})])
+def test_matrix_rotaries_dispatch_two_operators_for_their_generators_whatever_n(name, cfg):
+    """Per step, N-independent: the per-token part (one operator each way for q and k: forward,
+    attention's recompute with the forward's planes, backward) is what frozen generators dispatch;
+    trainable ones add the planes' two operators (one batched eigh inside the forward's) and
+    autograd's accumulation into each trainable parameter's ``grad`` (one ``add_`` each). So liere
+    and comrope ap (one parameter) are at nope + 8; comrope ld (``weight`` and ``axis_weight``) at
+    nope + 9, its one operator over the bound the second parameter's accumulation."""
     nope = sum(dispatched_ops(_step(None)[1]).values())
     counts = []
     for n in (67, 131):
-        m, step = _step(name, n)
+        m, step = _step(name, n, cfg)
         ops = dispatched_ops(step)
         counts.append(sum(ops.values()) - nope)
+        assert ops["posenc::lie_planes"] == 1 and ops["posenc::lie_planes_backward"] == 1
         assert ops["posenc::lie_rotate_pair"] == 2 and ops["posenc::lie_rotate_pair_backward"] == 1
-        assert ops["aten::_linalg_eigh"] == 1  # once: the recompute reuses the forward's planes
+        assert ops["aten::_linalg_eigh"] == 0  # inside the planes' operator only
     assert counts[0] == counts[1], counts
+    leaves = sum(p.requires_grad for p in m.posenc.parameters())
     m.posenc.requires_grad_(False)
     step()  # the planes of frozen generators, computed once
     ops = dispatched_ops(step)
     frozen = sum(ops.values()) - nope
-    assert frozen <= EXTRA and ops["aten::_linalg_eigh"] == 0, (frozen, ops)
-    assert counts[0] - frozen <= GENERATOR_EXTRA, (counts[0], frozen)
+    assert frozen <= EXTRA and ops["posenc::lie_planes"] == 0, (frozen, ops)
+    assert counts[0] == frozen + 2 + leaves, (counts[0], frozen, leaves)
+    assert counts[0] <= EXTRA + leaves - 1
 
 
 # ----------------------------------------------------------------------------- the operator

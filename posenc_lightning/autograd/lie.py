@@ -1,6 +1,7 @@
 """Learned rotations' autograd Functions with hand-written backwards: the Hermitian eigen-decomposition
 of a skew-symmetric generator (`HermitianEigh`, the diagnostic one; `LiePlanes`, the generators' basis
-and frequencies in a few operators each way) and the rotation ``Q R(theta) Q^T x`` of q and k per
+and frequencies through one operator each way, ``posenc::lie_planes`` and
+``posenc::lie_planes_backward``) and the rotation ``Q R(theta) Q^T x`` of q and k per
 token (`LieRotationPair`: one operator each way, ``posenc::lie_rotate_pair`` and
 ``posenc::lie_rotate_pair_backward``, one Triton launch each on CUDA from `autograd.lie_triton`);
 `functional.lie_rotary` is the math that uses them (LieRE, ComRoPE)."""
@@ -107,8 +108,9 @@ def _top_planes(u: Tensor, m: int) -> Tensor:
 
 def _basis_blocks(basis: Tensor, k: int, b: int) -> Tensor:
     """The ``[b, 2, m, K]`` view of ``basis`` ``[D, D]`` that `_top_planes` maps onto: block ``k``'s
-    row ``i`` and its plane ``j``'s component ``c`` at ``(k b + i, c D/2 + k m + j)``."""
-    return basis.view(k, b, 2, k, b // 2).diagonal(dim1=0, dim2=3)
+    row ``i`` and its plane ``j``'s component ``c`` at ``(k b + i, c D/2 + k m + j)`` (a gradient
+    laid out otherwise is copied first)."""
+    return basis.reshape(k, b, 2, k, b // 2).diagonal(dim1=0, dim2=3)
 
 
 def _plane_speeds(lam: Tensor, m: int) -> Tensor:
@@ -118,64 +120,118 @@ def _plane_speeds(lam: Tensor, m: int) -> Tensor:
     return lam.as_strided((1, lam.shape[0], m), (0, s[0], s[1]), lam.storage_offset() + m * s[1])
 
 
+def _plane_speeds_diag(inner: Tensor, m: int) -> Tensor:
+    """The ``[1, K, m]`` view of the diagonal entries ``(m + j, m + j)`` of ``inner [K, b, b]``
+    (where the speeds' gradient enters)."""
+    s = inner.stride()
+    return inner.as_strided((1, inner.shape[0], m), (0, s[0], s[1] + s[2]), inner.storage_offset() + m * (s[1] + s[2]))
+
+
+def _lie_planes_math(w: Tensor, c: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`lie_planes_op`'s torch math: ``(basis, freq, lam, u)``, each a new tensor."""
+    k, b = w.shape[-3], w.shape[-1]
+    m = b // 2
+    w3 = w if w.dim() == 3 else w.view(k, b, b)
+    # W - W^T in W's dtype (as `skew`), the rest in float64
+    lam, u = torch.linalg.eigh((w3 - w3.mT).to(torch.float64) * 0.5j)  # [K, b], [K, b, b]
+    basis = torch.zeros((k * b, k * b), dtype=dtype, device=w.device)
+    _basis_blocks(basis, k, b).add_(_top_planes(u, m), alpha=math.sqrt(2.0))
+    mu = _plane_speeds(lam, m)
+    # a copy without c: an operator's outputs alias neither its inputs nor each other
+    freq = mu.clone(memory_format=torch.contiguous_format) if c is None else c.view(c.shape[0], -1, 1) * mu
+    return basis, freq, lam, u
+
+
+@torch.library.custom_op("posenc::lie_planes", mutates_args=())
+def lie_planes_op(w: Tensor, c: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Generators to RoPE planes in one operator: ``(W [(1,) K, b, b], c) -> (Q [D, D] in dtype,
+    F [A, K, b/2] float64, lam [K, b] float64, U [K, b, b] complex128)``, ``lam`` and ``U`` the
+    eigen-decomposition that `lie_planes_backward_op` takes (the math: `LiePlanes`). On CUDA one
+    dispatch is still ~10 launches (the batched complex eigh's cuSOLVER calls and a few small
+    elementwise ones), once per step and N-independent: complex eigh has no fused form."""
+    return _lie_planes_math(w, c, dtype)
+
+
+@lie_planes_op.register_fake
+def _(w, c, dtype):
+    k, b = w.shape[-3], w.shape[-1]
+    lam, u = torch.linalg.eigh(w.new_empty((k, b, b), dtype=torch.complex128))  # eigh's strides
+    freq = w.new_empty((1 if c is None else c.shape[0], k, b // 2), dtype=torch.float64)
+    return w.new_empty((k * b, k * b), dtype=dtype), freq, lam, u
+
+
+def _lie_planes_grad(c: Tensor | None, lam: Tensor, u: Tensor, g_basis: Tensor, g_freq: Tensor,
+                     w_dtype: torch.dtype, lead: bool, need_c: bool) -> tuple[Tensor, Tensor]:
+    """`lie_planes_backward_op`'s torch math: ``(gW, gc)`` (``gc`` empty unless ``need_c``)."""
+    k, b = u.shape[-3], u.shape[-1]
+    m = b // 2
+    # the gradient of u (its top columns) at half weight: the 1/2 of skew(W) folded in
+    gu = torch.zeros_like(u)
+    _top_planes(gu, m).add_(_basis_blocks(g_basis, k, b), alpha=math.sqrt(0.5))
+    uh = u.mH
+    gap = (lam[..., None, :] - lam[..., :, None]).reciprocal_()  # 1 / (lambda_j - lambda_i)
+    inner = torch.bmm(uh, gu) * gap.nan_to_num_(posinf=0.0, neginf=0.0)
+    gl = g_freq if c is None else (c.view(c.shape[0], -1, 1) * g_freq).sum(0, keepdim=True)
+    _plane_speeds_diag(inner, m).add_(gl, alpha=0.5)
+    z = torch.bmm(torch.bmm(u, inner), uh).imag
+    gw = torch.sub(z, z.mT).to(w_dtype)
+    gw = gw[None] if lead else gw
+    if not need_c or c is None:
+        return gw, g_freq.new_empty(0, dtype=w_dtype)
+    mu = _plane_speeds(lam, m)
+    gc = (g_freq * mu).sum(-1) if c.dim() == 2 else (g_freq * mu).sum((1, 2))
+    return gw, gc.to(c.dtype)
+
+
+@torch.library.custom_op("posenc::lie_planes_backward", mutates_args=())
+def lie_planes_backward_op(c: Tensor | None, lam: Tensor, u: Tensor, g_basis: Tensor, g_freq: Tensor,
+                           w_dtype: torch.dtype, lead: bool, need_c: bool) -> tuple[Tensor, Tensor]:
+    """The gradients of `lie_planes_op`'s ``(Q, F)`` given theirs, in one operator: ``(gW, gc)``,
+    ``gW`` ``[(1,) K, b, b]`` (the leading 1 when ``lead``) in ``w_dtype``, ``gc`` in ``c``'s shape and
+    dtype (empty unless ``need_c``); the math: `LiePlanes`. On CUDA ~15 small launches (products and
+    couplings of ``[K, b, b]`` tensors), once per step and N-independent."""
+    return _lie_planes_grad(c, lam, u, g_basis, g_freq, w_dtype, lead, need_c)
+
+
+@lie_planes_backward_op.register_fake
+def _(c, lam, u, g_basis, g_freq, w_dtype, lead, need_c):
+    k, b = u.shape[-3], u.shape[-1]
+    gw = u.new_empty((1, k, b, b) if lead else (k, b, b), dtype=w_dtype)
+    return gw, (c.new_empty(c.shape) if need_c and c is not None else g_freq.new_empty(0, dtype=w_dtype))
+
+
 class LiePlanes(torch.autograd.Function):
-    """Learned generators to RoPE planes: ``(W [(1,) K, b, b], c) -> (Q [D, D], F [A, K, b/2])``.
+    """Learned generators to RoPE planes: ``(W [(1,) K, b, b], c) -> (Q [D, D], F [A, K, b/2])``,
+    one operator each way (``posenc::lie_planes`` and ``posenc::lie_planes_backward``).
 
     ``A_k = (W_k - W_k^T) / 2`` (the skew part is taken here) is ``Q_k S_k Q_k^T`` with plane speeds
     ``mu_k`` from one batched eigh of the Hermitian ``i A`` in complex128 (see
     `functional.lie_rotary.canonical_basis`, the same basis); ``Q`` is block diagonal with columns in
     RoPE's half layout (plane ``k b/2 + j`` is block k's j-th plane, x parts first, then y parts) in
     ``dtype``, ``F[a, k, j] = c[a, k] mu_kj`` in float64 (``c`` ``[A, K]`` or ``[A]``; None: one axis
-    with ``c = 1``, and ``F`` is a view). Backward is the eigen-decomposition's (Giles, 2008) written
-    for these outputs: ``gW = Im Z - Im Z^T``, ``Z = U (diag(g_mu) / 2 + (U^H gU / 2) / (l_j - l_i))
-    U^H`` (0 where ``l_i = l_j``: see `HermitianEigh`), ~20 operators; forward ~10.
+    with ``c = 1``). Backward is the eigen-decomposition's (Giles, 2008) written for these outputs:
+    ``gW = Im Z - Im Z^T``, ``Z = U (diag(g_mu) / 2 + (U^H gU / 2) / (l_j - l_i)) U^H`` (0 where
+    ``l_i = l_j``: see `HermitianEigh`), from the forward's ``lam`` and ``U`` (saved: eigh runs once).
+    Only gauge-invariant uses of ``Q`` (``Q R Q^T``) get the right gradient, as with `HermitianEigh`;
+    differentiable once (the backward operator has no derivative of its own).
     ``on_backward`` (optional) is called when backward runs (the outputs' graph is then spent)."""
 
     @staticmethod
     def forward(ctx, w: Tensor, c: Tensor | None, dtype: torch.dtype,  # type: ignore[override]
                 on_backward: Callable[[], None] | None) -> tuple[Tensor, Tensor]:
-        k, b = w.shape[-3], w.shape[-1]
-        m = b // 2
-        w3 = w if w.dim() == 3 else w.view(k, b, b)
-        # W - W^T in W's dtype (as `skew`), the rest in float64
-        lam, u = torch.linalg.eigh((w3 - w3.mT).to(torch.float64) * 0.5j)  # [K, b], [K, b, b]
-        basis = torch.zeros((k * b, k * b), dtype=dtype, device=w.device)
-        _basis_blocks(basis, k, b).add_(_top_planes(u, m), alpha=math.sqrt(2.0))
-        mu = _plane_speeds(lam, m)
-        freq = mu if c is None else c.view(c.shape[0], -1, 1) * mu
-        ctx.save_for_backward(lam, u, c, mu)
-        ctx.w_dtype, ctx.w_shape, ctx.on_backward = w.dtype, w.shape, on_backward
+        basis, freq, lam, u = lie_planes_op(w, c, dtype)
+        ctx.save_for_backward(c, lam, u)
+        ctx.w_dtype, ctx.lead, ctx.on_backward = w.dtype, w.dim() == 4, on_backward
         return basis, freq
 
     @staticmethod
     def backward(ctx, g_basis: Tensor, g_freq: Tensor):  # type: ignore[override]
-        lam, u, c, mu = ctx.saved_tensors
+        c, lam, u = ctx.saved_tensors
         if ctx.on_backward is not None:
             ctx.on_backward()
-        k, b = u.shape[-3], u.shape[-1]
-        m = b // 2
-        # the gradient of u (its top columns) at half weight: the 1/2 of skew(W) folded in
-        gu = torch.zeros_like(u)
-        _top_planes(gu, m).add_(_basis_blocks(g_basis, k, b), alpha=math.sqrt(0.5))
-        uh = u.mH
-        gap = (lam[..., None, :] - lam[..., :, None]).reciprocal_()  # 1 / (lambda_j - lambda_i)
-        inner = torch.bmm(uh, gu) * gap.nan_to_num_(posinf=0.0, neginf=0.0)
-        gl = g_freq if c is None else (c.view(c.shape[0], -1, 1) * g_freq).sum(0, keepdim=True)
-        _plane_speeds_diag(inner, m).add_(gl, alpha=0.5)
-        z = torch.bmm(torch.bmm(u, inner), uh).imag
-        gw = torch.sub(z, z.mT).to(ctx.w_dtype)
-        gw = gw if gw.dim() == len(ctx.w_shape) else gw.view(ctx.w_shape)
-        gc = None
-        if c is not None and ctx.needs_input_grad[1]:
-            gc = (g_freq * mu).sum(-1) if c.dim() == 2 else (g_freq * mu).sum((1, 2))
-        return gw, gc, None, None
-
-
-def _plane_speeds_diag(inner: Tensor, m: int) -> Tensor:
-    """The ``[1, K, m]`` view of the diagonal entries ``(m + j, m + j)`` of ``inner [K, b, b]``
-    (where the speeds' gradient enters)."""
-    s = inner.stride()
-    return inner.as_strided((1, inner.shape[0], m), (0, s[0], s[1] + s[2]), inner.storage_offset() + m * (s[1] + s[2]))
+        need_c = c is not None and ctx.needs_input_grad[1]
+        gw, gc = lie_planes_backward_op(c, lam, u, g_basis, g_freq, ctx.w_dtype, ctx.lead, need_c)
+        return gw, gc if need_c else None, None, None
 
 
 # ----------------------------------------------------------------------------- q and k per token

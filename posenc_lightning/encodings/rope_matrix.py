@@ -26,7 +26,6 @@ from posenc_lightning.encodings.registry import register
 from posenc_lightning.functional.lie_rotary import (
     canonical_basis,
     lie_planes,
-    lie_planes_traceable,
     lie_rotate_pair,
     matrix_exp_rotate,
     relative_spectral_gap,
@@ -205,12 +204,13 @@ class MatrixRotary(Encoding):
         """``(Q [D, D] in dtype, F [n_axes, K, b/2] float64)``: the rotation of a token at ``x`` is RoPE
         with angles ``sum_a x_a F[a]`` (half layout, plane ``k b/2 + j``) in the orthonormal basis
         ``Q`` (block diagonal up to a column order). Eager calls share one result until the
-        generators change (`_Planes`); a traced call computes it in the graph."""
+        generators change (`_Planes`); a traced call computes it in the graph (the same two operators,
+        traced by their fake implementations)."""
         w, c = self.plane_inputs()
+        if Mode.tracing():
+            return lie_planes(w, c, dtype)
         tensors = (w,) if c is None else (w, c)
         graph = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        if Mode.tracing():
-            return lie_planes_traceable(w, c, dtype)
         memo = self._planes
         if memo is not None and memo.serves(tensors, dtype, graph):
             return memo.basis, memo.freq  # type: ignore[return-value]

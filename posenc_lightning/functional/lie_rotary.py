@@ -12,8 +12,8 @@ from one eigen-decomposition of the Hermitian ``i A`` per generator, shared by e
 ``i A u_k = mu_k u_k`` gives ``A Re(u_k) = mu_k Im(u_k)``, ``A Im(u_k) = -mu_k Re(u_k)``.
 
 `lie_planes` gives ``Q`` and the frequencies ``F`` (``mu`` times each axis' weight) from the raw
-generator weights in ~10 operators forward and ~20 backward (`autograd.lie.LiePlanes`, one batched
-eigh). `lie_rotate_pair` applies ``Q R(pos @ F) Q^T x`` (as ``x + Q (R - I) Q^T x``) to q and k
+generator weights through one operator each way (`autograd.lie.LiePlanes`: ``posenc::lie_planes``,
+one batched eigh, and ``posenc::lie_planes_backward``), eager or traced. `lie_rotate_pair` applies ``Q R(pos @ F) Q^T x`` (as ``x + Q (R - I) Q^T x``) to q and k
 through one operator forward (``posenc::lie_rotate_pair``) and one backward, each one Triton launch
 on CUDA; the cos/sin of the angles are computed inside from the positions and ``F``. Its backward
 keeps only q and k (which attention keeps anyway), ``Q``, ``F`` and the positions: nothing
@@ -78,15 +78,14 @@ def lie_planes(w: Tensor, c: Tensor | None, dtype: torch.dtype,
     (their skew parts ``P_k`` are taken inside) and axis weights ``c`` (``[A, K]``, ``[A]``, or None
     for one axis): the rotation of a token at ``x`` is RoPE with angles ``sum_a x_a F[a]`` (plane
     ``k b/2 + j``, half layout) in the orthonormal basis ``Q`` (`autograd.lie.LiePlanes`; the basis
-    is `canonical_basis`'s blocks in that column order). ``on_backward`` is called when the
-    outputs' backward runs."""
+    is `canonical_basis`'s blocks in that column order), one operator each way. ``on_backward`` is
+    called when the outputs' backward runs."""
     return LiePlanes.apply(w, c, dtype, on_backward)
 
 
 def lie_planes_traceable(w: Tensor, c: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """`lie_planes` as differentiable torch operators around `canonical_basis` (what a traced graph
-    runs: `autograd.lie.LiePlanes` builds its outputs through strided views dynamo does not trace;
-    the compiler fuses these anyway); the same values and gradients."""
+    """`lie_planes` as differentiable torch operators around `canonical_basis`, autograd's backward
+    through them: the same values and gradients (the reference `lie_planes` is tested against)."""
     b = w.shape[-1]
     q, mu = canonical_basis(skew(w.reshape(-1, b, b)))  # [K, b, b], [K, b/2]
     k = q.shape[0]
