@@ -1,5 +1,7 @@
 """Compare positional encodings on the synthetic length-generalization tasks: for every task and
 encoding, train a small TinyGPT at the training length L, then exact-match accuracy at L x 1..16.
+An entry of ``--tasks.two_phase`` (default: ``drope``, DroPE) trains with one encoding, then
+another in its place (weights kept) for a fraction of the steps, e.g. RoPE then NoPE recalibrated.
 Writes ``results.json`` / ``results.md`` (with the papers' expectations checked), one heatmap per
 task (``heatmap_<task>.png``) and TensorBoard scalars (``tb/<task>/<encoding>``) in the run
 directory. Each finished (task, encoding) cell is saved under ``cells/`` and not retrained when the
@@ -8,6 +10,7 @@ run is repeated with the same settings (``--tasks.retrain=true`` retrains).
     posenc run compare_tasks                                    # the default subset
     posenc run compare_tasks --tasks.full=true                  # every registered encoding x every task
     posenc run compare_tasks --tasks.tasks='[copy]' --tasks.encodings='[nope,rope]'
+    posenc run compare_tasks --tasks.tasks='[passkey]' --tasks.encodings='[rope,drope]'
     posenc report runs/compare_tasks
 """
 
@@ -32,7 +35,9 @@ from posenc_lightning.encodings.presets import available_presets
 from posenc_lightning.eval.task_report import jsonable, render_tasks
 from posenc_lightning.inject import inject
 from posenc_lightning.models import TinyGPT
-from posenc_lightning.recipes import RecipeCLI, RunDirSaveConfig, recipe_parser_kwargs, stop_reason
+from posenc_lightning.recipes import RecipeCLI, RunDirSaveConfig, encoding_name, recipe_parser_kwargs, stop_reason
+from posenc_lightning.recipes.drope import DROPE
+from posenc_lightning.recipes.phases import TwoPhase
 
 DEFAULT_TASKS = ["copy", "flip_flop", "selective_copy", "mqar", "counting"]
 DEFAULT_ENCODINGS = ["nope", "rope", "alibi", "fire", "cope", "fox", "sba", "yarn"]
@@ -54,7 +59,13 @@ class TasksOptions:
             ``--trainer.*`` for that task only (``data.train_len`` stays shared: L is the grid's).
         seeds: every cell is trained once per seed (model init and training data); results show
             the mean and the spread, and a verdict needs every seed to agree.
-        encoding_cfg: per-encoding arguments, e.g. {yarn: {factor: 1.0, original_max_position_embeddings: 32}}.
+        encoding_cfg: per-encoding arguments, e.g. {yarn: {factor: 1.0, original_max_position_embeddings: 32}};
+            a two-phase entry's are its first encoding's.
+        two_phase: entries trained in two phases, by name: ``{name: {first, then, fraction, lr,
+            source}}`` (`TwoPhase`): ``first`` for the task's steps, then ``then`` in its place
+            (every weight kept) for ``fraction`` of those steps at peak ``lr`` on fresh examples,
+            evaluated with ``then``. Default: ``drope`` (RoPE, then NoPE; DroPE's settings,
+            ``posenc_lightning.recipes.drope.DROPE``). A name here is an entry of ``encodings``.
         scale_with_length: encodings evaluated zero-shot with factor n/L at length n (PI/NTK/YaRN protocol).
         multiples: evaluation lengths as multiples of the training length (--data.train_len).
         test_examples: examples per evaluation length.
@@ -71,6 +82,7 @@ class TasksOptions:
     task_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     seeds: list[int] = field(default_factory=lambda: [0])
     encoding_cfg: dict[str, dict[str, Any]] = field(default_factory=dict)
+    two_phase: dict[str, dict[str, Any]] = field(default_factory=lambda: {"drope": DROPE.config()})
     scale_with_length: list[str] = field(default_factory=lambda: ["yarn"])
     multiples: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     test_examples: int = 64
@@ -98,10 +110,30 @@ def grid(cfg: TasksOptions) -> tuple[list[str], list[str]]:
     if bad:
         raise ValueError(f"--tasks.tasks: unknown {bad}; known tasks: {sorted(TASKS)}")
     known = available_encodings() + available_presets()  # a preset is a layer schedule by name
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names if n not in known and n not in cfg.two_phase]
     if unknown:
-        raise ValueError(f"--tasks.encodings: unknown {unknown}; known: {known}")
+        raise ValueError(f"--tasks.encodings: unknown {unknown}; known: {known + sorted(cfg.two_phase)}")
+    for n in names:
+        spec = two_phase(cfg, n)
+        bad = [e for e in ((spec.first, spec.then) if spec else ()) if e not in known]
+        if bad:
+            raise ValueError(f"--tasks.two_phase.{n}: unknown encodings {bad}; known: {known}")
     return tasks, names
+
+
+def two_phase(cfg: TasksOptions, name: str) -> TwoPhase | None:
+    """The `TwoPhase` entry ``name`` of ``--tasks.two_phase``, None for a one-phase encoding.
+
+    Raises:
+        ValueError: the entry does not build a `TwoPhase` (the message names its fields).
+    """
+    entry = cfg.two_phase.get(name)
+    if entry is None:
+        return None
+    try:
+        return TwoPhase(**dict(entry))
+    except TypeError as e:
+        raise ValueError(f"--tasks.two_phase.{name}: {e}; its fields: first, then, fraction, lr, source") from e
 
 
 def main(args: list[str] | None = None) -> dict[str, Any]:
@@ -136,6 +168,7 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
                                           "steps": {}, "final_loss": {}}
         for name in names:
             enc_cfg = dict(cfg.encoding_cfg.get(name, {}))
+            phases = two_phase(cfg, name)
             cells: dict[int, dict[str, Any]] = {}
             for seed in cfg.seeds:
                 k += 1
@@ -147,7 +180,9 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
                                       "multiples": list(cfg.multiples), "test_examples": cfg.test_examples,
                                       "scale_with_length": name in cfg.scale_with_length,
                                       "trainer": {key: t_trainer.get(key) for key in ("max_steps", "precision",
-                                                                                     "gradient_clip_val")}})
+                                                                                     "gradient_clip_val")},
+                                      # only where set: one-phase cells keep their signature
+                                      **({"two_phase": phases.signature()} if phases else {})})
                 cell_file = out / "cells" / task / name / f"seed{seed}.json"
                 cell = _finished(cell_file, signature) if not cfg.retrain else None
                 where = f"{k}/{total} {task}/{name} seed {seed}"
@@ -155,7 +190,8 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
                     print(f"[compare_tasks] {where}: finished before, not retrained", flush=True)
                 else:
                     print(f"[compare_tasks] {where}: training", flush=True)
-                    cell = run_cell(cli, dm, Cell(task, name, seed, enc_cfg, t_model, t_trainer), cfg, out, barebones)
+                    cell = run_cell(cli, dm, Cell(task, name, seed, enc_cfg, t_model, t_trainer, phases), cfg, out,
+                                    barebones)
                     if "error" not in cell:
                         cell_file.parent.mkdir(parents=True, exist_ok=True)
                         cell_file.write_text(json.dumps(jsonable({"signature": signature, **cell}), indent=1))
@@ -190,7 +226,8 @@ def _finished(path: Path, signature: dict[str, Any]) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class Cell:
-    """One trained model of the grid: a task, an encoding, a seed and the settings it trains under."""
+    """One trained model of the grid: a task, an encoding, a seed and the settings it trains under;
+    ``phases`` for a two-phase entry (``name`` is then the entry's, not an encoding's)."""
 
     task: str
     name: str
@@ -198,6 +235,14 @@ class Cell:
     enc_cfg: dict[str, Any]
     model_cfg: dict[str, Any]
     trainer_cfg: dict[str, Any]
+    phases: TwoPhase | None = None
+
+    @property
+    def encodings(self) -> list[tuple[str, dict[str, Any]]]:
+        """``[(encoding, config)]`` of each training phase: the encoding, or a two-phase entry's two."""
+        if self.phases is None:
+            return [(self.name, self.enc_cfg)]
+        return [(self.phases.first, self.enc_cfg), (self.phases.then, {})]
 
 
 def task_settings(cfg: TasksOptions, task: str, model_cfg: dict[str, Any], data_cfg: dict[str, Any],
@@ -227,43 +272,63 @@ def task_settings(cfg: TasksOptions, task: str, model_cfg: dict[str, Any], data_
 
 def run_cell(cli: Any, dm: TaskDataModule, c: Cell, cfg: TasksOptions, out: Path, barebones: bool) -> dict[str, Any]:
     """Train one (task, encoding, seed) cell and evaluate it at every length: ``{exact_match: {n: acc},
-    token_accuracy, steps, seconds, final_loss}``, or ``{error: ...}`` when the encoding cannot
-    build in TinyGPT or training fails."""
+    token_accuracy, steps, seconds, final_loss}`` (a two-phase cell adds ``phases``: each phase's
+    encoding as read from the model after it, steps, stop reason and loss), or ``{error: ...}`` when
+    the encoding cannot build in TinyGPT or training fails."""
     t0 = time.perf_counter()
     L = dm.train_len
     build = {**c.model_cfg, "vocab_size": dm.vocab_size, "max_seq_len": L, "encoding": None}
     try:  # a dry build: an encoding that cannot run in TinyGPT is reported, the rest go on
-        inject(TinyGPT(**build), c.name, **c.enc_cfg)
+        for enc, enc_cfg in c.encodings:
+            inject(TinyGPT(**build), enc, **enc_cfg)
     except Exception as e:  # noqa: BLE001
         return {"error": f"cannot build: {e}"}
     pl.seed_everything(c.seed)
     model = TinyGPT(**build)
     evaluator = TaskEvalCallback(multiples=cfg.multiples, base_len=L, examples=cfg.test_examples,
                                  scale_with_length=c.name in cfg.scale_with_length)
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    logger = False if barebones else TensorBoardLogger(str(out / "tb"), name=c.task, version=f"{c.name}_seed{c.seed}",
-                                                       default_hp_metric=False)
+    logger = _logger(out, c, "", barebones)
     over = {k: c.trainer_cfg[k] for k in ("max_steps", "gradient_clip_val") if k in c.trainer_cfg}
-    trainer = cli.instantiate_trainer(logger=logger, callbacks=[PosEncCallback(c.name, config=c.enc_cfg)],
-                                      enable_checkpointing=False, limit_val_batches=0, **over)
-    try:
-        trainer.fit(model, dm)
-    except Exception as e:  # noqa: BLE001  one failing cell is reported, the grid goes on
-        return {"error": f"training failed: {type(e).__name__}: {e}"}
+    phases: list[dict[str, Any]] = []
+    trainer, data = None, dm
+    for i, (enc, enc_cfg) in enumerate(c.encodings):
+        if trainer is not None and c.phases is not None:  # the next phase: the same model and weights,
+            data = data.continued(trainer.global_step * dm.batch_size)  # on examples it has not seen
+            over = {**over, "max_steps": c.phases.prepare(model, trainer.global_step)}
+        trainer = cli.instantiate_trainer(logger=logger if i == 0 else _logger(out, c, f"_{enc}", barebones),
+                                          callbacks=[PosEncCallback(enc, config=enc_cfg)], enable_checkpointing=False,
+                                          limit_val_batches=0, **over)
+        try:
+            trainer.fit(model, data)
+        except Exception as e:  # noqa: BLE001  one failing cell is reported, the grid goes on
+            return {"error": f"training failed: {type(e).__name__}: {e}"}
+        loss = trainer.callback_metrics.get("train/loss")
+        phases.append({"encoding": encoding_name(model), "steps": trainer.global_step, "stopped": stop_reason(trainer),
+                       "final_loss": float(loss) if loss is not None else math.nan})
     acc = evaluator.evaluate(model, trainer, datamodule=dm)
-    loss = trainer.callback_metrics.get("train/loss")
+    steps = sum(p["steps"] for p in phases)
     cell = {"exact_match": acc, "token_accuracy": dict(evaluator.token_accuracy), "failures": dict(evaluator.failures),
-            "steps": trainer.global_step, "stopped": stop_reason(trainer),
-            "final_loss": float(loss) if loss is not None else math.nan, "seconds": time.perf_counter() - t0}
+            "steps": steps, "stopped": next((p["stopped"] for p in phases if p["stopped"]), None),
+            "final_loss": phases[-1]["final_loss"], "seconds": time.perf_counter() - t0,
+            **({"phases": phases} if c.phases is not None else {})}
     if logger:
         logger.log_metrics({**{f"task_eval/exact_match/{n}": v for n, v in acc.items()},
                             **{f"task_eval/token_accuracy/{n}": v for n, v in evaluator.token_accuracy.items()}},
-                           step=trainer.global_step)
+                           step=steps)
         logger.save()
     print(f"[compare_tasks] {c.task}/{c.name} seed {c.seed}: " + ", ".join(f"{n}: {100 * v:.0f}%" for n, v in acc.items())
           + f" (loss {cell['final_loss']:.3f}, {cell['seconds']:.0f}s)", flush=True)
     return cell
+
+
+def _logger(out: Path, c: Cell, suffix: str, barebones: bool) -> Any:
+    """The cell's TensorBoard logger (``tb/<task>/<name>_seed<seed><suffix>``), False when barebones."""
+    if barebones:
+        return False
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    return TensorBoardLogger(str(out / "tb"), name=c.task, version=f"{c.name}_seed{c.seed}{suffix}",
+                             default_hp_metric=False)
 
 
 def _collect(entry: dict[str, Any], name: str, cells: dict[int, dict[str, Any]]) -> None:

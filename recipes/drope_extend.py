@@ -12,7 +12,7 @@ directory (the paper's expectations checked beside the numbers) and the TensorBo
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -28,7 +28,14 @@ from posenc_lightning.recipes import (
     stop_reason,
     write_results,
 )
-from posenc_lightning.recipes.drope import check_expectations, restore_weights, trained_weights
+from posenc_lightning.recipes.drope import (
+    DROPE,
+    RECALIBRATE_FRACTION,
+    RECALIBRATE_LR,
+    check_expectations,
+    restore_weights,
+    trained_weights,
+)
 
 
 @dataclass
@@ -49,8 +56,8 @@ class DropeOptions:
     lengths: list[float] = field(default_factory=lambda: [1.0, 2.0, 4.0, 8.0, 16.0])
     laws: list[str] = field(default_factory=lambda: ["pi", "yarn", "ntk"])
     factor: float = 16.0
-    recalibrate_fraction: float = 0.1
-    finetune_lr: float = 1e-3
+    recalibrate_fraction: float = RECALIBRATE_FRACTION
+    finetune_lr: float = RECALIBRATE_LR
     eval_tokens: int = 16384
     results_dir: str = ""
 
@@ -68,11 +75,11 @@ def main(args: list[str] | None = None) -> dict[str, object]:
     lengths = [round(m * L) for m in ext.lengths]
     if L not in lengths:
         raise ValueError(f"--extend.lengths must include 1.0 (the training length L={L}), got {ext.lengths}")
-    steps = max(1, round(pre_steps * ext.recalibrate_fraction))
+    recalibration = replace(DROPE, fraction=ext.recalibrate_fraction, lr=ext.finetune_lr)
+    steps = recalibration.prepare(model, pre_steps)  # every fine-tune below runs these steps at this lr
     base = rope_base(model)
     weights = trained_weights(model)  # every method starts from these
     tokens = data.val_tokens
-    model.hparams.lr, model.hparams.warmup_steps = ext.finetune_lr, max(1, steps // 10)
 
     def sweep(hook=None) -> dict[int, float]:
         return length_sweep(model, tokens, lengths, ext.eval_tokens, hook)

@@ -138,12 +138,13 @@ def test_verdicts_follow_the_stated_rule():
     assert v == "not held" and why.endswith(": fox")
     assert {x.task for x in EXPECTATIONS} == {"copy", "reverse", "addition", "flip_flop", "selective_copy",
                                              "counting", "mqar", "passkey"}
-    # the layer schedules' and PaTH's orderings name registered encodings
+    # the layer schedules', PaTH's and DroPE's orderings name registered encodings or grid entries
     from posenc_lightning.encodings import available_encodings
     from posenc_lightning.encodings.presets import available_presets
 
     named = {n for x in EXPECTATIONS for n in (x.winner, x.loser) if n is not None}
-    assert {"rnope_swa", "irope", "path"} <= named <= set(available_encodings() + available_presets())
+    two_phase = set(_recipe().TasksOptions().two_phase)  # grid entries by name: drope
+    assert {"rnope_swa", "irope", "path", "drope"} <= named <= set(available_encodings() + available_presets()) | two_phase
 
 
 def test_seeds_must_agree_for_a_verdict():

@@ -61,6 +61,13 @@ EXPECTATIONS = (
                 "the training length", "Meta 2025, Llama 4 (iRoPE, for length generalization)", "irope", "rope"),
     Expectation("flip_flop", "PaTH beats RoPE beyond the training length",
                 "Yang et al. 2025, PaTH Attention, sec. 4.1 (flip-flop: RoPE errs where PaTH does not)", "path", "rope"),
+    # DroPE: compare_tasks' two-phase entry drope (RoPE for the task's steps, then NoPE recalibrated)
+    Expectation("passkey", "DroPE (RoPE dropped after training, NoPE recalibrated at L) beats RoPE beyond the "
+                "training length", "Gelberg et al. 2025, DroPE (zero-shot context extension; needle-in-a-haystack "
+                "retrieval beyond the training context)", "drope", "rope"),
+    Expectation("passkey", "DroPE beats YaRN (zero-shot, factor n/L) beyond the training length",
+                "Gelberg et al. 2025, DroPE (needle-in-a-haystack beyond the training context: DroPE far above PI, "
+                "NTK and YaRN)", "drope", "yarn"),
 )
 
 

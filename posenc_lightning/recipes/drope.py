@@ -1,6 +1,8 @@
-"""The DroPE recipe's helpers (``recipes/drope_extend.py``): the trained weights kept apart from the
+"""The DroPE recipe's helpers (``recipes/drope_extend.py``): DroPE as a two-phase entry (`DROPE`, with
+the recalibration's step fraction and learning rate), the trained weights kept apart from the
 encoding, so every method starts from the same pre-trained model, and the paper's expectations
-checked against a perplexity-by-length table.
+checked against a perplexity-by-length table. The synthetic-task grid (``recipes/compare_tasks.py``)
+runs `DROPE` as its ``drope`` entry.
 
 DroPE (Gelberg et al., Sakana AI, 2025, "Extending the Context of Pretrained LLMs by Dropping Their
 Positional Embeddings"): pre-train with RoPE, drop the positional embedding (the model becomes NoPE,
@@ -17,9 +19,21 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["EXPECTATIONS", "check_expectations", "restore_weights", "trained_weights"]
+from posenc_lightning.recipes.phases import TwoPhase
+
+__all__ = ["DROPE", "EXPECTATIONS", "RECALIBRATE_FRACTION", "RECALIBRATE_LR", "check_expectations",
+           "restore_weights", "trained_weights"]
 
 SOURCE = "Gelberg et al. 2025, Extending the Context of Pretrained LLMs by Dropping Their Positional Embeddings"
+#: recalibration steps as a fraction of the pre-training steps that ran: a short recalibration at the
+#: training length, this project's setting for its small models (the paper recalibrates pretrained
+#: LLMs with a small fraction of their pre-training budget)
+RECALIBRATE_FRACTION = 0.1
+#: the recalibration's peak learning rate (a third of the pre-training peak of configs/drope_extend.yaml)
+RECALIBRATE_LR = 1e-3
+#: DroPE as a two-phase entry: RoPE for the pre-training steps, then NoPE (every weight kept),
+#: recalibrated for `RECALIBRATE_FRACTION` of them at `RECALIBRATE_LR`
+DROPE = TwoPhase("rope", "nope", RECALIBRATE_FRACTION, RECALIBRATE_LR, SOURCE)
 EXPECTATIONS = (
     ("drop_hurts", "dropping RoPE without recalibration hurts at the training length"),
     ("recal_recovers", "recalibration recovers the training length: DroPE within 5% of RoPE at L"),

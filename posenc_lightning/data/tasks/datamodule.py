@@ -3,6 +3,7 @@ at any length, every example a pure function of (seed, split, length, index)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,16 +18,18 @@ TRAIN, TEST = 0, 1
 
 
 class TrainSet(Dataset):
-    """Example ``i``: a length drawn in ``[min_len, max_len]``, right-padded to ``max_len``."""
+    """Item ``i`` is example ``start + i``: a length drawn in ``[min_len, max_len]``, right-padded
+    to ``max_len``."""
 
-    def __init__(self, task: Task, min_len: int, max_len: int, size: int, seed: int) -> None:
+    def __init__(self, task: Task, min_len: int, max_len: int, size: int, seed: int, start: int = 0) -> None:
         self.task, self.min_len, self.max_len, self.size, self.seed = task, min_len, max_len, size, seed
+        self.start = start
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
-        rng = np.random.default_rng([self.seed, TRAIN, 0, i])
+        rng = np.random.default_rng([self.seed, TRAIN, 0, self.start + i])
         n = int(rng.integers(self.min_len, self.max_len + 1))
         return self.task.sample(rng, n).input_target(pad_to=self.max_len)
 
@@ -64,6 +67,9 @@ class TaskDataModule(pl.LightningDataModule):
         test_examples: examples per evaluation length.
         seed: the generator seed (training and test examples never share a seed).
         num_workers: DataLoader workers.
+
+    Attributes:
+        first_example: the index of the first training example (0; `continued` sets it).
     """
 
     def __init__(self, task: str = "copy", task_cfg: dict[str, Any] | None = None, train_len: int = 32,
@@ -86,13 +92,28 @@ class TaskDataModule(pl.LightningDataModule):
         self.seq_len = self.val_seq_len = train_len  # what length-aware callbacks read as the training length
         self.batch_size, self.train_examples, self.test_examples = batch_size, train_examples, test_examples
         self.seed, self.num_workers = seed, num_workers
+        self.first_example = 0
+
+    def continued(self, seen: int) -> TaskDataModule:
+        """A copy whose training examples start after the ``seen`` this one's training has drawn
+        (a second fit on fresh examples); its test sets are this one's.
+
+        Args:
+            seen: training examples already drawn (steps x batch size).
+        """
+        if seen < 0:
+            raise ValueError(f"TaskDataModule.continued: seen={seen} must be >= 0")
+        out = copy.copy(self)
+        out.first_example = self.first_example + seen
+        return out
 
     @property
     def vocab_size(self) -> int:
         return self.task.vocab_size
 
     def train_dataloader(self) -> DataLoader:
-        ds = TrainSet(self.task, self.min_train_len, self.train_len, self.train_examples, self.seed)
+        ds = TrainSet(self.task, self.min_train_len, self.train_len, self.train_examples, self.seed,
+                      self.first_example)
         return DataLoader(ds, batch_size=self.batch_size, shuffle=False, drop_last=True, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
