@@ -41,6 +41,9 @@ from posenc_lightning.recipes.phases import TwoPhase
 
 DEFAULT_TASKS = ["copy", "flip_flop", "selective_copy", "mqar", "counting"]
 DEFAULT_ENCODINGS = ["nope", "rope", "alibi", "fire", "cope", "fox", "sba", "yarn"]
+#: encoding_cfg keys that state a length in tokens, written for the shared L: a task with its own L
+#: scales them by its L over the shared one (a YaRN trained at 16 has an original length of 16)
+LENGTH_KEYS = ("max_seq_len", "original_max_position_embeddings", "max_position_embeddings")
 
 
 @dataclass
@@ -56,7 +59,9 @@ class TasksOptions:
         task_settings: per-task training settings over the shared ones: ``{task: {model: {...},
             data: {...}, trainer: {max_steps: ...}, source: "the paper the setting follows"}}``;
             ``model`` / ``data`` / ``trainer`` keys replace ``--model.*`` / ``--data.*`` /
-            ``--trainer.*`` for that task only (``data.train_len`` stays shared: L is the grid's).
+            ``--trainer.*`` for that task only; ``data.train_len`` gives the task its own L (its
+            cells train up to it and test at it x ``multiples``; the ``LENGTH_KEYS`` of
+            ``encoding_cfg``, written for the shared L, scale with it).
         seeds: every cell is trained once per seed (model init and training data); results show
             the mean and the spread, and a verdict needs every seed to agree.
         encoding_cfg: per-encoding arguments, e.g. {yarn: {factor: 1.0, original_max_position_embeddings: 32}};
@@ -67,7 +72,8 @@ class TasksOptions:
             evaluated with ``then``. Default: ``drope`` (RoPE, then NoPE; DroPE's settings,
             ``posenc_lightning.recipes.drope.DROPE``). A name here is an entry of ``encodings``.
         scale_with_length: encodings evaluated zero-shot with factor n/L at length n (PI/NTK/YaRN protocol).
-        multiples: evaluation lengths as multiples of the training length (--data.train_len).
+        multiples: evaluation lengths as multiples of the training length (--data.train_len, or the
+            task's own).
         test_examples: examples per evaluation length.
         results_dir: the run directory: results.*, heatmap_<task>.png, cells/, tb/.
         retrain: retrain cells already finished with the same settings.
@@ -161,13 +167,14 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
     total, k = len(tasks) * len(names) * len(cfg.seeds), 0
     for task in tasks:
         t_model, t_data, t_trainer, source = task_settings(cfg, task, model_cfg, data_cfg, trainer_cfg)
+        t_len = int(t_data["train_len"])
         results["tasks"][task] = entry = {"config": build_task(task, **cfg.task_cfg.get(task, {})).config(),
-                                          "source": source, "model": t_model, "data": t_data,
+                                          "source": source, "train_len": t_len, "model": t_model, "data": t_data,
                                           "max_steps": t_trainer.get("max_steps"), "exact_match": {},
                                           "token_accuracy": {}, "by_seed": {}, "failures": {}, "seconds": {},
                                           "steps": {}, "final_loss": {}}
         for name in names:
-            enc_cfg = dict(cfg.encoding_cfg.get(name, {}))
+            enc_cfg = scaled_lengths(cfg.encoding_cfg.get(name, {}), L, t_len)
             phases = two_phase(cfg, name)
             cells: dict[int, dict[str, Any]] = {}
             for seed in cfg.seeds:
@@ -251,8 +258,7 @@ def task_settings(cfg: TasksOptions, task: str, model_cfg: dict[str, Any], data_
     ``--tasks.task_settings`` entry over them.
 
     Raises:
-        ValueError: an entry with an unknown section, a ``source`` that is not a string, or one that
-            changes ``data.train_len``.
+        ValueError: an entry with an unknown section, or a ``source`` that is not a string.
     """
     over = dict(cfg.task_settings.get(task) or {})
     bad = sorted(set(over) - {"model", "data", "trainer", "source"})
@@ -263,11 +269,15 @@ def task_settings(cfg: TasksOptions, task: str, model_cfg: dict[str, Any], data_
             f"--tasks.task_settings.{task}.source must be a string, got {over['source']!r} "
             "(a ': ' inside it makes the command line read it as a mapping)")
     data = {**data_cfg, **(over.get("data") or {})}
-    if data["train_len"] != data_cfg["train_len"]:
-        raise ValueError(f"--tasks.task_settings.{task}: data.train_len is the grid's L (--data.train_len), "
-                         "not a per-task setting")
     return ({**model_cfg, **(over.get("model") or {})}, data, {**trainer_cfg, **(over.get("trainer") or {})},
             str(over.get("source", "")))
+
+
+def scaled_lengths(enc_cfg: dict[str, Any], shared_len: int, task_len: int) -> dict[str, Any]:
+    """``enc_cfg`` for a task trained at ``task_len``: its `LENGTH_KEYS`, written for the shared
+    ``shared_len``, times ``task_len / shared_len`` (rounded); every other argument as given."""
+    return {k: (round(v * task_len / shared_len) if k in LENGTH_KEYS and isinstance(v, int) else v)
+            for k, v in enc_cfg.items()}
 
 
 def run_cell(cli: Any, dm: TaskDataModule, c: Cell, cfg: TasksOptions, out: Path, barebones: bool) -> dict[str, Any]:
@@ -365,10 +375,9 @@ def _tensorboard_summary(results: dict[str, Any], out: Path, md: str) -> None:
     from posenc_lightning.eval.task_report import accuracy_heatmap
 
     writer = SummaryWriter(str(out / "tb" / "summary"))
-    L = results["train_len"]
     for task, r in results["tasks"].items():
         fam = families_of(list(r["exact_match"]))
-        fig = accuracy_heatmap(r["exact_match"], None, f"compare_tasks: {task}", L, fam)
+        fig = accuracy_heatmap(r["exact_match"], None, f"compare_tasks: {task}", r["train_len"], fam)
         if fig is not None:
             writer.add_figure(f"compare_tasks/{task}", fig)  # closes the figure
     writer.add_text("compare_tasks/results", md)

@@ -20,7 +20,8 @@ TINY = ["--config", str(ROOT / "configs" / "compare_tasks.yaml"), "--trainer.max
         "--data.train_len=24", "--data.batch_size=4", "--tasks.tasks=[copy,mqar]", "--tasks.encodings=[nope,yarn]",
         "--tasks.multiples=[1,2]", "--tasks.test_examples=3", "--tasks.task_cfg={mqar: {n_pairs: 3}}",
         "--tasks.seeds=[0,1]",
-        "--tasks.task_settings={mqar: {model: {d_model: 8, qkv_init_std: 0.08}, trainer: {max_steps: 2}, source: Zoology}}",
+        ("--tasks.task_settings={mqar: {model: {d_model: 8, qkv_init_std: 0.08}, data: {train_len: 16}, "
+         "trainer: {max_steps: 2}, source: Zoology}}"),
         "--tasks.encoding_cfg={yarn: {factor: 1.0, original_max_position_embeddings: 24}}"]
 
 
@@ -44,9 +45,10 @@ def test_compare_tasks_writes_results_and_skips_finished_cells(tmp_path, capsys)
     for task in ("copy", "mqar"):
         em = saved["tasks"][task]["exact_match"]
         steps = 2 if task == "mqar" else 3  # mqar's task_settings entry overrides max_steps
+        lengths = {"16", "32"} if task == "mqar" else {"24", "48"}  # and gives it its own L
         assert set(em) == {"nope", "yarn"} and saved["tasks"][task]["steps"] == {"nope": steps, "yarn": steps}
         for name, row in em.items():
-            assert set(row) == {"24", "48"} and all(0.0 <= v <= 1.0 for v in row.values())
+            assert set(row) == lengths and all(0.0 <= v <= 1.0 for v in row.values())
             assert row == {str(n): v for n, v in r["tasks"][task]["exact_match"][name].items()}
             seeds = saved["tasks"][task]["by_seed"][name]
             assert set(seeds) == {"0", "1"}
@@ -57,8 +59,11 @@ def test_compare_tasks_writes_results_and_skips_finished_cells(tmp_path, capsys)
                 assert cell["exact_match"] == seeds[str(s)] and cell["signature"]["seed"] == s
                 # qkv_init_std is signed only where set: cells finished before it existed keep theirs
                 assert cell["signature"]["model"].get("qkv_init_std", "unset") == (0.08 if task == "mqar" else "unset")
+                if name == "yarn":  # YaRN's original length follows the task's L
+                    assert cell["signature"]["encoding_cfg"]["original_max_position_embeddings"] == int(min(lengths))
         assert (out / f"heatmap_{task}.png").stat().st_size > 5_000
     assert saved["tasks"]["mqar"]["config"] == {"n_pairs": 3, "n_keys": 32, "n_values": 32}
+    assert saved["tasks"]["mqar"]["train_len"] == 16 and saved["tasks"]["copy"]["train_len"] == 24
     assert saved["tasks"]["mqar"]["model"]["d_model"] == 8 and saved["tasks"]["copy"]["model"]["d_model"] == 16
     assert saved["tasks"]["mqar"]["source"] == "Zoology"
     md = (out / "results.md").read_text()
@@ -92,6 +97,39 @@ def test_compare_tasks_writes_results_and_skips_finished_cells(tmp_path, capsys)
     assert cli_main(["report", str(out), "--out", str(tmp_path / "rep")]) == 0
     rep = (tmp_path / "rep" / "report.md").read_text()
     assert "## Recipe results: ." in rep and "| nope | none |" in rep and "task_eval/exact_match/48" in rep
+
+
+def test_a_task_can_train_at_its_own_length(tmp_path):
+    """``task_settings.<task>.data.train_len`` gives one task its own L: its data, the encodings'
+    length arguments (written for the shared L) and its report's columns and verdicts follow it;
+    the other tasks keep the shared L."""
+    recipe = _recipe()
+    opts = recipe.TasksOptions(task_settings={"addition": {"data": {"train_len": 16}, "trainer": {"max_steps": 9}}})
+    shared = ({"d_model": 64}, {"train_len": 32, "batch_size": 32}, {"max_steps": 5})
+    assert recipe.task_settings(opts, "addition", *shared)[1:3] == ({"train_len": 16, "batch_size": 32}, {"max_steps": 9})
+    assert recipe.task_settings(opts, "copy", *shared)[1:3] == ({"train_len": 32, "batch_size": 32}, {"max_steps": 5})
+    yarn = {"factor": 1.0, "original_max_position_embeddings": 32, "max_position_embeddings": 512, "max_seq_len": 32}
+    assert recipe.scaled_lengths(yarn, 32, 16) == {"factor": 1.0, "original_max_position_embeddings": 16,
+                                                   "max_position_embeddings": 256, "max_seq_len": 16}
+    assert recipe.scaled_lengths(yarn, 32, 32) == yarn and recipe.scaled_lengths({"max_scale": 16.0}, 32, 16) == {"max_scale": 16.0}
+
+    from posenc_lightning.eval.task_report import render_tasks
+
+    def row(at_l: float, beyond: float, n: int) -> dict[int, float]:
+        return {n: at_l, 2 * n: beyond}
+
+    results = {"train_len": 32, "multiples": [1, 2], "tasks": {
+        "addition": {"train_len": 16, "min_train_len": 6, "exact_match": {"nope": row(0.95, 0.5, 16), "rope": row(0.92, 0.0, 16)},
+                     "token_accuracy": {}, "by_seed": {}},
+        "copy": {"min_train_len": 8, "exact_match": {"nope": row(1.0, 0.1, 32), "rope": row(1.0, 0.3, 32)},
+                 "token_accuracy": {}, "by_seed": {}}}}
+    md = render_tasks(results, tmp_path, heatmaps=False)
+    addition, copy = md.split("## addition")[1].split("## copy")
+    assert "training lengths 6..16 (its own L=16)" in addition and "| 1x (16) | 2x (32) |" in addition
+    assert "training lengths 8..32;" in copy and "| 1x (32) | 2x (64) |" in copy
+    verdicts = {c["task"]: (c["verdict"], c["measured"]) for c in results["expectations"]}
+    assert verdicts["addition"] == ("held", "nope 50% vs rope 0% beyond L (at L: 95% vs 92%)")
+    assert verdicts["copy"] == ("not held", "nope 10% vs rope 30% beyond L (at L: 100% vs 100%)")
 
 
 def test_bad_grid_names_the_known_ones():

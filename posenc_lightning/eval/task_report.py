@@ -237,12 +237,13 @@ def render_tasks(results: dict[str, Any], out_dir: str | Path, heatmaps: bool = 
         if not grid or (e.winner is not None and not {e.winner, e.loser} <= set(grid)):
             continue  # an ordering between encodings this grid did not train says nothing here
         r = tasks[e.task]
-        v, why = (seed_verdict(e, r["by_seed"], L) if r.get("by_seed") else verdict(e, r["exact_match"], L))
+        t_len = int(r.get("train_len") or L)
+        v, why = (seed_verdict(e, r["by_seed"], t_len) if r.get("by_seed") else verdict(e, r["exact_match"], t_len))
         checks.append({"task": e.task, "claim": e.claim, "source": e.source, "verdict": v, "measured": why})
     results["expectations"] = checks
     md = [f"# {results.get('title', 'compare_tasks')}", "",
-          f"Exact-match accuracy (%) of TinyGPT trained per encoding per task on input lengths up to L={L}, "
-          f"tested on lengths L x "
+          f"Exact-match accuracy (%) of TinyGPT trained per encoding per task on input lengths up to L={L} "
+          f"(or the task's own L, where its section gives one), tested on lengths L x "
           f"{'/'.join(str(m) for m in results.get('multiples', []))}; a sequence counts when every answer token is "
           f"the model's argmax. \"tokens\": the share of answer tokens right (at L, and the mean beyond L). "
           f"{results.get('notes', '')}".rstrip(), ""]
@@ -259,15 +260,17 @@ def render_tasks(results: dict[str, Any], out_dir: str | Path, heatmaps: bool = 
         md.append("")
     for t, r in tasks.items():
         acc = r["exact_match"]
+        t_len = int(r.get("train_len") or L)  # a task_settings entry may give the task its own L
         about = (f"Task arguments: `{json.dumps(r.get('config', {}))}`; training lengths "
-                 f"{r.get('min_train_len', '?')}..{L}; {_steps(r)}.")
+                 f"{r.get('min_train_len', '?')}..{t_len}{'' if t_len == L else f' (its own L={t_len})'}; "
+                 f"{_steps(r)}.")
         if r.get("source"):
             about += f" Setting: {r['source']}."
-        md += [f"## {t}", "", about, "", task_table(acc, L, fam, r["token_accuracy"], r["by_seed"]), ""]
+        md += [f"## {t}", "", about, "", task_table(acc, t_len, fam, r["token_accuracy"], r["by_seed"]), ""]
         if r.get("failures"):
             md += ["Failures: " + "; ".join(f"{k}: {v}" for k, v in r["failures"].items()), ""]
         if heatmaps:
-            fig = accuracy_heatmap(acc, str(out / f"heatmap_{t}.png"), f"compare_tasks: {t}", L, fam)
+            fig = accuracy_heatmap(acc, str(out / f"heatmap_{t}.png"), f"compare_tasks: {t}", t_len, fam)
             if fig is not None:
                 import matplotlib.pyplot as plt
 
