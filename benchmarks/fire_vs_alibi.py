@@ -5,12 +5,6 @@ The encodings are interleaved in every repetition (the machine is shared: a slow
 them) and the medians are printed, with FIRE's median over ALiBi's (issue 45's bar: at most 1.3x at
 N 2048). Run from a checkout's root to time that checkout (the package is imported from the current
 directory), so that a base and a branch can be timed alternately with the same script.
-
-Besides wall clock (``median_ms``) it prints the medians of the process's CPU time (``cpu_median_ms``,
-every thread's) and of the calling thread's (``main_cpu_median_ms``). On a loaded machine wall clock
-at two threads measures waits on the other jobs; with ``OMP_WAIT_POLICY=PASSIVE`` (idle OpenMP threads
-sleep instead of spinning) the calling thread's CPU time is its serial work plus its share of the
-parallel work, a load-robust stand-in for a quiet machine's wall clock.
 """
 
 from __future__ import annotations
@@ -43,22 +37,18 @@ def main(argv: list[str] | None = None) -> dict:
     fns = {e: layer_fns(make_layer(e, a.d_model, a.n_heads, a.n), x)["fwd_bwd"] for e in a.encodings}
     for f in fns.values():  # warm-up
         f()
-    clocks = {"": time.perf_counter, "cpu_": time.process_time, "main_cpu_": time.thread_time}
-    times: dict[str, dict[str, list[float]]] = {c: {e: [] for e in fns} for c in clocks}
+    times: dict[str, list[float]] = {e: [] for e in fns}
     load = loadavg()
     for _ in range(a.reps):
         for e, f in fns.items():
-            t = {c: clock() for c, clock in clocks.items()}
+            t = time.perf_counter()
             f()
-            for c, clock in clocks.items():
-                times[c][e].append(clock() - t[c])
-    out: dict = {"threads": a.threads, "n": a.n, "reps": a.reps}
-    for c in clocks:
-        med = {e: statistics.median(v) * 1e3 for e, v in times[c].items()}
-        out[f"{c}median_ms"] = {e: round(m, 1) for e, m in med.items()}
-        if "fire" in med and "alibi" in med:
-            out[f"{c}fire_over_alibi"] = round(med["fire"] / med["alibi"], 3)
-    out.update(load_before=load, load_after=loadavg())
+            times[e].append(time.perf_counter() - t)
+    med = {e: statistics.median(v) * 1e3 for e, v in times.items()}
+    out = {"threads": a.threads, "n": a.n, "reps": a.reps, "median_ms": {e: round(m, 1) for e, m in med.items()},
+           "load_before": load, "load_after": loadavg()}
+    if "fire" in med and "alibi" in med:
+        out["fire_over_alibi"] = round(med["fire"] / med["alibi"], 3)
     print(json.dumps(out))
     return out
 

@@ -4,8 +4,6 @@
 every gradient against eager attention on the dense bias, at a length that no block size divides,
 at arange and gapped positions, with grouped kv heads."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -67,34 +65,9 @@ def test_only_fire_asks_for_the_forward_blocks():
     assert "forward_blocks" not in vars(LinearBias)
 
 
-def test_blocks_of_a_fixed_cost_bias_grow_with_the_threads():
-    """`Tunables.bias_block_threads`: a bias that asks for the forward's blocks takes that many
-    budgets at as many threads, forward and backward alike (the backward's block is the forward's,
-    so a block's unit selection is kept for it), never more than the queries; other biases and
-    the backward's half blocks keep one budget."""
-    t = Tunables(bias_block_bytes=10 * ROW, min_rows=4)
-    row = ROW // B  # the forward's row: rows shared by the batch
-    for threads, rows in [(1, 10), (2, 20), (3, 20)]:
-        assert _blocks.forward_rows(H, N, N, threads=threads, forward_blocks=True,
-                                    tunables=replace(t, bias_block_bytes=10 * row)) == rows
-        assert _blocks.backward_rows(B, H, N, N, released=True, threads=threads, forward_blocks=True, tunables=t) == rows
-    three = replace(t, bias_block_threads=3)
-    assert _blocks.forward_rows(H, N, N, threads=3, forward_blocks=True, tunables=replace(three, bias_block_bytes=10 * row)) == 30
-    assert _blocks.backward_rows(B, H, N, N, released=True, threads=3, forward_blocks=True, tunables=three) == 30
-    assert _blocks.backward_rows(B, H, 25, N, released=True, threads=3, forward_blocks=True, tunables=three) == 25
-    one = replace(t, bias_block_threads=1)
-    assert _blocks.forward_rows(H, N, N, threads=2, forward_blocks=True, tunables=replace(one, bias_block_bytes=10 * row)) == 10
-    assert _blocks.backward_rows(B, H, N, N, released=True, threads=2, forward_blocks=True, tunables=one) == 10
-    assert _blocks.forward_rows(H, N, N, threads=2, tunables=replace(t, bias_block_bytes=10 * row)) == 10  # no declaration
-    assert _blocks.backward_rows(B, H, N, N, released=True, threads=2, tunables=t) == 10
-    assert _blocks.backward_rows(B, H, N, N, 0.75, released=True, threads=2, forward_blocks=True, tunables=t) == 3  # a share: half
-
-
 @pytest.mark.parametrize("layout", ["arange", "gaps"])
-@pytest.mark.parametrize("name, budget, threads", [("fire", 20, 1), ("fire", 10, 2), ("mixture", 20, 2)])
-def test_whole_budget_blocks_equal_eager(name, budget, threads, layout, monkeypatch):
-    """At two threads: whole-budget blocks of 20 rows (a mixture's at one budget; FIRE's at one
-    budget, or at two of half the size, `Tunables.bias_block_threads`), the same forward and backward."""
+@pytest.mark.parametrize("name", ["fire", "mixture"])
+def test_whole_budget_blocks_equal_eager(name, layout, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     released = []
     release = _blocks.BlockRows.release
@@ -108,7 +81,7 @@ def test_whole_budget_blocks_equal_eager(name, budget, threads, layout, monkeypa
     params = list(enc.parameters())
     bias = enc.bias(q, k, ctx)
     out = sdpa.attend(q, k, v, bias=bias, mask=mask, scale=D ** -0.5, ctx=ctx,
-                      tunables=Tunables(bias_block_bytes=budget * ROW, bias_block_threads=threads))
+                      tunables=Tunables(bias_block_bytes=20 * ROW))
     w = torch.randn(out.shape, generator=g)
     got = torch.autograd.grad((out * w).sum(), [q, k, v, *params], allow_unused=True, retain_graph=True)
     assert released == [20, 17]  # the engine's own backward ran, in whole-budget blocks

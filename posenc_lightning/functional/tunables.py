@@ -27,12 +27,6 @@ class Tunables:
     bias_block_bytes: int = 8 * 2**20
     #: the fewest query rows of an engine block, whatever the budget says (a block's fixed cost)
     min_rows: int = 16
-    #: sdpa's own backward by rows, for a bias whose blocks cost a fixed number of small operators
-    #: (`Bias.forward_blocks`): its forward and backward blocks take ``bias_block_bytes`` times the
-    #: intra-op threads, up to this many times (1: the budget at any thread count). The fixed cost
-    #: is serial (operators too small to split, Python), so a second thread does not share it;
-    #: fewer, larger blocks pay it fewer times and give the block-sized operators more to split
-    bias_block_threads: int = 2
     #: sdpa: recompute each block's bias in backward instead of keeping every block alive until then
     checkpoint_blocks: bool = True
     #: sdpa, under compile on CPU: an attention whose weights ``[B, H, Nq, Nk]`` fit in this many

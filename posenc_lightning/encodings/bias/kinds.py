@@ -139,9 +139,7 @@ class Bias(ABC):
         """The engine's own backward takes the forward's blocks of rows (its whole block budget)
         at any thread count, not half of it at one thread: this kind's rows cost a fixed amount per
         block and keep work from a forward block for the backward block of the same rows (FIRE's
-        unit selection by distance), so fewer, larger blocks pay it fewer times; at more intra-op
-        threads, forward and backward blocks take up to `Tunables.bias_block_threads` budgets
-        (default False)."""
+        unit selection by distance), so fewer, larger blocks pay it fewer times (default False)."""
         return False
 
     @property

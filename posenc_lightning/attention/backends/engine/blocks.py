@@ -26,7 +26,7 @@ _F32 = 4
 
 
 def rows_within(n_rows: int, row_bytes: int, live: int = 1, least: int | None = None, *,
-                tunables: Tunables = DEFAULT_TUNABLES, scale: int = 1) -> int:
+                tunables: Tunables = DEFAULT_TUNABLES) -> int:
     """Query rows per block so that ``live`` block-sized tensors of ``row_bytes`` per row fit in
     the block budget (`Tunables.bias_block_bytes`): at least ``least``, at most ``n_rows``.
 
@@ -36,29 +36,17 @@ def rows_within(n_rows: int, row_bytes: int, live: int = 1, least: int | None = 
         live: how many such tensors a block keeps alive together.
         least: the fewest rows (None: `Tunables.min_rows`).
         tunables: the call's (`functional.mode.Mode.tunables`).
-        scale: budgets the block may take (`thread_scale`).
 
     Returns:
         The rows per block.
     """
     least = tunables.min_rows if least is None else least
-    return int(min(n_rows, max(least, scale * tunables.bias_block_bytes // (live * max(row_bytes, 1)))))
+    return int(min(n_rows, max(least, tunables.bias_block_bytes // (live * max(row_bytes, 1)))))
 
 
-def thread_scale(threads: int, forward_blocks: bool, *, tunables: Tunables = DEFAULT_TUNABLES) -> int:
-    """How many block budgets one block of a bias may take at ``threads`` intra-op threads: up to
-    `Tunables.bias_block_threads` for a bias whose blocks cost a fixed number of operators
-    (``forward_blocks``, `Bias.forward_blocks`), else 1."""
-    return max(1, min(threads, tunables.bias_block_threads)) if forward_blocks else 1
-
-
-def forward_rows(n_heads: int, n_q: int, n_k: int, *, threads: int = 1, forward_blocks: bool = False,
-                 tunables: Tunables = DEFAULT_TUNABLES) -> int:
-    """Query rows per block of sdpa's forward by rows: one block of bias ``[1, H, rows, keys]``,
-    within `thread_scale` budgets (``threads``: the intra-op threads, 1 where traced;
-    ``forward_blocks``: `Bias.forward_blocks`)."""
-    scale = thread_scale(threads, forward_blocks, tunables=tunables)
-    return rows_within(n_q, _F32 * n_heads * max(n_k, 1), tunables=tunables, scale=scale)
+def forward_rows(n_heads: int, n_q: int, n_k: int, *, tunables: Tunables = DEFAULT_TUNABLES) -> int:
+    """Query rows per block of sdpa's forward by rows: one block of bias ``[1, H, rows, keys]``."""
+    return rows_within(n_q, _F32 * n_heads * max(n_k, 1), tunables=tunables)
 
 
 def backward_rows(b: int, n_heads: int, n_q: int, n_k: int, share: float = 1.0, released: bool = False,
@@ -79,17 +67,14 @@ def backward_rows(b: int, n_heads: int, n_q: int, n_k: int, share: float = 1.0, 
         threads: the intra-op threads the backward runs on (1 where traced: no thread count is read
             inside a compiled graph).
         forward_blocks: the bias asks for the forward's blocks (`Bias.forward_blocks`): with
-            ``released`` and ``share`` 1 the whole budget at one thread too, and `thread_scale`
-            budgets at more threads (as `forward_rows` with the same ``threads``).
+            ``released`` and ``share`` 1 the whole budget at one thread too.
         tunables: the call's (`functional.mode.Mode.tunables`).
 
     Returns:
         The rows per block.
     """
     whole = released and share >= 1.0 and (threads > 1 or forward_blocks)
-    scale = thread_scale(threads, forward_blocks and whole, tunables=tunables)
-    rows = rows_within(n_q, _F32 * b * n_heads * max(n_k, 1), live=1 if whole else 2, tunables=tunables,
-                       scale=scale)
+    rows = rows_within(n_q, _F32 * b * n_heads * max(n_k, 1), live=1 if whole else 2, tunables=tunables)
     return rows if share >= 1.0 else max(tunables.min_rows // 2, int(rows * share))
 
 

@@ -321,13 +321,10 @@ class RowsAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: RowsSpec, *extra: Tensor) -> Tensor:
         gqa = k.shape[1] != q.shape[1]
-        compiling = Mode.of(q).compiling
-        # the blocks the backward takes (`rows_backward`: the same threads and declaration)
-        rows = forward_rows(q.shape[1], q.shape[-2], k.shape[-2], threads=1 if compiling else torch.get_num_threads(),
-                            forward_blocks=spec.bias.forward_blocks, tunables=spec.tunables)
+        rows = forward_rows(q.shape[1], q.shape[-2], k.shape[-2], tunables=spec.tunables)
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32) if spec.kernel_runs else None
-        out = attend_by_rows(q, k, v, spec.bias, spec.mask, spec.scale, gqa, rows, compiling=compiling, lse=lse,
-                              tunables=spec.tunables)
+        out = attend_by_rows(q, k, v, spec.bias, spec.mask, spec.scale, gqa, rows, compiling=Mode.of(q).compiling,
+                              lse=lse, tunables=spec.tunables)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec = spec
         return out
