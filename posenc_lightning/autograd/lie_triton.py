@@ -2,14 +2,17 @@
 Triton launch each way (imported only there; tested on CPU under ``TRITON_INTERPRET=1`` against the
 torch math of `autograd.lie`).
 
-A program takes ``BLOCK_T`` token rows ``x`` of q (the first programs) or of k (the rest) and the
-whole basis ``Q`` (``D <= 128``: its two halves, ``[D, D/2]`` each, fit one program): ``v = x Q``
-(the planes' coordinates), the angles ``theta = pos @ F`` of each row and their ``cos - 1``, ``sin``
-in float64, ``w = (R - I) v`` (RoPE's half layout) and ``y = x + w Q^T``, computed in ``Q``'s dtype
-(float32 products in IEEE precision, float64 ones as sums of products). Backward programs loop over
-row blocks: ``dx = g + ((R - I)^T (g Q)) Q^T``, and, when the parameters take a gradient, each
-program sums ``dQ = g^T w + x^T (R - I)^T (g Q)`` and ``dF = pos^T dtheta`` over its rows and adds
-them to the outputs atomically (zeroed before the launch).
+A program takes ``BLOCK_T`` token rows ``x`` of q (the first programs) or of k (the rest): ``v = x Q``
+(the planes' coordinates, ``Q``'s halves ``[D, D/2]`` each), the angles ``theta = pos @ F`` of each row
+and their ``cos - 1``, ``sin`` in float64, ``w = (R - I) v`` (RoPE's half layout) and ``y = x + w Q^T``,
+computed in ``Q``'s dtype (float32 products in IEEE precision, float64 ones as sums of products). No
+program holds the basis: the products loop over ``[CHUNK, D/2]`` tiles of its rows (``x Q`` sums
+over them, ``w Q^T`` writes ``y`` a chunk of columns at a time), so nothing spills up to D = 128.
+Backward programs loop over row blocks: ``dx = g + ((R - I)^T (g Q)) Q^T``, and, when the parameters
+take a gradient, each program sums a ``[DQ_ROWS, D]`` slice of ``dQ = g^T w + x^T (R - I)^T (g Q)``
+(its chunk of rows, the second grid axis; it writes the same chunk of ``dx``) and the first chunk's
+programs ``dF = pos^T dtheta`` over their rows, added to the outputs atomically once per program
+(zeroed before the launch).
 """
 
 from __future__ import annotations
@@ -73,30 +76,42 @@ def _angles(FREQ, p, sfa, sfk, sfj, M, A: tl.constexpr, MB: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _basis_halves(BASIS, D, M, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``Q[:, :M]`` and ``Q[:, M:]`` (contiguous ``[D, D]``), zero-padded to ``[BLOCK_D, BLOCK_M]``."""
-    d = tl.arange(0, BLOCK_D)
+def _basis_rows(BASIS, c, D, M, j0, BLOCK_M: tl.constexpr, EVEN: tl.constexpr):
+    """Rows ``c`` of ``Q[:, j0:j0 + M]`` (a half of the contiguous ``[D, D]`` basis), ``[BLOCK_J, BLOCK_M]``,
+    zero past ``D`` rows or ``M`` columns (``EVEN``: ``D`` fills the blocks, no mask)."""
     j = tl.arange(0, BLOCK_M)
-    ok = (d < D)[:, None] & (j < M)[None, :]
-    q1 = tl.load(BASIS + d[:, None] * D + j[None, :], mask=ok, other=0.0)
-    q2 = tl.load(BASIS + d[:, None] * D + (j + M)[None, :], mask=ok, other=0.0)
-    return q1, q2
+    ptr = BASIS + c[:, None] * D + (j0 + j)[None, :]
+    if EVEN:
+        return tl.load(ptr)
+    return tl.load(ptr, mask=(c < D)[:, None] & (j < M)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_cols(X, row, c, row_ok, D, sxd, ct, EVEN: tl.constexpr):
+    """Columns ``c`` of the rows at offsets ``row``, ``[BLOCK_T, BLOCK_J]`` in ``ct`` (0 when masked)."""
+    if EVEN:
+        return tl.load(X + row[:, None] + c[None, :] * sxd, mask=row_ok[:, None], other=0.0).to(ct)
+    return tl.load(X + row[:, None] + c[None, :] * sxd, mask=row_ok[:, None] & (c < D)[None, :], other=0.0).to(ct)
 
 
 @triton.jit
 def _forward_rows(X, O, BASIS, FREQ, POS, row0, n_rows, H, N, D, M,
                   sxb, sxh, sxn, sxd, sob, soh, son, spb, spn, spa, sfa, sfk, sfj,
                   A: tl.constexpr, MB: tl.constexpr, DOT: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr):
+                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_J: tl.constexpr,
+                  EVEN: tl.constexpr):
     row_ok, b, h, n = _rows(row0, n_rows, H, N, BLOCK_T)
-    d = tl.arange(0, BLOCK_D)
-    ok = row_ok[:, None] & (d < D)[None, :]
     ct = BASIS.dtype.element_ty
     x_row = b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + n.to(tl.int64) * sxn
-    x = tl.load(X + x_row[:, None] + d[None, :] * sxd, mask=ok, other=0.0).to(ct)
-    q1, q2 = _basis_halves(BASIS, D, M, BLOCK_D, BLOCK_M)
-    v1 = _mm(x, q1, DOT)
-    v2 = _mm(x, q2, DOT)
+    # v = x Q, a chunk of Q's rows (x's columns) at a time: the program never holds all of Q
+    v1 = tl.zeros((BLOCK_T, BLOCK_M), dtype=ct)
+    v2 = tl.zeros((BLOCK_T, BLOCK_M), dtype=ct)
+    for c0 in range(0, D, BLOCK_J):
+        c = c0 + tl.arange(0, BLOCK_J)
+        x = _load_cols(X, x_row, c, row_ok, D, sxd, ct, EVEN)
+        q1, q2 = _basis_rows(BASIS, c, D, M, 0, BLOCK_M, EVEN), _basis_rows(BASIS, c, D, M, M, BLOCK_M, EVEN)
+        v1 += _mm(x, q1, DOT)
+        v2 += _mm(x, q2, DOT)
     theta = _angles(FREQ, _positions(POS, b, n, row_ok, spb, spn, spa, A, BLOCK_A), sfa, sfk, sfj, M, A, MB,
                     BLOCK_A, BLOCK_M)
     half = tl.sin(0.5 * theta)
@@ -104,9 +119,13 @@ def _forward_rows(X, O, BASIS, FREQ, POS, row0, n_rows, H, N, D, M,
     s = tl.sin(theta).to(ct)
     w1 = v1 * cm1 - v2 * s
     w2 = v2 * cm1 + v1 * s
-    y = x + _mm_nt(w1, q1, DOT) + _mm_nt(w2, q2, DOT)
+    # y = x + w Q^T, a chunk of y's columns (Q's rows) at a time
     o_row = b.to(tl.int64) * sob + h.to(tl.int64) * soh + n.to(tl.int64) * son
-    tl.store(O + o_row[:, None] + d[None, :], y.to(O.dtype.element_ty), mask=ok)
+    for c0 in range(0, D, BLOCK_J):
+        c = c0 + tl.arange(0, BLOCK_J)
+        q1, q2 = _basis_rows(BASIS, c, D, M, 0, BLOCK_M, EVEN), _basis_rows(BASIS, c, D, M, M, BLOCK_M, EVEN)
+        y = _load_cols(X, x_row, c, row_ok, D, sxd, ct, EVEN) + _mm_nt(w1, q1, False) + _mm_nt(w2, q2, False)
+        tl.store(O + o_row[:, None] + c[None, :], y.to(O.dtype.element_ty), mask=row_ok[:, None] & (c < D)[None, :])
 
 
 @triton.jit
@@ -114,62 +133,86 @@ def _lie_forward_kernel(Q, K, QO, KO, BASIS, FREQ, PQ, PK, rows_q, rows_k, progs
                         sqb, sqh, sqn, sqd, skb, skh, skn, skd, sqob, sqoh, sqon, skob, skoh, skon,
                         spqb, spqn, spqa, spkb, spkn, spka, sfa, sfk, sfj,
                         A: tl.constexpr, MB: tl.constexpr, DOT: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr):
+                        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
+                        BLOCK_J: tl.constexpr, EVEN: tl.constexpr):
     pid = tl.program_id(0)
     if pid < progs_q:
         _forward_rows(Q, QO, BASIS, FREQ, PQ, pid * BLOCK_T, rows_q, HQ, NQ, D, M, sqb, sqh, sqn, sqd,
-                      sqob, sqoh, sqon, spqb, spqn, spqa, sfa, sfk, sfj, A, MB, DOT, BLOCK_T, BLOCK_D, BLOCK_M, BLOCK_A)
+                      sqob, sqoh, sqon, spqb, spqn, spqa, sfa, sfk, sfj, A, MB, DOT, BLOCK_T, BLOCK_D, BLOCK_M, BLOCK_A, BLOCK_J, EVEN)
     else:
         _forward_rows(K, KO, BASIS, FREQ, PK, (pid - progs_q) * BLOCK_T, rows_k, HK, NK, D, M, skb, skh, skn, skd,
                       skob, skoh, skon, spkb, spkn, spka, sfa, sfk, sfj, A, MB, DOT, BLOCK_T, BLOCK_D, BLOCK_M,
-                      BLOCK_A)
+                      BLOCK_A, BLOCK_J, EVEN)
 
 
 @triton.jit
 def _backward_rows(X, G, DX, BASIS, FREQ, POS, DB, DF, first, step, n_rows, H, N, D, M,
                    sxb, sxh, sxn, sxd, sgb, sgh, sgn, sgd, sob, soh, son, spb, spn, spa, sfa, sfk, sfj,
                    A: tl.constexpr, MB: tl.constexpr, NEED: tl.constexpr, DOT: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr):
+                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
+                   BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr):
     ct = BASIS.dtype.element_ty
-    d = tl.arange(0, BLOCK_D)
     j = tl.arange(0, BLOCK_M)
-    q1, q2 = _basis_halves(BASIS, D, M, BLOCK_D, BLOCK_M)
-    acc1 = tl.zeros((BLOCK_D, BLOCK_M), dtype=ct)
-    acc2 = tl.zeros((BLOCK_D, BLOCK_M), dtype=ct)
+    # the program's rows of dQ (and columns of dx): dQ[e] with e = BLOCK_C channels of chunk
+    # `tl.program_id(1)`; every program of a row group computes the block's g Q and x Q over all D
+    # (the whole [D, D] sums do not fit one program's registers past D = 32)
+    chunk = tl.program_id(1)
+    e = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
+    acc1 = tl.zeros((BLOCK_C, BLOCK_M), dtype=ct)
+    acc2 = tl.zeros((BLOCK_C, BLOCK_M), dtype=ct)
     accf = tl.zeros((BLOCK_A, BLOCK_M), dtype=tl.float64)
     for blk in range(first, tl.cdiv(n_rows, BLOCK_T), step):
         row_ok, b, h, n = _rows(blk * BLOCK_T, n_rows, H, N, BLOCK_T)
-        ok = row_ok[:, None] & (d < D)[None, :]
         b64, h64, n64 = b.to(tl.int64), h.to(tl.int64), n.to(tl.int64)
-        x = tl.load(X + (b64 * sxb + h64 * sxh + n64 * sxn)[:, None] + d[None, :] * sxd, mask=ok, other=0.0).to(ct)
-        g = tl.load(G + (b64 * sgb + h64 * sgh + n64 * sgn)[:, None] + d[None, :] * sgd, mask=ok, other=0.0).to(ct)
+        x_row = b64 * sxb + h64 * sxh + n64 * sxn
+        g_row = b64 * sgb + h64 * sgh + n64 * sgn
+        gh1 = tl.zeros((BLOCK_T, BLOCK_M), dtype=ct)  # g Q: the gradient of w = (R - I) Q^T x
+        gh2 = tl.zeros((BLOCK_T, BLOCK_M), dtype=ct)
+        v1 = tl.zeros((BLOCK_T, BLOCK_M), dtype=ct)  # x Q
+        v2 = tl.zeros((BLOCK_T, BLOCK_M), dtype=ct)
+        for c0 in range(0, D, BLOCK_J):  # one half of the basis a loop: fewer operands live at once
+            c = c0 + tl.arange(0, BLOCK_J)
+            q1 = _basis_rows(BASIS, c, D, M, 0, BLOCK_M, EVEN)
+            gh1 += _mm(_load_cols(G, g_row, c, row_ok, D, sgd, ct, EVEN), q1, DOT)
+            if NEED:
+                v1 += _mm(_load_cols(X, x_row, c, row_ok, D, sxd, ct, EVEN), q1, DOT)
+        for c0 in range(0, D, BLOCK_J):
+            c = c0 + tl.arange(0, BLOCK_J)
+            q2 = _basis_rows(BASIS, c, D, M, M, BLOCK_M, EVEN)
+            gh2 += _mm(_load_cols(G, g_row, c, row_ok, D, sgd, ct, EVEN), q2, DOT)
+            if NEED:
+                v2 += _mm(_load_cols(X, x_row, c, row_ok, D, sxd, ct, EVEN), q2, DOT)
         p = _positions(POS, b, n, row_ok, spb, spn, spa, A, BLOCK_A)
         theta = _angles(FREQ, p, sfa, sfk, sfj, M, A, MB, BLOCK_A, BLOCK_M)
         half = tl.sin(0.5 * theta)
         cm1 = (-2.0 * half * half).to(ct)
         s = tl.sin(theta).to(ct)
-        gh1 = _mm(g, q1, DOT)  # the gradient of w = (R - I) Q^T x
-        gh2 = _mm(g, q2, DOT)
         gv1 = gh1 * cm1 + gh2 * s  # (R - I)^T: the gradient of v = Q^T x
         gv2 = gh2 * cm1 - gh1 * s
-        dx = g + _mm_nt(gv1, q1, DOT) + _mm_nt(gv2, q2, DOT)
-        tl.store(DX + (b64 * sob + h64 * soh + n64 * son)[:, None] + d[None, :], dx.to(DX.dtype.element_ty), mask=ok)
+        o_row = b64 * sob + h64 * soh + n64 * son
+        for c0 in range(0, BLOCK_C, BLOCK_J // 2):  # dx = g + gv Q^T on the chunk's columns, 8 at a time
+            c = chunk * BLOCK_C + c0 + tl.arange(0, BLOCK_J // 2)
+            q1, q2 = _basis_rows(BASIS, c, D, M, 0, BLOCK_M, EVEN), _basis_rows(BASIS, c, D, M, M, BLOCK_M, EVEN)
+            dx = _load_cols(G, g_row, c, row_ok, D, sgd, ct, EVEN) + _mm_nt(gv1, q1, False) + _mm_nt(gv2, q2, False)
+            tl.store(DX + o_row[:, None] + c[None, :], dx.to(DX.dtype.element_ty),
+                     mask=row_ok[:, None] & (c < D)[None, :])
         if NEED:
-            v1 = _mm(x, q1, DOT)
-            v2 = _mm(x, q2, DOT)
+            x = _load_cols(X, x_row, e, row_ok, D, sxd, ct, EVEN)
+            g = _load_cols(G, g_row, e, row_ok, D, sgd, ct, EVEN)
             # y = x + Q w: the outer Q takes g w^T, the inner x gv^T
             acc1 += _mm_tn(g, v1 * cm1 - v2 * s, DOT) + _mm_tn(x, gv1, DOT)
             acc2 += _mm_tn(g, v2 * cm1 + v1 * s, DOT) + _mm_tn(x, gv2, DOT)
-            gc = (gh1 * v1 + gh2 * v2).to(tl.float64)  # d / d(cos - 1)
-            gs = (gh2 * v1 - gh1 * v2).to(tl.float64)  # d / d sin
-            g_theta = gs * tl.cos(theta) - gc * tl.sin(theta)
-            accf += tl.sum(p[:, :, None] * g_theta[:, None, :], axis=0)
+            if chunk == 0:  # dF once per row group
+                gc = (gh1 * v1 + gh2 * v2).to(tl.float64)  # d / d(cos - 1)
+                gs = (gh2 * v1 - gh1 * v2).to(tl.float64)  # d / d sin
+                g_theta = gs * tl.cos(theta) - gc * tl.sin(theta)
+                accf += tl.sum(p[:, :, None] * g_theta[:, None, :], axis=0)
     if NEED:
-        okq = (d < D)[:, None] & (j < M)[None, :]
-        tl.atomic_add(DB + d[:, None] * D + j[None, :], acc1, mask=okq)
-        tl.atomic_add(DB + d[:, None] * D + (j + M)[None, :], acc2, mask=okq)
+        okq = (e < D)[:, None] & (j < M)[None, :]
+        tl.atomic_add(DB + e[:, None] * D + j[None, :], acc1, mask=okq)
+        tl.atomic_add(DB + e[:, None] * D + (j + M)[None, :], acc2, mask=okq)
         a = tl.arange(0, BLOCK_A)
-        tl.atomic_add(DF + a[:, None] * M + j[None, :], accf, mask=(a < A)[:, None] & (j < M)[None, :])
+        tl.atomic_add(DF + a[:, None] * M + j[None, :], accf, mask=(a < A)[:, None] & (j < M)[None, :] & (chunk == 0))
 
 
 @triton.jit
@@ -179,16 +222,16 @@ def _lie_backward_kernel(Q, K, GQ, GK, DQ, DK, BASIS, FREQ, PQ, PK, DB, DF, rows
                          sdqb, sdqh, sdqn, sdkb, sdkh, sdkn, spqb, spqn, spqa, spkb, spkn, spka, sfa, sfk, sfj,
                          A: tl.constexpr, MB: tl.constexpr, NEED: tl.constexpr, DOT: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_A: tl.constexpr):
+                         BLOCK_A: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr):
     pid = tl.program_id(0)
     if pid < progs_q:
         _backward_rows(Q, GQ, DQ, BASIS, FREQ, PQ, DB, DF, pid, progs_q, rows_q, HQ, NQ, D, M,
                        sqb, sqh, sqn, sqd, sgqb, sgqh, sgqn, sgqd, sdqb, sdqh, sdqn, spqb, spqn, spqa, sfa, sfk, sfj,
-                       A, MB, NEED, DOT, BLOCK_T, BLOCK_D, BLOCK_M, BLOCK_A)
+                       A, MB, NEED, DOT, BLOCK_T, BLOCK_D, BLOCK_M, BLOCK_A, BLOCK_J, BLOCK_C, EVEN)
     else:
         _backward_rows(K, GK, DK, BASIS, FREQ, PK, DB, DF, pid - progs_q, progs_k, rows_k, HK, NK, D, M,
                        skb, skh, skn, skd, sgkb, sgkh, sgkn, sgkd, sdkb, sdkh, sdkn, spkb, spkn, spka, sfa, sfk, sfj,
-                       A, MB, NEED, DOT, BLOCK_T, BLOCK_D, BLOCK_M, BLOCK_A)
+                       A, MB, NEED, DOT, BLOCK_T, BLOCK_D, BLOCK_M, BLOCK_A, BLOCK_J, BLOCK_C, EVEN)
 
 
 def _pos_strides(pos: Tensor) -> tuple[int, int, int]:
@@ -198,21 +241,33 @@ def _pos_strides(pos: Tensor) -> tuple[int, int, int]:
     return sb, pos.stride(1), pos.stride(2) if pos.dim() == 3 else 0
 
 
-#: warps of a program by ``(backward, BLOCK_D)``: the float32 products run as FMA (IEEE precision), with
-#: the basis halves and (backward) the ``dQ`` sums held in registers. ptxas for sm90 (float32, 16 rows,
-#: one axis), spill bytes stored / loaded: forward 0 up to D = 64, 1356 / 1356 at D = 128; backward 0 up
-#: to D = 32, 184 / 104 at 64, 3320 / 2952 at 128 (4724 / 4132 with 8 warps; chunking D or 3xTF32
-#: products spilled more or overran shared memory)
+#: warps of a program by ``(backward, BLOCK_D)``: the float32 products run as FMA (IEEE precision) on
+#: ``[BLOCK_T, CHUNK]`` slices of the rows and ``[CHUNK, D/2]`` tiles of the basis halves, loaded again
+#: from memory (L1 / L2) each loop step, never the whole basis (ptxas: see
+#: benchmarks/results/lie_compile_report-cpu-20261207.md)
 WARPS = {(False, 16): 4, (False, 32): 4, (False, 64): 4, (False, 128): 8,
-         (True, 16): 4, (True, 32): 8, (True, 64): 8, (True, 128): 16}
+         (True, 16): 4, (True, 32): 8, (True, 64): 8, (True, 128): 8}
+
+#: rows of the basis (channels of the token rows) a loop step takes
+CHUNK = 16
+
+#: rows of ``dQ`` a backward program sums when the parameters take a gradient, by ``BLOCK_D``: the
+#: ``BLOCK_D / DQ_ROWS`` programs of a row group each recompute ``g Q`` and ``x Q`` and hold a
+#: ``[DQ_ROWS, D]`` slice of the sums (the whole ``[D, D]`` does not fit the registers past D = 32)
+DQ_ROWS = {16: 16, 32: 32, 64: 32, 128: 16}
 
 
-def _sizes(q: Tensor, basis: Tensor, freq: Tensor, block_t: int, backward: bool) -> dict[str, int | bool]:
+def _sizes(q: Tensor, basis: Tensor, freq: Tensor, block_t: int, backward: bool,
+           need: bool = False) -> dict[str, int | bool]:
     d = q.shape[-1]
     block_d = max(16, triton.next_power_of_2(d))
-    return {"num_warps": WARPS[(backward, block_d)],"A": freq.shape[0], "MB": freq.shape[-1], "DOT": basis.dtype != torch.float64, "BLOCK_T": block_t,
-            "BLOCK_D": max(16, triton.next_power_of_2(d)), "BLOCK_M": max(16, triton.next_power_of_2(d // 2)),
-            "BLOCK_A": triton.next_power_of_2(freq.shape[0])}
+    sizes = {"num_warps": WARPS[(backward, block_d)], "A": freq.shape[0], "MB": freq.shape[-1],
+             "DOT": basis.dtype != torch.float64, "BLOCK_T": block_t, "BLOCK_D": block_d,
+             "BLOCK_M": max(16, triton.next_power_of_2(d // 2)), "BLOCK_A": triton.next_power_of_2(freq.shape[0]),
+             "BLOCK_J": CHUNK, "EVEN": d == block_d and d // 2 >= 16}
+    if backward:
+        sizes["BLOCK_C"] = DQ_ROWS[block_d] if need else block_d
+    return sizes
 
 
 def _check(block_t: int, basis: Tensor) -> Tensor:
@@ -257,9 +312,10 @@ def lie_pair_backward(q: Tensor, k: Tensor, gq: Tensor, gk: Tensor, dq: Tensor, 
     progs_k = min(triton.cdiv(rows_k, block_t), max_programs)
     if progs_q + progs_k == 0:
         return db, df
-    _lie_backward_kernel[(progs_q + progs_k,)](
+    sizes = _sizes(q, basis, freq, block_t, True, need_params)
+    _lie_backward_kernel[(progs_q + progs_k, triton.cdiv(d, sizes["BLOCK_C"]))](
         q, k, gq, gk, dq, dk, basis, freq, pos_q, pos_k, db, df, rows_q, rows_k, progs_q, progs_k,
         q.shape[1], q.shape[2], k.shape[1], k.shape[2], d, d // 2, *q.stride(), *k.stride(), *gq.stride(),
         *gk.stride(), *dq.stride()[:3], *dk.stride()[:3], *_pos_strides(pos_q), *_pos_strides(pos_k),
-        *freq.stride(), NEED=need_params, **_sizes(q, basis, freq, block_t, True))
+        *freq.stride(), NEED=need_params, **sizes)
     return db, df
