@@ -75,3 +75,16 @@ def run_posenc(*args: str) -> tuple[int, str]:
         except SystemExit as e:
             code = e.code or 0
     return code, buf.getvalue()
+
+
+def recipe_module(name: str):
+    """The recipe script ``recipes/<name>.py`` imported as a module (the scripts are not a package)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 from posenc_lightning.eval.task_report import EXPECTATIONS, Expectation, seed_verdict, task_table, verdict
+from tests.helpers import recipe_module
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", str(ROOT / "configs" / "compare_tasks.yaml"), "--trainer.max_steps=3",
@@ -26,12 +26,7 @@ TINY = ["--config", str(ROOT / "configs" / "compare_tasks.yaml"), "--trainer.max
 
 
 def _recipe():
-    sys.path.insert(0, str(ROOT / "recipes"))
-    try:
-        import compare_tasks
-    finally:
-        sys.path.pop(0)
-    return compare_tasks
+    return recipe_module("compare_tasks")
 
 
 @pytest.mark.slow

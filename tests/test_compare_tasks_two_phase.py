@@ -8,7 +8,6 @@ judged on passkey."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from posenc_lightning.data.tasks import TaskDataModule
 from posenc_lightning.eval.task_report import render_tasks
 from posenc_lightning.recipes.drope import DROPE
 from posenc_lightning.recipes.phases import TwoPhase
+from tests.helpers import recipe_module
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", str(ROOT / "configs" / "compare_tasks.yaml"), "--trainer.max_steps=4",
@@ -28,12 +28,7 @@ TINY = ["--config", str(ROOT / "configs" / "compare_tasks.yaml"), "--trainer.max
 
 
 def _recipe():
-    sys.path.insert(0, str(ROOT / "recipes"))
-    try:
-        import compare_tasks
-    finally:
-        sys.path.pop(0)
-    return compare_tasks
+    return recipe_module("compare_tasks")
 
 
 def _cell(out: Path, name: str) -> dict:

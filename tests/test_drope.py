@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from posenc_lightning import inject
 from posenc_lightning.inject import injected_spec
 from posenc_lightning.models import TinyGPT
 from posenc_lightning.recipes.drope import check_expectations, restore_weights, trained_weights
+from tests.helpers import recipe_module
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--trainer.max_steps=4", "--trainer.val_check_interval=4", "--trainer.limit_val_batches=1",
@@ -26,12 +26,7 @@ TINY = ["--trainer.max_steps=4", "--trainer.val_check_interval=4", "--trainer.li
 
 @pytest.fixture
 def drope_extend():
-    sys.path.insert(0, str(ROOT / "recipes"))
-    try:
-        import drope_extend
-    finally:
-        sys.path.pop(0)
-    return drope_extend
+    return recipe_module("drope_extend")
 
 
 def test_dropping_rope_keeps_every_weight():

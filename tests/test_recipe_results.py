@@ -5,7 +5,6 @@ directory with or without a logger; ``--trainer.barebones=true`` runs."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -14,6 +13,7 @@ import pytest
 from posenc_lightning.data import CorpusDataModule
 from posenc_lightning.models import TinyGPT
 from posenc_lightning.recipes import bigram_perplexity, extension_verdict, stop_reason
+from tests.helpers import recipe_module
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
@@ -43,12 +43,7 @@ def test_stop_reason_names_the_cause():
 
 @pytest.fixture
 def yarn_extend():
-    sys.path.insert(0, str(ROOT / "recipes"))
-    try:
-        import yarn_extend
-    finally:
-        sys.path.pop(0)
-    return yarn_extend
+    return recipe_module("yarn_extend")
 
 
 def test_yarn_extend_gives_no_verdict_for_a_shortened_run(yarn_extend, tmp_path, monkeypatch):
