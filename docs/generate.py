@@ -91,6 +91,15 @@ def _prose(doc: str | None) -> str:
     return _md("\n\n".join(p for p in paras if p))
 
 
+def _initialization(doc: str | None) -> str:
+    """A class docstring's ``Initialization:`` paragraph (how its parameters start, and the source
+    that says so), without the label; empty when it has none."""
+    for para in inspect.cleandoc(doc or "").split("\n\n"):
+        if para.startswith("Initialization:"):
+            return _md(" ".join(line.strip() for line in para.splitlines())[len("Initialization:"):].strip())
+    return ""
+
+
 def _default(p: inspect.Parameter) -> str:
     if p.default is inspect.Parameter.empty:
         return "required"
@@ -228,6 +237,9 @@ def catalogue() -> str:
         lines.append(f"- **Learnable parameters:** {n_params}" + (
             " (one set shared by every layer by default; `share_across_layers=False` gives one per layer)"
             if shared else ""))
+        init = _initialization(cls.__doc__)
+        if init:
+            lines.append(f"- **Initialization:** {init}")
         notes = [DEPARTURES[n]] if n in DEPARTURES else []
         if "original_max_position_embeddings" in inspect.signature(cls.__init__).parameters:
             notes.append(SCALED_ROTARY_NOTE)

@@ -53,6 +53,17 @@ def test_catalogue_covers_every_registered_encoding():
     assert "FIRE-S" in fire and "share_across_layers=False" in fire  # the default departs from the paper
 
 
+@pytest.mark.parametrize("name,values", [("fox", ("N(0, 0.02)", "bias 0")), ("fire", ("0.1", "512")),
+                                         ("cope", ("zeros",))])
+def test_catalogue_cites_the_papers_initialization(name, values):
+    """The encodings whose initialization the task comparisons depend on state it, with its source,
+    in their catalogue entry."""
+    text = (ROOT / "docs" / "reference" / "encodings.md").read_text()
+    entry = text.split(f"\n## {name}\n", 1)[1].split("\n## ", 1)[0]
+    (line,) = [ln for ln in entry.splitlines() if ln.startswith("- **Initialization:**")]
+    assert all(v in line for v in values) and ("listing" in line or "reference code" in line), line
+
+
 def test_catalogue_entries_have_no_restructuredtext():
     """The catalogue is Markdown: no reST markup left from the docstrings it quotes (``double
     backticks``, roles such as :math:`x`, ``.. `` directives, ``::`` literal-block markers), outside

@@ -31,6 +31,10 @@ class CoPE(Encoding):
         max_position: number of position embeddings ``e[0..max_position-1]`` (the clamp).
         per_head: one embedding table per head instead of one shared by the heads.
         init_std: embeddings start at ``N(0, init_std)`` (0 = zeros, the paper's init).
+
+    Initialization: as the paper's listing (Golovneva et al., 2024, ``class CoPE``): the position
+    embeddings at zeros, so every count starts with no bias; the listing's ``npos_max`` is
+    ``max_position`` here, an argument the listing leaves to each experiment.
     """
 
     #: rows by blocks (sdpa, blockwise) or the gated counts in the Triton kernels' tile (`CoPEBias`)

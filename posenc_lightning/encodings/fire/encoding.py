@@ -32,6 +32,10 @@ class FIRE(Encoding):
             ``i - j`` only: return it as a `RelativeBias` table (O(N) MLP calls) instead of a
             `FireBias` (the MLP per (i, j): by rows, per ``score_mod`` element or per kernel
             tile). Same values either way.
+
+    Initialization: as the paper's listing (Li et al., 2024, appendix, ``class FIRE``): ``c`` at
+    ``init_c`` = 0.1, ``L`` at ``init_L`` = 512 with a learnable multiplier starting at 1, an MLP of
+    width 32 at PyTorch's ``nn.Linear`` default init.
     """
 
     bias_kinds = (RelativeBias, FireBias)
