@@ -176,7 +176,7 @@ from posenc_lightning.kernels.resource_report import compile_launch
 
 def spec(kernel, d, backward, need):
     def make(dtype):
-        vals = {"A": 2, "MB": 4, "DOT": True, "BLOCK_T": 16, "BLOCK_D": d, "BLOCK_M": d // 2, "BLOCK_A": 2,
+        vals = {"A": 2, "MB": 4, "DOT": True, "BLOCK_T": 16, "BLOCK_M": d // 2, "BLOCK_A": 2,
                 "BLOCK_J": lt.CHUNK, "EVEN": True, "NEED": need, "BLOCK_C": lt.DQ_ROWS[d] if need else d,
                 "BM": 16, "BN": 0}
         for p in kernel.params:

@@ -147,8 +147,8 @@ def lie_planes_op(w: Tensor, c: Tensor | None, dtype: torch.dtype) -> tuple[Tens
     """Generators to RoPE planes in one operator: ``(W [(1,) K, b, b], c) -> (Q [D, D] in dtype,
     F [A, K, b/2] float64, lam [K, b] float64, U [K, b, b] complex128)``, ``lam`` and ``U`` the
     eigen-decomposition that `lie_planes_backward_op` takes (the math: `LiePlanes`). On CUDA one
-    dispatch is still ~10 launches (the batched complex eigh's cuSOLVER calls and a few small
-    elementwise ones), once per step and N-independent: complex eigh has no fused form."""
+    dispatch still launches the batched complex eigh's cuSOLVER calls and a few small element-wise
+    kernels (complex eigh has no fused form), once per step and independent of N."""
     return _lie_planes_math(w, c, dtype)
 
 
@@ -188,8 +188,8 @@ def lie_planes_backward_op(c: Tensor | None, lam: Tensor, u: Tensor, g_basis: Te
                            w_dtype: torch.dtype, lead: bool, need_c: bool) -> tuple[Tensor, Tensor]:
     """The gradients of `lie_planes_op`'s ``(Q, F)`` given theirs, in one operator: ``(gW, gc)``,
     ``gW`` ``[(1,) K, b, b]`` (the leading 1 when ``lead``) in ``w_dtype``, ``gc`` in ``c``'s shape and
-    dtype (empty unless ``need_c``); the math: `LiePlanes`. On CUDA ~15 small launches (products and
-    couplings of ``[K, b, b]`` tensors), once per step and N-independent."""
+    dtype (empty unless ``need_c``); the math: `LiePlanes`. On CUDA it launches the small products and
+    couplings of ``[K, b, b]`` tensors, once per step and independent of N."""
     return _lie_planes_grad(c, lam, u, g_basis, g_freq, w_dtype, lead, need_c)
 
 

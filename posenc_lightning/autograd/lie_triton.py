@@ -98,7 +98,7 @@ def _load_cols(X, row, c, row_ok, D, sxd, ct, EVEN: tl.constexpr):
 def _forward_rows(X, O, BASIS, FREQ, POS, row0, n_rows, H, N, D, M,
                   sxb, sxh, sxn, sxd, sob, soh, son, spb, spn, spa, sfa, sfk, sfj,
                   A: tl.constexpr, MB: tl.constexpr, DOT: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_J: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_J: tl.constexpr,
                   EVEN: tl.constexpr):
     row_ok, b, h, n = _rows(row0, n_rows, H, N, BLOCK_T)
     ct = BASIS.dtype.element_ty
@@ -133,15 +133,15 @@ def _lie_forward_kernel(Q, K, QO, KO, BASIS, FREQ, PQ, PK, rows_q, rows_k, progs
                         sqb, sqh, sqn, sqd, skb, skh, skn, skd, sqob, sqoh, sqon, skob, skoh, skon,
                         spqb, spqn, spqa, spkb, spkn, spka, sfa, sfk, sfj,
                         A: tl.constexpr, MB: tl.constexpr, DOT: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
                         BLOCK_J: tl.constexpr, EVEN: tl.constexpr):
     pid = tl.program_id(0)
     if pid < progs_q:
         _forward_rows(Q, QO, BASIS, FREQ, PQ, pid * BLOCK_T, rows_q, HQ, NQ, D, M, sqb, sqh, sqn, sqd,
-                      sqob, sqoh, sqon, spqb, spqn, spqa, sfa, sfk, sfj, A, MB, DOT, BLOCK_T, BLOCK_D, BLOCK_M, BLOCK_A, BLOCK_J, EVEN)
+                      sqob, sqoh, sqon, spqb, spqn, spqa, sfa, sfk, sfj, A, MB, DOT, BLOCK_T, BLOCK_M, BLOCK_A, BLOCK_J, EVEN)
     else:
         _forward_rows(K, KO, BASIS, FREQ, PK, (pid - progs_q) * BLOCK_T, rows_k, HK, NK, D, M, skb, skh, skn, skd,
-                      skob, skoh, skon, spkb, spkn, spka, sfa, sfk, sfj, A, MB, DOT, BLOCK_T, BLOCK_D, BLOCK_M,
+                      skob, skoh, skon, spkb, spkn, spka, sfa, sfk, sfj, A, MB, DOT, BLOCK_T, BLOCK_M,
                       BLOCK_A, BLOCK_J, EVEN)
 
 
@@ -149,7 +149,7 @@ def _lie_forward_kernel(Q, K, QO, KO, BASIS, FREQ, PQ, PK, rows_q, rows_k, progs
 def _backward_rows(X, G, DX, BASIS, FREQ, POS, DB, DF, first, step, n_rows, H, N, D, M,
                    sxb, sxh, sxn, sxd, sgb, sgh, sgn, sgd, sob, soh, son, spb, spn, spa, sfa, sfk, sfj,
                    A: tl.constexpr, MB: tl.constexpr, NEED: tl.constexpr, DOT: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
                    BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr):
     ct = BASIS.dtype.element_ty
     j = tl.arange(0, BLOCK_M)
@@ -221,17 +221,17 @@ def _lie_backward_kernel(Q, K, GQ, GK, DQ, DK, BASIS, FREQ, PQ, PK, DB, DF, rows
                          sqb, sqh, sqn, sqd, skb, skh, skn, skd, sgqb, sgqh, sgqn, sgqd, sgkb, sgkh, sgkn, sgkd,
                          sdqb, sdqh, sdqn, sdkb, sdkh, sdkn, spqb, spqn, spqa, spkb, spkn, spka, sfa, sfk, sfj,
                          A: tl.constexpr, MB: tl.constexpr, NEED: tl.constexpr, DOT: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_A: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr):
     pid = tl.program_id(0)
     if pid < progs_q:
         _backward_rows(Q, GQ, DQ, BASIS, FREQ, PQ, DB, DF, pid, progs_q, rows_q, HQ, NQ, D, M,
                        sqb, sqh, sqn, sqd, sgqb, sgqh, sgqn, sgqd, sdqb, sdqh, sdqn, spqb, spqn, spqa, sfa, sfk, sfj,
-                       A, MB, NEED, DOT, BLOCK_T, BLOCK_D, BLOCK_M, BLOCK_A, BLOCK_J, BLOCK_C, EVEN)
+                       A, MB, NEED, DOT, BLOCK_T, BLOCK_M, BLOCK_A, BLOCK_J, BLOCK_C, EVEN)
     else:
         _backward_rows(K, GK, DK, BASIS, FREQ, PK, DB, DF, pid - progs_q, progs_k, rows_k, HK, NK, D, M,
                        skb, skh, skn, skd, sgkb, sgkh, sgkn, sgkd, sdkb, sdkh, sdkn, spkb, spkn, spka, sfa, sfk, sfj,
-                       A, MB, NEED, DOT, BLOCK_T, BLOCK_D, BLOCK_M, BLOCK_A, BLOCK_J, BLOCK_C, EVEN)
+                       A, MB, NEED, DOT, BLOCK_T, BLOCK_M, BLOCK_A, BLOCK_J, BLOCK_C, EVEN)
 
 
 def _pos_strides(pos: Tensor) -> tuple[int, int, int]:
@@ -241,7 +241,7 @@ def _pos_strides(pos: Tensor) -> tuple[int, int, int]:
     return sb, pos.stride(1), pos.stride(2) if pos.dim() == 3 else 0
 
 
-#: warps of a program by ``(backward, BLOCK_D)``: the float32 products run as FMA (IEEE precision) on
+#: warps of a program by ``(backward, block_d)`` (the head dim's power-of-two block, >= 16): the float32 products run as FMA (IEEE precision) on
 #: ``[BLOCK_T, CHUNK]`` slices of the rows and ``[CHUNK, D/2]`` tiles of the basis halves, loaded again
 #: from memory (L1 / L2) each loop step, never the whole basis (ptxas: see
 #: benchmarks/results/lie_compile_report-cpu-20261207.md)
@@ -251,8 +251,8 @@ WARPS = {(False, 16): 4, (False, 32): 4, (False, 64): 4, (False, 128): 8,
 #: rows of the basis (channels of the token rows) a loop step takes
 CHUNK = 16
 
-#: rows of ``dQ`` a backward program sums when the parameters take a gradient, by ``BLOCK_D``: the
-#: ``BLOCK_D / DQ_ROWS`` programs of a row group each recompute ``g Q`` and ``x Q`` and hold a
+#: rows of ``dQ`` a backward program sums when the parameters take a gradient, by ``block_d``: the
+#: ``block_d / DQ_ROWS`` programs of a row group each recompute ``g Q`` and ``x Q`` and hold a
 #: ``[DQ_ROWS, D]`` slice of the sums (the whole ``[D, D]`` does not fit the registers past D = 32)
 DQ_ROWS = {16: 16, 32: 32, 64: 32, 128: 16}
 
@@ -262,7 +262,7 @@ def _sizes(q: Tensor, basis: Tensor, freq: Tensor, block_t: int, backward: bool,
     d = q.shape[-1]
     block_d = max(16, triton.next_power_of_2(d))
     sizes = {"num_warps": WARPS[(backward, block_d)], "A": freq.shape[0], "MB": freq.shape[-1],
-             "DOT": basis.dtype != torch.float64, "BLOCK_T": block_t, "BLOCK_D": block_d,
+             "DOT": basis.dtype != torch.float64, "BLOCK_T": block_t,
              "BLOCK_M": max(16, triton.next_power_of_2(d // 2)), "BLOCK_A": triton.next_power_of_2(freq.shape[0]),
              "BLOCK_J": CHUNK, "EVEN": d == block_d and d // 2 >= 16}
     if backward:

@@ -13,12 +13,13 @@ from one eigen-decomposition of the Hermitian ``i A`` per generator, shared by e
 
 `lie_planes` gives ``Q`` and the frequencies ``F`` (``mu`` times each axis' weight) from the raw
 generator weights through one operator each way (`autograd.lie.LiePlanes`: ``posenc::lie_planes``,
-one batched eigh, and ``posenc::lie_planes_backward``), eager or traced. `lie_rotate_pair` applies ``Q R(pos @ F) Q^T x`` (as ``x + Q (R - I) Q^T x``) to q and k
-through one operator forward (``posenc::lie_rotate_pair``) and one backward, each one Triton launch
-on CUDA; the cos/sin of the angles are computed inside from the positions and ``F``. Its backward
-keeps only q and k (which attention keeps anyway), ``Q``, ``F`` and the positions: nothing
-``[N, b, b]`` and no rotated copy. Cost per token and head: two ``D x D`` products forward, four
-backward (``Q`` is block diagonal up to a column order, applied as one dense ``D x D`` product).
+one batched eigh, and ``posenc::lie_planes_backward``), eager or traced. `lie_rotate_pair` applies
+``Q R(pos @ F) Q^T x`` (as ``x + Q (R - I) Q^T x``) to q and k through one operator forward
+(``posenc::lie_rotate_pair``) and one backward, each one Triton launch on CUDA; the cos/sin of the
+angles are computed inside from the positions and ``F``. Its backward keeps only q and k (which
+attention keeps anyway), ``Q``, ``F`` and the positions: nothing ``[N, b, b]`` and no rotated copy.
+Cost per token and head: two ``D x D`` products forward, four backward (``Q`` is block diagonal up
+to a column order, applied as one dense ``D x D`` product).
 `matrix_exp_rotate` is the exact ``torch.linalg.matrix_exp`` path (for non-commuting generators,
 LieRE with several axes), recomputed chunk by chunk in backward.
 """
