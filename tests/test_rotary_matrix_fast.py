@@ -226,12 +226,15 @@ def test_no_per_token_matrices(name, cfg):
     assert 4 * q.numel() <= 4 * per_token // 8
 
 
-def test_attention_recomputes_the_fast_rotation():
-    """The eigenbasis rotation is cheap: attention keeps the un-rotated q, k and rotates again in
-    backward (`cheap_rotation`), the matrix_exp path is not recomputed."""
-    assert build_encoding("comrope").bind(n_heads=H, head_dim=D).cheap_rotation
-    assert not build_encoding("liere", n_axes=2).bind(n_heads=H, head_dim=D).cheap_rotation
-    assert not build_encoding("comrope", exact=True).bind(n_heads=H, head_dim=D).cheap_rotation
+def test_attention_keeps_the_rotated_q_and_k():
+    """A learned rotation is a per-token change of basis on either path (eigenbasis or
+    matrix_exp): attention keeps the rotated q and k for backward (`cheap_rotation` False), so a
+    step rotates once forward and once inverse, never again for a saved-tensor recompute."""
+    for name, cfg in [("comrope", {}), ("comrope", {"variant": "ld"}), ("liere", {}), ("liere", {"n_axes": 2}),
+                      ("comrope", {"exact": True})]:
+        enc = build_encoding(name, **cfg).bind(n_heads=H, head_dim=D)
+        assert not enc.cheap_rotation, (name, cfg)
+    assert build_encoding("comrope").bind(n_heads=H, head_dim=D).fast_path  # the eigenbasis path included
 
 
 COMPILED = [FAST[0], FAST[3], FAST[5], EXACT[1]]

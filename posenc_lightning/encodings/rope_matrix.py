@@ -249,11 +249,10 @@ class MatrixRotary(Encoding):
         self.check_spectrum()
         return self
 
-    @property
-    def cheap_rotation(self) -> bool:  # type: ignore[override]
-        """The eigenbasis rotation is two small matmuls and RoPE: attention recomputes it in
-        backward instead of keeping the rotated q and k (not so the ``matrix_exp`` path)."""
-        return self.fast_path
+    #: attention keeps the rotated q and k for its backward (`Encoding.cheap_rotation`): on either
+    #: path the rotation is a per-token change of basis, not RoPE's elementwise tables, so it is
+    #: applied once per call; backward then needs no second rotation and no saved-tensor hooks
+    cheap_rotation: ClassVar[bool] = False
 
     def rotate(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         if self.fast_path:
