@@ -87,19 +87,37 @@ def attention_backward_by_blocks(q: Tensor, k: Tensor, v: Tensor, out: Tensor, d
             p = p.sub_(grouped(lse.unsqueeze(-1), start, stop), alpha=LOG2E).exp2_()
         ds = scratch.matmul(0, dob, vc[:, :, :k_stop].transpose(-1, -2), shape)  # s is dead: its buffer takes dS
         ds.sub_(grouped(delta, start, stop)).mul_(p)
-        dv[:, :, :k_stop] += torch.matmul(p.transpose(-1, -2), dob)
+        _accumulate(dv[:, :, :k_stop], p.transpose(-1, -2), dob, 1.0, scratch.eager)
         del p
-        dq_b = torch.matmul(ds, kb).mul_(scale).view(b, h, r, d)
-        dq_b = dq_b.flip(-2) if reverse_rows else dq_b
-        if add_dq:
-            dq[:, :, start:stop] += dq_b
+        if add_dq and g == 1 and not reverse_rows:
+            _accumulate(dq[:, :, start:stop], ds, kb, scale, scratch.eager)
         else:
-            dq[:, :, start:stop] = dq_b
-        dk[:, :, :k_stop].add_(torch.matmul(ds.transpose(-1, -2), qs), alpha=1 / unit)
+            dq_b = torch.matmul(ds, kb).mul_(scale).view(b, h, r, d)
+            dq_b = dq_b.flip(-2) if reverse_rows else dq_b
+            if add_dq:
+                dq[:, :, start:stop] += dq_b
+            else:
+                dq[:, :, start:stop] = dq_b
+        _accumulate(dk[:, :, :k_stop], ds.transpose(-1, -2), qs, 1 / unit, scratch.eager)
         if on_ds is not None:
             on_ds(start, stop, k_stop, ds.view(b, h_kv, g, r, k_stop))
         del ds
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _accumulate(acc: Tensor, a: Tensor, b: Tensor, alpha: float, in_place: bool) -> None:
+    """``acc += alpha * a @ b`` (``acc`` a slice of an accumulator, ``[B, H, m, n]``): ``in_place``
+    (eagerly, no graph recorded) as one product into ``acc`` where its batch dims fold into one
+    (``baddbmm_``: no product tensor and no second pass over it), else a product then added."""
+    if in_place:
+        try:
+            flat = acc.view(-1, *acc.shape[-2:])  # a view or an error: never a copy written in vain
+        except RuntimeError:
+            flat = None
+        if flat is not None:
+            flat.baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), alpha=alpha)
+            return
+    acc.add_(torch.matmul(a, b), alpha=alpha)
 
 
 def _delta(d_out: Tensor, out: Tensor, wt: torch.dtype, blocks: Sequence[tuple[int, int]], n_q: int) -> Tensor:
