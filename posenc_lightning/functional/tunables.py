@@ -73,6 +73,9 @@ class Tunables:
     #: FIRE: the most elements a unit's span may widen by to join a run of units evaluated together
     #: (one product for the run instead of a few dozen operations per run, over a few more elements)
     fire_span_slack: int = 32768
+    #: FIRE: rows by distance and their pullback through the compiled segment pass on CPU
+    #: (`encodings.fire.native`) where it is built; False: the torch path (`by_distance`)
+    fire_native: bool = True
     #: CoPE: the bytes of one sub-block of rows of its bias rows without gradients (its gates, counts
     #: and lookup indices are several such blocks at once); as large as sdpa's blocks: smaller ones
     #: make the gates' matmul cost more than they save

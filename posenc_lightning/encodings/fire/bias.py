@@ -18,7 +18,7 @@ from posenc_lightning.encodings.bias.kinds import Bias, BiasSum, KernelBias, Opa
 from posenc_lightning.encodings.bias.opaque import register_opaque_kind
 from posenc_lightning.encodings.bias.tile import TileBias, register_tile_kind
 from posenc_lightning.encodings.bias.windows import same_positions
-from posenc_lightning.encodings.fire import by_distance, compiled, template
+from posenc_lightning.encodings.fire import by_distance, compiled, segment_rows, template
 from posenc_lightning.encodings.fire.rows import fire_rows
 from posenc_lightning.functional.mode import Mode
 from posenc_lightning.functional.positions import arange_offset
@@ -136,10 +136,12 @@ class FireBias(Bias):
         t = l_mult * self.init_L
         w2s, b2s = (w2, b2) if weight is None else (w2 * weight, b2 * weight)
         last = _last_column(start, stop, diagonal)
-        rows, pullback = by_distance.rows_and_pullback(c, t.abs(), w1[:, 0], b1, w2s, b2s, table, qp, kp, self.eps,
-                                                       self.q_start + start - self.k_start, need[0] or need[1],
-                                                       self._memo(start, stop, k_stop, views, last), last,
-                                                       self.tunables)
+        shift = self.q_start + start - self.k_start
+        got = segment_rows.rows_and_pullback(c, t.abs(), w1[:, 0], b1, w2s, b2s, table, qp, kp, self.eps, shift,
+                                             need[0] or need[1], last, self.tunables, self._selections)
+        rows, pullback = got if got is not None else by_distance.rows_and_pullback(
+            c, t.abs(), w1[:, 0], b1, w2s, b2s, table, qp, kp, self.eps, shift, need[0] or need[1],
+            self._memo(start, stop, k_stop, views, last), last, self.tunables)
 
         def grads(d_rows: Tensor) -> tuple[Tensor, ...]:
             gc, gthr, gw1, gb1, gw2, gb2, gt = pullback(d_rows)

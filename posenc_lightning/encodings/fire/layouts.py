@@ -80,6 +80,17 @@ class RowsBuffer(threading.local):
 _ROWS_BUFFER = RowsBuffer()
 
 
+def reused_buffer(shape: tuple[int, ...], dt: torch.dtype, device: torch.device) -> Tensor:
+    """A contiguous tensor of ``shape`` over this thread's `RowsBuffer`, overwritten by the next
+    reused rows of this thread (the caller consumes it first). A tensor of its own over the
+    buffer's storage, not a view (as `padded_rows`' rows: the attention may write its mask into it)."""
+    n = 1
+    for s in shape:
+        n *= s
+    buf = _ROWS_BUFFER.get(n, dt, device)
+    return torch.empty(0, dtype=dt, device=device).set_(buf.untyped_storage(), buf.storage_offset(), shape)
+
+
 def end_layouts(g: Tensor) -> Tensor:
     """The distance layout's two end triangles of ``g`` ``[H, R, C]`` (``C >= R - 1``) ``[2H, R, R -
     1]``: columns ``[0, R - 1)`` (the first ``R - 1`` keys) of each head, then columns ``[C, C + R -

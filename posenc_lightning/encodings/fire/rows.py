@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from posenc_lightning.encodings.fire import segment_rows
 from posenc_lightning.encodings.fire.by_distance import Memo, _FireDiagonalRows, _forward
 from posenc_lightning.encodings.fire.functions import _FireRows, fire_mlp
 from posenc_lightning.functional.fire import fire_normalized_distance
@@ -44,6 +45,10 @@ def fire_rows(q_pos: Tensor, k_pos: Tensor, c: Tensor, threshold: Tensor, w1: Te
         return fire_mlp(x.flatten(1), w1, b1, w2, b2, tunables).unflatten(-1, x.shape[1:])
     if diagonal:
         if not torch.is_grad_enabled():  # nothing to record: the Function's forward, no `apply` (binding)
+            out = segment_rows.rows(c, threshold, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, tunables, reuse,
+                                    None if memo is None else memo[0])
+            if out is not None:
+                return out
             return _forward(c, threshold, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, None, memo, last,
                             tunables, reuse)[0]
         return _FireDiagonalRows.apply(c, threshold, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, tunables)[0]
