@@ -120,3 +120,15 @@ def test_variant_specs_and_stage_measure_compute_the_bias_values():
     assert seen == [(0, 24, 24), (24, 48, 48), (48, 64, 64)]  # every query row, keys up to the last query
     t = stage_fn(layer, torch.randn(1, 64, D_MODEL))()
     assert isinstance(t, float) and t > 0
+
+
+def test_fire_vs_alibi_script_times_both_fire_paths(one_thread, capsys):
+    """`benchmarks/fire_vs_alibi.py` (issue 45's FIRE bar) runs its layers and reports each median and
+    fire / alibi, with FIRE's torch path beside the default (``--torch-path``); a tiny size here:
+    the recorded timings are in benchmarks/results, not asserted."""
+    from benchmarks.fire_vs_alibi import main
+
+    out = main(["--n", "48", "--d-model", "32", "--n-heads", "2", "--reps", "1", "--torch-path"])
+    assert set(out["median_ms"]) == {"nope", "alibi", "fire", "fire_torch"}
+    assert out["fire_over_alibi"] > 0 and out["fire_torch_over_alibi"] > 0
+    assert '"fire_over_alibi"' in capsys.readouterr().out

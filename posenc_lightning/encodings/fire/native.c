@@ -14,6 +14,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_PIECES 4096
@@ -91,63 +92,115 @@ typedef double vec_double __attribute__((vector_size(32)));
         out[2] = s2;                                                                               \
     }
 
+/* The rows are split over the calling thread's OpenMP team (statically: the same split for the
+ * same thread count). Built with -fopenmp the library shares the process's libgomp, so the team
+ * is torch's own intra-op threads; built without, the pragmas are ignored. */
+#ifdef _OPENMP
+#include <omp.h>
+#define THREADS() omp_get_max_threads()
+#define THREAD() omp_get_thread_num()
+#else
+#define THREADS() 1
+#define THREAD() 0
+#endif
+
 /* rows[h, r, j] = A[h, s] x + B[h, s]; out at out + h * sh + r * sr + j.
- * Returns 0, or -1 if a row has more pieces than MAX_PIECES (the caller falls back). */
+ * Returns 0, -1 if a row has more pieces than MAX_PIECES (the caller falls back), -2 if out of memory. */
 #define ROWS(T)                                                                                     \
     int64_t fire_rows_##T(const T *p, const T *n, int64_t rows, int64_t c_len, const T *tau,       \
                           int64_t n_tau, const T *a, const T *b, int64_t heads, T *out, int64_t sh,  \
-                          int64_t sr, T *xs) {                                                     \
-        piece pc[MAX_PIECES];                                                                      \
-        int64_t segs = n_tau + 1;                                                                  \
-        for (int64_t r = 0; r < rows; r++) {                                                       \
-            int64_t count = pieces_##T(p, rows - 1 - r, c_len, n[r], tau, n_tau, xs, pc);          \
-            if (count < 0) return -1;                                                              \
-            for (int64_t h = 0; h < heads; h++) {                                                  \
-                T *o = out + h * sh + r * sr;                                                      \
-                for (int64_t i = 0; i < count; i++) {                                              \
-                    const T sa = a[h * segs + pc[i].seg], sb = b[h * segs + pc[i].seg];            \
-                    for (int64_t j = pc[i].lo; j < pc[i].hi; j++) o[j] = sa * xs[j] + sb;          \
+                          int64_t sr) {                                                            \
+        const int64_t segs = n_tau + 1;                                                            \
+        int64_t status = 0;                                                                        \
+        _Pragma("omp parallel")                                                                    \
+        {                                                                                          \
+            T *xs = malloc((size_t)(c_len > 0 ? c_len : 1) * sizeof(T));                           \
+            piece *pc = malloc(MAX_PIECES * sizeof(piece));                                        \
+            if (!xs || !pc) {                                                                      \
+                _Pragma("omp atomic write") status = -2;                                           \
+            }                                                                                      \
+            _Pragma("omp for schedule(static)")                                                    \
+            for (int64_t r = 0; r < rows; r++) {                                                   \
+                if (!xs || !pc) continue;                                                          \
+                int64_t count = pieces_##T(p, rows - 1 - r, c_len, n[r], tau, n_tau, xs, pc);      \
+                if (count < 0) {                                                                   \
+                    _Pragma("omp atomic write") status = -1;                                       \
+                    continue;                                                                      \
+                }                                                                                  \
+                for (int64_t h = 0; h < heads; h++) {                                              \
+                    T *o = out + h * sh + r * sr;                                                  \
+                    for (int64_t i = 0; i < count; i++) {                                          \
+                        const T sa = a[h * segs + pc[i].seg], sb = b[h * segs + pc[i].seg];        \
+                        for (int64_t j = pc[i].lo; j < pc[i].hi; j++) o[j] = sa * xs[j] + sb;      \
+                    }                                                                              \
                 }                                                                                  \
             }                                                                                      \
+            free(xs);                                                                              \
+            free(pc);                                                                              \
         }                                                                                          \
-        return 0;                                                                                  \
+        return status;                                                                             \
     }
 
 /* The sums of the pullback, in double: g0, g1 [heads, n_tau + 1] (added to), row_c, row_n [rows]
  * (written). Row r's columns j <= last - (rows - 1 - r) only (last < 0: all): past them the
- * caller's mask made g zero. dpsi may be NULL (no c / L gradient: row_c, row_n left 0). */
+ * caller's mask made g zero. dpsi may be NULL (no c / L gradient: row_c, row_n left 0). Each
+ * thread sums its rows into its own g0, g1, added in thread order after (the same sums for the
+ * same thread count). Returns as fire_rows. */
 #define PULLBACK(T)                                                                                 \
     int64_t fire_pullback_##T(const T *p, const T *n, const T *dpsi, int64_t rows, int64_t c_len,   \
-                              int64_t last, const T *tau, int64_t n_tau, const T *a,           \
+                              int64_t last, const T *tau, int64_t n_tau, const T *a,                \
                               int64_t heads, const T *g, int64_t gh, int64_t gr, double *g0,         \
-                              double *g1, double *row_c, double *row_n, T *xs) {                    \
-        piece pc[MAX_PIECES];                                                                      \
-        int64_t segs = n_tau + 1;                                                                  \
-        for (int64_t r = 0; r < rows; r++) {                                                       \
-            int64_t m0 = rows - 1 - r;                                                             \
-            int64_t c_row = c_len;                                                                 \
-            if (last >= 0 && last - m0 + 1 < c_row) c_row = last - m0 + 1;                         \
-            row_c[r] = 0.0;                                                                        \
-            row_n[r] = 0.0;                                                                        \
-            if (c_row <= 0) continue;                                                              \
-            int64_t count = pieces_##T(p, m0, c_row, n[r], tau, n_tau, xs, pc);                    \
-            if (count < 0) return -1;                                                              \
-            for (int64_t h = 0; h < heads; h++) {                                                  \
-                const T *gg = g + h * gh + r * gr;                                                 \
-                for (int64_t i = 0; i < count; i++) {                                              \
-                    const int64_t lo = pc[i].lo, hi = pc[i].hi, s = pc[i].seg;                     \
-                    double sm[3];                                                                  \
-                    sums_##T(gg + lo, xs + lo, dpsi ? dpsi + m0 + lo : NULL, hi - lo, sm);         \
-                    const double sg = sm[0], sgx = sm[1], sgd = sm[2];                             \
-                    g0[h * segs + s] += sg;                                                        \
-                    g1[h * segs + s] += sgx;                                                       \
-                    const double sa = (double)a[h * segs + s];                                     \
-                    row_c[r] += sa * sgd;                                                          \
-                    row_n[r] += sa * sgx;                                                          \
+                              double *g1, double *row_c, double *row_n) {                           \
+        const int64_t segs = n_tau + 1, cells = heads * segs;                                      \
+        const int threads = THREADS();                                                             \
+        double *parts = calloc((size_t)threads * 2 * cells, sizeof(double));                       \
+        if (!parts) return -2;                                                                     \
+        int64_t status = 0;                                                                        \
+        _Pragma("omp parallel num_threads(threads)")                                               \
+        {                                                                                          \
+            double *p0 = parts + (size_t)THREAD() * 2 * cells, *p1 = p0 + cells;                   \
+            T *xs = malloc((size_t)(c_len > 0 ? c_len : 1) * sizeof(T));                           \
+            piece *pc = malloc(MAX_PIECES * sizeof(piece));                                        \
+            if (!xs || !pc) {                                                                      \
+                _Pragma("omp atomic write") status = -2;                                           \
+            }                                                                                      \
+            _Pragma("omp for schedule(static)")                                                    \
+            for (int64_t r = 0; r < rows; r++) {                                                   \
+                const int64_t m0 = rows - 1 - r;                                                   \
+                int64_t c_row = c_len;                                                             \
+                if (last >= 0 && last - m0 + 1 < c_row) c_row = last - m0 + 1;                     \
+                row_c[r] = 0.0;                                                                    \
+                row_n[r] = 0.0;                                                                    \
+                if (c_row <= 0 || !xs || !pc) continue;                                            \
+                int64_t count = pieces_##T(p, m0, c_row, n[r], tau, n_tau, xs, pc);                \
+                if (count < 0) {                                                                   \
+                    _Pragma("omp atomic write") status = -1;                                       \
+                    continue;                                                                      \
+                }                                                                                  \
+                for (int64_t h = 0; h < heads; h++) {                                              \
+                    const T *gg = g + h * gh + r * gr;                                             \
+                    for (int64_t i = 0; i < count; i++) {                                          \
+                        const int64_t lo = pc[i].lo, hi = pc[i].hi, s = pc[i].seg;                 \
+                        double sm[3];                                                              \
+                        sums_##T(gg + lo, xs + lo, dpsi ? dpsi + m0 + lo : NULL, hi - lo, sm);     \
+                        p0[h * segs + s] += sm[0];                                                 \
+                        p1[h * segs + s] += sm[1];                                                 \
+                        const double sa = (double)a[h * segs + s];                                 \
+                        row_c[r] += sa * sm[2];                                                    \
+                        row_n[r] += sa * sm[1];                                                    \
+                    }                                                                              \
                 }                                                                                  \
             }                                                                                      \
+            free(xs);                                                                              \
+            free(pc);                                                                              \
         }                                                                                          \
-        return 0;                                                                                  \
+        for (int t = 0; t < threads; t++)                                                          \
+            for (int64_t i = 0; i < cells; i++) {                                                  \
+                g0[i] += parts[(size_t)t * 2 * cells + i];                                         \
+                g1[i] += parts[(size_t)t * 2 * cells + cells + i];                                 \
+            }                                                                                      \
+        free(parts);                                                                               \
+        return status;                                                                             \
     }
 
 SUMS(float)

@@ -4,9 +4,10 @@ pieces of one segment. The same values and gradients as `by_distance` (which sta
 other devices, under a trace, with a distance table, and wherever the library cannot be built).
 
 The C source is compiled once per machine with the system's C compiler into the user's cache
-(``$XDG_CACHE_HOME/posenc_lightning/native``, keyed by the source's hash) and loaded with
-`ctypes`; without a compiler, or with ``POSENC_NATIVE=0``, `available` is False and FIRE keeps
-the torch path.
+(``$XDG_CACHE_HOME/posenc_lightning/native``, keyed by the source's hash and flags) and loaded
+with `ctypes`; built with OpenMP it splits a block's rows over torch's own intra-op threads (the
+same libgomp). Without a compiler, or with ``POSENC_NATIVE=0``, `available` is False and FIRE
+keeps the torch path.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def _flags() -> list[str]:
 
 def _build(source: Path, target: Path, flags: list[str]) -> None:
     """``source`` compiled with ``flags`` to the shared library ``target`` (written atomically:
-    concurrent builds by several processes leave one whole file)."""
+    concurrent builds by several processes leave one whole file): with OpenMP (``-fopenmp``: the
+    library then runs on torch's own libgomp threads, already loaded in the process), else
+    without it (one thread)."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
@@ -63,9 +66,13 @@ def _build(source: Path, target: Path, flags: list[str]) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(source)], check=True, capture_output=True,
-                       timeout=120)
-        os.replace(tmp, target)
+        for extra in (["-fopenmp"], []):
+            done = subprocess.run([cc, *flags, *extra, "-shared", "-fPIC", "-o", tmp, str(source)],
+                                  capture_output=True, timeout=120)
+            if done.returncode == 0:
+                os.replace(tmp, target)
+                return
+        raise RuntimeError(f"{cc} failed: {done.stderr.decode(errors='replace')[-400:]}")
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -88,9 +95,9 @@ def _library() -> ctypes.CDLL | None:
         return None
     for t in C_TYPES.values():
         getattr(lib, f"fire_rows_{t}").argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR,
-                                                   _I64, _I64, _PTR]
+                                                   _I64, _I64]
         getattr(lib, f"fire_pullback_{t}").argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64,
-                                                       _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR]
+                                                       _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR]
         getattr(lib, f"fire_rows_{t}").restype = _I64
         getattr(lib, f"fire_pullback_{t}").restype = _I64
     return lib
@@ -134,18 +141,24 @@ def _ptr(t: Tensor) -> int:
     return t.data_ptr()
 
 
+def _ok(status: int) -> bool:
+    """The library's return: 0 done, -1 a row with more pieces than it takes (the caller falls back)."""
+    if status == -2:
+        raise MemoryError("fire: the compiled rows could not allocate their per-thread buffers")
+    return status == 0
+
+
 def rows(p: Tensor, n: Tensor, seg: Segments, c_len: int, out: Tensor) -> bool:
     """``out [1, H, R, c_len]`` (last dim contiguous) written with the block's rows: row ``r``, key
     ``j`` at ``x = p[R - 1 - r + j] / n[r]``. ``p``, ``n``, ``seg.a``, ``seg.b`` and ``out`` in one
     dtype (float32 or float64), contiguous. False (nothing written that counts) where a row has
     more pieces than the library takes: the caller computes them otherwise."""
     h, r = out.shape[1], out.shape[2]
-    xs = torch.empty(c_len, dtype=out.dtype)
     a, b = seg.a.detach(), seg.b.detach()
     status = getattr(_library(), f"fire_rows_{C_TYPES[out.dtype]}")(
         _ptr(p), _ptr(n), r, c_len, _ptr(seg.tau), seg.tau.numel(), _ptr(a), _ptr(b), h, _ptr(out), out.stride(1),
-        out.stride(2), _ptr(xs))
-    return status == 0
+        out.stride(2))
+    return _ok(status)
 
 
 def pullback_sums(g: Tensor, p: Tensor, n: Tensor, dpsi: Tensor | None, seg: Segments, last: int | None
@@ -160,13 +173,12 @@ def pullback_sums(g: Tensor, p: Tensor, n: Tensor, dpsi: Tensor | None, seg: Seg
     g1 = torch.zeros_like(g0)
     row_c = torch.empty(r, dtype=torch.float64)
     row_n = torch.empty(r, dtype=torch.float64)
-    xs = torch.empty(c, dtype=g.dtype)
     a = seg.a.detach()
     status = getattr(_library(), f"fire_pullback_{C_TYPES[g.dtype]}")(
         _ptr(p), _ptr(n), None if dpsi is None else _ptr(dpsi), r, c, -1 if last is None else last, _ptr(seg.tau),
         seg.tau.numel(), _ptr(a), h, _ptr(g), g.stride(0), g.stride(1), _ptr(g0), _ptr(g1), _ptr(row_c),
-        _ptr(row_n), _ptr(xs))
-    return None if status else (g0, g1, row_c, row_n)
+        _ptr(row_n))
+    return (g0, g1, row_c, row_n) if _ok(status) else None
 
 
 def unit_grads(g0: Tensor, g1: Tensor, seg: Segments, w1: Tensor, b1: Tensor, w2: Tensor
