@@ -104,6 +104,38 @@ typedef double vec_double __attribute__((vector_size(32)));
 #define THREAD() 0
 #endif
 
+/* A thread's buffers for its rows: x of one row (c_len values of `elem` bytes) and its pieces.
+ * NULL buffers (out of memory) record status -2; a row with more pieces than MAX_PIECES -1. */
+typedef struct {
+    void *xs;
+    piece *pc;
+} scratch;
+
+static scratch scratch_open(int64_t c_len, size_t elem, int64_t *status) {
+    scratch s = {malloc((size_t)(c_len > 0 ? c_len : 1) * elem), malloc(MAX_PIECES * sizeof(piece))};
+    if (!s.xs || !s.pc) {
+        _Pragma("omp atomic write") *status = -2;
+    }
+    return s;
+}
+
+static void scratch_close(scratch s) {
+    free(s.xs);
+    free(s.pc);
+}
+
+/* The pieces of a row (pieces_T) into the thread's scratch; -1 (recorded in status) where it has none. */
+#define ROW_PIECES(T)                                                                               \
+    static int64_t row_pieces_##T(const T *p, int64_t m0, int64_t c_len, T n, const T *tau,         \
+                                  int64_t n_tau, scratch s, int64_t *status) {                     \
+        if (!s.xs || !s.pc) return -1;                                                             \
+        const int64_t count = pieces_##T(p, m0, c_len, n, tau, n_tau, (T *)s.xs, s.pc);            \
+        if (count < 0) {                                                                           \
+            _Pragma("omp atomic write") *status = -1;                                              \
+        }                                                                                          \
+        return count;                                                                              \
+    }
+
 /* rows[h, r, j] = A[h, s] x + B[h, s]; out at out + h * sh + r * sr + j.
  * Returns 0, -1 if a row has more pieces than MAX_PIECES (the caller falls back), -2 if out of memory. */
 #define ROWS(T)                                                                                     \
@@ -114,29 +146,20 @@ typedef double vec_double __attribute__((vector_size(32)));
         int64_t status = 0;                                                                        \
         _Pragma("omp parallel")                                                                    \
         {                                                                                          \
-            T *xs = malloc((size_t)(c_len > 0 ? c_len : 1) * sizeof(T));                           \
-            piece *pc = malloc(MAX_PIECES * sizeof(piece));                                        \
-            if (!xs || !pc) {                                                                      \
-                _Pragma("omp atomic write") status = -2;                                           \
-            }                                                                                      \
+            const scratch sc = scratch_open(c_len, sizeof(T), &status);                            \
+            const T *xs = (const T *)sc.xs;                                                        \
             _Pragma("omp for schedule(static)")                                                    \
             for (int64_t r = 0; r < rows; r++) {                                                   \
-                if (!xs || !pc) continue;                                                          \
-                int64_t count = pieces_##T(p, rows - 1 - r, c_len, n[r], tau, n_tau, xs, pc);      \
-                if (count < 0) {                                                                   \
-                    _Pragma("omp atomic write") status = -1;                                       \
-                    continue;                                                                      \
-                }                                                                                  \
+                const int64_t count = row_pieces_##T(p, rows - 1 - r, c_len, n[r], tau, n_tau, sc, &status); \
                 for (int64_t h = 0; h < heads; h++) {                                              \
                     T *o = out + h * sh + r * sr;                                                  \
                     for (int64_t i = 0; i < count; i++) {                                          \
-                        const T sa = a[h * segs + pc[i].seg], sb = b[h * segs + pc[i].seg];        \
-                        for (int64_t j = pc[i].lo; j < pc[i].hi; j++) o[j] = sa * xs[j] + sb;      \
+                        const T sa = a[h * segs + sc.pc[i].seg], sb = b[h * segs + sc.pc[i].seg];  \
+                        for (int64_t j = sc.pc[i].lo; j < sc.pc[i].hi; j++) o[j] = sa * xs[j] + sb; \
                     }                                                                              \
                 }                                                                                  \
             }                                                                                      \
-            free(xs);                                                                              \
-            free(pc);                                                                              \
+            scratch_close(sc);                                                                     \
         }                                                                                          \
         return status;                                                                             \
     }
@@ -159,11 +182,8 @@ typedef double vec_double __attribute__((vector_size(32)));
         _Pragma("omp parallel num_threads(threads)")                                               \
         {                                                                                          \
             double *p0 = parts + (size_t)THREAD() * 2 * cells, *p1 = p0 + cells;                   \
-            T *xs = malloc((size_t)(c_len > 0 ? c_len : 1) * sizeof(T));                           \
-            piece *pc = malloc(MAX_PIECES * sizeof(piece));                                        \
-            if (!xs || !pc) {                                                                      \
-                _Pragma("omp atomic write") status = -2;                                           \
-            }                                                                                      \
+            const scratch sc = scratch_open(c_len, sizeof(T), &status);                            \
+            const T *xs = (const T *)sc.xs;                                                        \
             _Pragma("omp for schedule(static)")                                                    \
             for (int64_t r = 0; r < rows; r++) {                                                   \
                 const int64_t m0 = rows - 1 - r;                                                   \
@@ -171,16 +191,12 @@ typedef double vec_double __attribute__((vector_size(32)));
                 if (last >= 0 && last - m0 + 1 < c_row) c_row = last - m0 + 1;                     \
                 row_c[r] = 0.0;                                                                    \
                 row_n[r] = 0.0;                                                                    \
-                if (c_row <= 0 || !xs || !pc) continue;                                            \
-                int64_t count = pieces_##T(p, m0, c_row, n[r], tau, n_tau, xs, pc);                \
-                if (count < 0) {                                                                   \
-                    _Pragma("omp atomic write") status = -1;                                       \
-                    continue;                                                                      \
-                }                                                                                  \
+                if (c_row <= 0) continue;                                                          \
+                const int64_t count = row_pieces_##T(p, m0, c_row, n[r], tau, n_tau, sc, &status); \
                 for (int64_t h = 0; h < heads; h++) {                                              \
                     const T *gg = g + h * gh + r * gr;                                             \
                     for (int64_t i = 0; i < count; i++) {                                          \
-                        const int64_t lo = pc[i].lo, hi = pc[i].hi, s = pc[i].seg;                 \
+                        const int64_t lo = sc.pc[i].lo, hi = sc.pc[i].hi, s = sc.pc[i].seg;        \
                         double sm[3];                                                              \
                         sums_##T(gg + lo, xs + lo, dpsi ? dpsi + m0 + lo : NULL, hi - lo, sm);     \
                         p0[h * segs + s] += sm[0];                                                 \
@@ -191,8 +207,7 @@ typedef double vec_double __attribute__((vector_size(32)));
                     }                                                                              \
                 }                                                                                  \
             }                                                                                      \
-            free(xs);                                                                              \
-            free(pc);                                                                              \
+            scratch_close(sc);                                                                     \
         }                                                                                          \
         for (int t = 0; t < threads; t++)                                                          \
             for (int64_t i = 0; i < cells; i++) {                                                  \
@@ -207,6 +222,8 @@ SUMS(float)
 SUMS(double)
 PIECES(float)
 PIECES(double)
+ROW_PIECES(float)
+ROW_PIECES(double)
 ROWS(float)
 ROWS(double)
 PULLBACK(float)
