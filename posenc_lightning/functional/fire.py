@@ -41,21 +41,31 @@ def fire_mlp_reference(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor
     return torch.einsum("hw,bwm->bhm", w2, hidden) + b2[None, :, None]
 
 
+def fire_mlp_segments(w1: Tensor, b1: Tensor) -> tuple[Tensor, Tensor]:
+    """The segments of ``f_theta``'s input line (no gradient): ``(tau, active)``, the ``W``
+    breakpoints ``-b1 / w1`` sorted (``+inf`` for a unit with ``w1 = 0``, constant: active
+    everywhere iff ``b1 > 0``), and ``active`` ``[W, W + 1]`` (0/1 in ``w1``'s dtype) the units on
+    over segment ``s`` = ``(tau[s-1], tau[s]]``, decided at a point inside it. Static shapes (no
+    host read): the traced form `fire_mlp_piecewise` takes it as the compiled rows do."""
+    w1, b1 = w1.detach(), b1.detach()
+    t = torch.where(w1 != 0, -b1 / torch.where(w1 != 0, w1, torch.ones_like(w1)), torch.full_like(w1, float("inf")))
+    t_sorted = torch.sort(t).values
+    finite = torch.where(torch.isfinite(t_sorted), t_sorted, torch.zeros_like(t_sorted))
+    lo, hi = finite.min() - 1, finite.max() + 1
+    edges = torch.cat((lo[None], torch.where(torch.isfinite(t_sorted), t_sorted, hi)))  # [W + 1]
+    nxt = torch.cat((edges[1:], (hi + 1)[None]))
+    mid = (edges + nxt) / 2  # a point inside each segment (segment s: (t_s, t_{s+1}]]
+    return t_sorted, ((w1[:, None] * mid[None, :] + b1[:, None]) > 0).to(w1.dtype)  # [W], [W, W + 1]
+
+
 def fire_mlp_piecewise(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
     """`fire_mlp_reference` as the piecewise-linear function it is: the ``W`` breakpoints ``-b1/w1`` cut the
     line into ``W + 1`` segments on each of which the set of active units is fixed, so
     ``f(x) = A[:, s] x + B[:, s]`` with ``s`` the segment of ``x`` (``A = W2 (active * w1)``,
     ``B = b2 + W2 (active * b1)``, ``[H, W + 1]``, differentiable in every weight). Per element:
     one binary search and one multiply-add per head, instead of ``W`` hidden units."""
-    # a unit with w1 = 0 is constant: no breakpoint (+inf), active everywhere iff b1 > 0
-    t = torch.where(w1 != 0, -b1 / torch.where(w1 != 0, w1, torch.ones_like(w1)), torch.full_like(w1, float("inf")))
-    t_sorted = torch.sort(t.detach()).values
-    finite = torch.where(torch.isfinite(t_sorted), t_sorted, torch.zeros_like(t_sorted))
-    lo, hi = finite.min() - 1, finite.max() + 1
-    edges = torch.cat((lo[None], torch.where(torch.isfinite(t_sorted), t_sorted, hi)))  # [W + 1]
-    nxt = torch.cat((edges[1:], (hi + 1)[None]))
-    mid = (edges + nxt) / 2  # a point inside each segment (segment s: (t_s, t_{s+1}]]
-    active = ((w1.detach()[:, None] * mid[None, :] + b1.detach()[:, None]) > 0).to(x.dtype)  # [W, W + 1]
+    t_sorted, active = fire_mlp_segments(w1, b1)
+    active = active.to(x.dtype)
     a = w2 @ (active * w1[:, None])  # [H, W + 1]
     b = b2[:, None] + w2 @ (active * b1[:, None])
     seg = torch.searchsorted(t_sorted.contiguous(), x.detach().contiguous())  # [B, M]: #breakpoints < x

@@ -1,5 +1,5 @@
 """FIRE's rows by distance and their pullback in one compiled pass each (`native.c`), on CPU: the
-MLP as the piecewise-linear function it is (`functional.fire.fire_mlp_piecewise`), each row a few
+MLP as the piecewise-linear function it is (`functional.fire.fire_mlp_segments`), each row a few
 pieces of one segment. The same values and gradients as `by_distance` (which stays the path on
 other devices, under a trace, with a distance table, and wherever the library cannot be built).
 
@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from posenc_lightning.functional.fire import fire_mlp_segments
 
 log = logging.getLogger(__name__)
 
@@ -124,14 +126,9 @@ class Segments:
     @classmethod
     def of(cls, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Segments:
         """The segments of the MLP ``w1, b1 [W]``, ``w2 [H, W]``, ``b2 [H]`` (``a``, ``b`` in ``w2``'s dtype)."""
-        w1d, b1d = w1.detach().double(), b1.detach().double()
-        kink = w1d != 0
-        tau = torch.sort(-b1d[kink] / w1d[kink]).values
-        if tau.numel():  # a point inside each segment, the ends one past the outer breakpoints
-            mid = torch.cat((tau[:1] - 1, (tau[1:] + tau[:-1]) / 2, tau[-1:] + 1))
-        else:
-            mid = tau.new_zeros(1)
-        active = (w1d[:, None] * mid[None, :] + b1d[:, None] > 0).to(w2.dtype)  # [W, S + 1]
+        tau, active = fire_mlp_segments(w1.double(), b1.double())
+        s = int(torch.isfinite(tau).sum())  # the constant units' +inf sort last: their segments are empty
+        tau, active = tau[:s], active[:, :s + 1].to(w2.dtype)  # [S], [W, S + 1]
         a = (w2 * w1) @ active
         b = b2[:, None] + (w2 * b1) @ active
         return cls(tau.to(w2.dtype).contiguous(), a.contiguous(), b.contiguous(), active)

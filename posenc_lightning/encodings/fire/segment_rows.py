@@ -58,11 +58,15 @@ def rows(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
     take it (`_inputs`). ``reuse``: written into this thread's reused buffer (`layouts.reused_buffer`);
     ``memo``: where the MLP's segments are kept (`_segments`)."""
     got = _inputs(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, tunables, memo)
-    if got is None:
-        return None
+    return None if got is None else _rows(got, w2.shape[0], q_pos, k_pos, reuse)
+
+
+def _rows(got: tuple[torch.dtype, Tensor, Tensor, native.Segments], heads: int, q_pos: Tensor, k_pos: Tensor,
+          reuse: bool) -> Tensor | None:
+    """The rows of `_inputs`' block through the library, or None where it does not take them."""
     dt, p, n, seg = got
-    shape = (1, w2.shape[0], q_pos.shape[1], k_pos.shape[1])
-    out = reused_buffer(shape, dt, c.device) if reuse else torch.empty(shape, dtype=dt, device=c.device)
+    shape = (1, heads, q_pos.shape[1], k_pos.shape[1])
+    out = reused_buffer(shape, dt, p.device) if reuse else torch.empty(shape, dtype=dt, device=p.device)
     return out if native.rows(p, n, seg, shape[-1], out) else None
 
 
@@ -76,13 +80,10 @@ def rows_and_pullback(c: Tensor, thr: Tensor, w1: Tensor, b1: Tensor, w2: Tensor
     unless ``need_x``; the table's None); ``last``: the last table column the caller's mask shows
     (``grad`` is 0 past it); ``memo``: as `rows`'."""
     got = _inputs(c, thr, w1, b1, w2, b2, table, q_pos, k_pos, eps, shift, tunables, memo)
-    if got is None:
+    out = None if got is None else _rows(got, w2.shape[0], q_pos, k_pos, reuse=True)
+    if out is None:
         return None
     dt, p, n, seg = got
-    shape = (1, w2.shape[0], q_pos.shape[1], k_pos.shape[1])
-    out = reused_buffer(shape, dt, c.device)
-    if not native.rows(p, n, seg, shape[-1], out):
-        return None
     w1d, b1d, w2d = (t.detach().to(dt) for t in (w1, b1, w2))
     dpsi = None
     if need_x:
